@@ -1,0 +1,106 @@
+//! The admin listener: health, readiness, metrics and fence inspection.
+//! Kept off the traffic listener so it can be bound to a private address.
+
+use std::time::Duration;
+
+use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use http::{header, HeaderValue, StatusCode};
+
+use crate::error::Problem;
+use crate::metrics::Metrics;
+use crate::store::FenceStore;
+
+#[derive(Clone)]
+pub struct AdminState {
+    pub store: FenceStore,
+    pub metrics: Metrics,
+    pub gate: std::sync::Arc<crate::gate::Gate>,
+    pub retry_after: Duration,
+}
+
+pub fn router(state: AdminState) -> Router {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/readyz", get(readyz))
+        .route("/metrics", get(metrics))
+        .route("/fences/{*key}", get(fence))
+        .fallback(not_found)
+        .with_state(state)
+}
+
+async fn healthz() -> impl IntoResponse {
+    Json(serde_json::json!({"status": "ok"}))
+}
+
+async fn readyz(State(s): State<AdminState>) -> Response {
+    match s.store.ping().await {
+        Ok(()) => Json(serde_json::json!({"status": "ready", "store": "ok"})).into_response(),
+        Err(e) => {
+            s.metrics.store_error("ping");
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "not-ready",
+                "Not ready",
+                format!("the fence store is not reachable: {e}"),
+            )
+            .header(
+                header::RETRY_AFTER,
+                HeaderValue::from(s.retry_after.as_secs().max(1)),
+            )
+            .into_response()
+        }
+    }
+}
+
+async fn metrics(State(s): State<AdminState>) -> Response {
+    s.metrics.gate_keys.set(s.gate.tracked_keys() as i64);
+    (
+        [(
+            header::CONTENT_TYPE,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+        )],
+        s.metrics.render(),
+    )
+        .into_response()
+}
+
+async fn fence(State(s): State<AdminState>, Path(key): Path<String>) -> Response {
+    match s.store.get(&key).await {
+        Ok(Some(rec)) => Json(rec).into_response(),
+        Ok(None) => Problem::new(
+            StatusCode::NOT_FOUND,
+            "no-fence",
+            "No fence recorded",
+            format!("no token has been recorded for resource '{key}'"),
+        )
+        .with("resource_key", key)
+        .into_response(),
+        Err(e) => {
+            s.metrics.store_error("get");
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store-unavailable",
+                "Fence store unavailable",
+                format!("the fence store could not be read: {e}"),
+            )
+            .header(
+                header::RETRY_AFTER,
+                HeaderValue::from(s.retry_after.as_secs().max(1)),
+            )
+            .into_response()
+        }
+    }
+}
+
+async fn not_found() -> Response {
+    Problem::new(
+        StatusCode::NOT_FOUND,
+        "not-found",
+        "Not found",
+        "the admin API serves /healthz, /readyz, /metrics and /fences/{key}",
+    )
+    .into_response()
+}

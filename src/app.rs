@@ -1,0 +1,145 @@
+//! Putting it together: `Application::build` opens the store and binds the
+//! listeners (port 0 works, for tests); `run` serves until shutdown.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use axum::Router;
+use tokio::net::TcpListener;
+
+use crate::admin::{self, AdminState};
+use crate::config::Config;
+use crate::fence::Fence;
+use crate::gateway::{self, GatewayState};
+use crate::metrics::Metrics;
+use crate::server::{self, Limits};
+use crate::store::{FenceStore, StoreError};
+
+/// Why the gateway could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error("cannot bind {what} {addr}: {source}")]
+    Bind {
+        what: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+    #[error("fence store: {0}")]
+    Store(#[from] StoreError),
+}
+
+/// A gateway ready to serve: store open, listeners bound.
+pub struct Application {
+    traffic: TcpListener,
+    admin: TcpListener,
+    demo: Option<TcpListener>,
+    gateway: GatewayState,
+    admin_state: AdminState,
+    limits: Limits,
+}
+
+impl Application {
+    pub async fn build(config: Config) -> Result<Self, StartError> {
+        // Bind first: a port conflict is the cheapest thing to find out.
+        let traffic = bind("listener", config.server.listen).await?;
+        let admin = bind("admin listener", config.server.admin_listen).await?;
+        let demo = match &config.demo {
+            Some(d) => Some(bind("demo backend", d.listen).await?),
+            None => None,
+        };
+        let store = FenceStore::open(&config.store).await?;
+        let metrics = Metrics::new();
+        let fence = Fence::new(store.clone());
+        let gateway = GatewayState {
+            routes: config.routes.iter().cloned().map(Arc::new).collect(),
+            fence: fence.clone(),
+            client: crate::proxy::client(),
+            metrics: metrics.clone(),
+            max_body_bytes: config.server.max_body_bytes,
+            retry_after: config.store.retry_after,
+        };
+        let admin_state = AdminState {
+            store,
+            metrics,
+            gate: fence.gate.clone(),
+            retry_after: config.store.retry_after,
+        };
+        Ok(Self {
+            traffic,
+            admin,
+            demo,
+            gateway,
+            admin_state,
+            limits: Limits {
+                header_read_timeout: config.server.header_read_timeout,
+                max_connections: config.server.max_connections,
+                shutdown_grace: config.server.shutdown_grace,
+            },
+        })
+    }
+
+    /// Where proxy traffic is served.
+    pub fn traffic_addr(&self) -> SocketAddr {
+        self.traffic
+            .local_addr()
+            .expect("bound listener has an address")
+    }
+
+    pub fn admin_addr(&self) -> SocketAddr {
+        self.admin
+            .local_addr()
+            .expect("bound listener has an address")
+    }
+
+    pub fn demo_addr(&self) -> Option<SocketAddr> {
+        self.demo.as_ref().and_then(|l| l.local_addr().ok())
+    }
+
+    /// Serves until `shutdown` resolves, then drains in-flight requests for
+    /// up to the configured grace period and closes the store.
+    pub async fn run(self, shutdown: impl Future<Output = ()> + Send + 'static) {
+        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let stopped = move || {
+            let mut rx = stop_rx.clone();
+            async move {
+                let _ = rx.wait_for(|s| *s).await;
+            }
+        };
+        let traffic_router = Router::new()
+            .fallback(gateway::handle)
+            .with_state(self.gateway.clone());
+        let admin_router = admin::router(self.admin_state.clone());
+        let traffic = tokio::spawn(server::serve(
+            self.traffic,
+            traffic_router,
+            self.limits,
+            stopped(),
+        ));
+        let admin = tokio::spawn(server::serve(
+            self.admin,
+            admin_router,
+            self.limits,
+            stopped(),
+        ));
+        let demo = self
+            .demo
+            .map(|l| tokio::spawn(crate::demo::run(l, stopped())));
+        shutdown.await;
+        tracing::info!("shutting down: no new connections; finishing in-flight requests");
+        let _ = stop_tx.send(true);
+        let _ = traffic.await;
+        let _ = admin.await;
+        if let Some(d) = demo {
+            let _ = d.await;
+        }
+        self.admin_state.store.close().await;
+        tracing::info!("stopped");
+    }
+}
+
+async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Bind { what, addr, source })
+}

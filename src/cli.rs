@@ -1,0 +1,144 @@
+//! Command-line interface: `serve`, `check-config`, `migrate`, `demo-backend`.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+use crate::app::Application;
+use crate::config::Config;
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "fencegate",
+    version,
+    about = "A reverse proxy that enforces fencing tokens"
+)]
+pub struct Cli {
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the gateway.
+    Serve {
+        /// Config file.
+        #[arg(long, default_value = "config/fencegate.toml")]
+        config: PathBuf,
+    },
+    /// Validate a config file: exit 0, or print every problem and exit 1.
+    CheckConfig {
+        /// Config file.
+        path: PathBuf,
+    },
+    /// Apply the store's migrations and exit.
+    Migrate {
+        /// postgres://... or sqlite://FILE
+        #[arg(long, env = "DATABASE_URL")]
+        database_url: String,
+    },
+    /// Run only the built-in demo document store.
+    DemoBackend {
+        #[arg(long, default_value = "127.0.0.1:9000")]
+        listen: SocketAddr,
+    },
+}
+
+/// Runs a parsed command line; the process exit code is the result.
+pub async fn run(cli: Cli) -> ExitCode {
+    match cli.command {
+        Command::Serve { config } => serve(config).await,
+        Command::CheckConfig { path } => match Config::load(&path) {
+            Ok(c) => {
+                println!(
+                    "{}: ok ({} route{})",
+                    path.display(),
+                    c.routes.len(),
+                    if c.routes.len() == 1 { "" } else { "s" }
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("{e}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::Migrate { database_url } => match crate::store::migrate_url(&database_url).await {
+            Ok(()) => {
+                println!(
+                    "migrations applied to {}",
+                    crate::config::redact_url(&database_url)
+                );
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("migrate: {e}");
+                ExitCode::FAILURE
+            }
+        },
+        Command::DemoBackend { listen } => {
+            let listener = match tokio::net::TcpListener::bind(listen).await {
+                Ok(l) => l,
+                Err(e) => {
+                    eprintln!("demo-backend: cannot bind {listen}: {e}");
+                    return ExitCode::FAILURE;
+                }
+            };
+            tracing::info!(listen = %listen, "demo backend listening");
+            crate::demo::run(listener, shutdown_signal()).await;
+            ExitCode::SUCCESS
+        }
+    }
+}
+
+async fn serve(path: PathBuf) -> ExitCode {
+    let config = match Config::load(&path) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("{e}");
+            eprintln!("fencegate: not starting: the config has problems (see above)");
+            return ExitCode::FAILURE;
+        }
+    };
+    let store_url = crate::config::redact_url(&config.store.url);
+    let app = match Application::build(config).await {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("fencegate: not starting: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    tracing::info!(
+        traffic = %app.traffic_addr(),
+        admin = %app.admin_addr(),
+        demo = ?app.demo_addr(),
+        store = %store_url,
+        "listening"
+    );
+    app.run(shutdown_signal()).await;
+    ExitCode::SUCCESS
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}

@@ -1,0 +1,918 @@
+//! Typed configuration, loaded from TOML with `FENCEGATE__SECTION__KEY`
+//! environment overrides and validated before anything starts.
+//!
+//! Loading happens in three steps so that a user sees every problem at once
+//! instead of fixing them one run at a time:
+//!
+//! 1. parse the file into a TOML table and apply environment overrides;
+//! 2. deserialize into the raw structs below, collecting every unknown key
+//!    (a typo such as `timout_ms` must not silently fall back to a default);
+//! 3. validate values and compile routes, collecting every problem.
+
+use std::collections::{BTreeMap, HashSet};
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use http::Method;
+use serde::Deserialize;
+
+use crate::routing::{KeyTemplate, PathPattern};
+
+/// Prefix of environment variables that override config keys.
+pub const ENV_PREFIX: &str = "FENCEGATE__";
+
+/// Where gateway-owned paths live; routes may not use them.
+pub const RESERVED_PREFIX: &str = "/_fencegate";
+
+/// A validated configuration.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// The file it came from, for messages.
+    pub source: String,
+    pub server: ServerConfig,
+    pub store: StoreConfig,
+    pub routes: Vec<Route>,
+    /// A built-in demo backend to start next to the gateway, if any.
+    pub demo: Option<DemoConfig>,
+}
+
+/// `[server]`: listeners and the limits that protect them.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Proxy traffic (and, later, the lock API).
+    pub listen: SocketAddr,
+    /// Metrics, health and the admin API; kept apart so it can stay private.
+    pub admin_listen: SocketAddr,
+    /// Larger request bodies are answered with 413.
+    pub max_body_bytes: u64,
+    /// A client must send its whole request head within this time, so
+    /// slow-loris clients cannot hold connections open for free.
+    pub header_read_timeout: Duration,
+    /// Connections accepted at once; further clients wait in the backlog.
+    pub max_connections: usize,
+    /// How long in-flight requests may run after SIGTERM before we exit.
+    pub shutdown_grace: Duration,
+}
+
+/// `[store]`: the durable record of the highest token per key.
+#[derive(Debug, Clone)]
+pub struct StoreConfig {
+    pub url: String,
+    pub backend: StoreBackend,
+    pub mode: StoreMode,
+    /// Connections in the store pool.
+    pub pool_size: u32,
+    /// Upper bound on one store operation, including waiting for a pooled
+    /// connection: past it the request fails closed with 503.
+    pub timeout: Duration,
+    /// The `Retry-After` value sent with 503 answers.
+    pub retry_after: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StoreBackend {
+    /// A SQLite file at this path.
+    Sqlite(PathBuf),
+    Postgres,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StoreMode {
+    /// This instance is the only writer of the store (enforced at start-up).
+    Single,
+    /// Several instances share one Postgres store.
+    Shared,
+}
+
+/// `[demo]`: a tiny in-process document store for trying the gateway out.
+#[derive(Debug, Clone)]
+pub struct DemoConfig {
+    pub listen: SocketAddr,
+}
+
+/// A compiled `[[routes]]` entry.
+#[derive(Debug, Clone)]
+pub struct Route {
+    pub name: String,
+    pub path: String,
+    pub pattern: PathPattern,
+    pub key: KeyTemplate,
+    pub upstream: Upstream,
+    /// Methods that need a valid, current fencing token.
+    pub fenced_methods: Vec<Method>,
+    pub token: TokenKind,
+    /// Upper bound on one upstream exchange (until the response head).
+    pub timeout: Duration,
+}
+
+/// Where a route forwards to.
+#[derive(Debug, Clone)]
+pub struct Upstream {
+    /// `http`; other schemes are refused at load time.
+    pub scheme: http::uri::Scheme,
+    /// Host and port, from config only, never from the client's `Host`.
+    pub authority: http::uri::Authority,
+    /// A path prefix prepended to the request path ("" for none).
+    pub base_path: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenKind {
+    Integer,
+}
+
+/// One problem found while loading a config.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigProblem {
+    /// Dotted key, e.g. `routes[1].key`; `-` when it concerns the whole file.
+    pub key: String,
+    pub why: String,
+}
+
+/// Every problem found in a config file.
+#[derive(Debug, Clone)]
+pub struct ConfigError {
+    pub file: String,
+    pub problems: Vec<ConfigProblem>,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, p) in self.problems.iter().enumerate() {
+            if i > 0 {
+                writeln!(f)?;
+            }
+            write!(f, "{}: {}: {}", self.file, p.key, p.why)?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+// ---------------------------------------------------------------------------
+// Raw, as-written structures. Everything has a default so that a missing key
+// means "the default", and unknown keys are caught by `serde_ignored`.
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RawConfig {
+    server: RawServer,
+    store: RawStore,
+    locks: RawLocks,
+    tokens: Option<RawTokens>,
+    routes: Vec<RawRoute>,
+    demo: Option<RawDemo>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(default)]
+struct RawServer {
+    listen: String,
+    admin_listen: String,
+    max_body_bytes: u64,
+    header_read_timeout_ms: u64,
+    max_connections: u64,
+    shutdown_grace_ms: u64,
+}
+
+impl Default for RawServer {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:8080".into(),
+            admin_listen: "127.0.0.1:9090".into(),
+            max_body_bytes: 16 * 1024 * 1024,
+            header_read_timeout_ms: 10_000,
+            max_connections: 4096,
+            shutdown_grace_ms: 30_000,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(default)]
+struct RawStore {
+    url: String,
+    mode: String,
+    pool_size: u64,
+    timeout_ms: u64,
+    retry_after_s: u64,
+}
+
+impl Default for RawStore {
+    fn default() -> Self {
+        Self {
+            url: "sqlite://fencegate.db".into(),
+            mode: "single".into(),
+            pool_size: 16,
+            timeout_ms: 2_000,
+            retry_after_s: 1,
+        }
+    }
+}
+
+/// `[locks]` is part of the contract's file format; the lock API itself is
+/// not served by this version, so the section is only type-checked.
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+#[allow(dead_code)]
+struct RawLocks {
+    enabled: Option<bool>,
+    backend: Option<String>,
+    redis_url: Option<String>,
+    redis_urls: Option<Vec<String>>,
+    min_ttl_ms: Option<u64>,
+    max_ttl_ms: Option<u64>,
+}
+
+/// `[tokens]`, type-checked only (JWT tokens are not served by this version).
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+#[allow(dead_code)]
+struct RawTokens {
+    issuer: Option<String>,
+    signing_kid: Option<String>,
+    leeway_s: Option<u64>,
+    keys: Vec<RawTokenKey>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+#[allow(dead_code)]
+struct RawTokenKey {
+    kid: Option<String>,
+    algorithm: Option<String>,
+    private_key_file: Option<String>,
+    public_key_file: Option<String>,
+    secret_env: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(default)]
+struct RawRoute {
+    name: Option<String>,
+    path: Option<String>,
+    upstream: Option<String>,
+    key: Option<String>,
+    methods: Vec<String>,
+    token: String,
+    timeout_ms: u64,
+}
+
+impl Default for RawRoute {
+    fn default() -> Self {
+        Self {
+            name: None,
+            path: None,
+            upstream: None,
+            key: None,
+            methods: ["POST", "PUT", "PATCH", "DELETE"]
+                .into_iter()
+                .map(String::from)
+                .collect(),
+            token: "integer".into(),
+            timeout_ms: 30_000,
+        }
+    }
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RawDemo {
+    listen: Option<String>,
+}
+
+// ---------------------------------------------------------------------------
+
+impl Config {
+    /// Loads a config file with overrides from the process environment.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        Self::load_with_env(path, std::env::vars())
+    }
+
+    /// Loads a config file with overrides from the given variables.
+    pub fn load_with_env(
+        path: &Path,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let file = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            file: file.clone(),
+            problems: vec![ConfigProblem {
+                key: "-".into(),
+                why: format!("cannot read the file: {e}"),
+            }],
+        })?;
+        Self::from_toml(&file, &text, env)
+    }
+
+    /// Parses and validates config text; `file` is used in messages.
+    pub fn from_toml(
+        file: &str,
+        text: &str,
+        env: impl IntoIterator<Item = (String, String)>,
+    ) -> Result<Config, ConfigError> {
+        let fail = |problems| ConfigError {
+            file: file.to_string(),
+            problems,
+        };
+        let mut table: toml::Table = toml::from_str(text).map_err(|e| {
+            fail(vec![ConfigProblem {
+                key: "-".into(),
+                why: format!("not valid TOML: {}", e.message()),
+            }])
+        })?;
+        let overridden = apply_env_overrides(&mut table, env).map_err(fail)?;
+        let describe = |key: String| match overridden.get(&key) {
+            Some(var) => format!("{key} (from {var})"),
+            None => key,
+        };
+
+        let mut unknown = Vec::new();
+        let raw: Result<RawConfig, _> = serde_path_to_error::deserialize(
+            serde_ignored::Deserializer::new(toml::Value::Table(table), &mut |p| {
+                unknown.push(p.to_string())
+            }),
+        );
+        let mut problems: Vec<ConfigProblem> = unknown
+            .into_iter()
+            .map(|k| ConfigProblem {
+                key: describe(normalize_path(&k)),
+                why: "unknown key".into(),
+            })
+            .collect();
+        let raw = match raw {
+            Ok(raw) => raw,
+            Err(e) => {
+                problems.push(ConfigProblem {
+                    key: describe(normalize_path(&e.path().to_string())),
+                    why: e.inner().to_string(),
+                });
+                return Err(fail(problems));
+            }
+        };
+        let mut v = Validator {
+            problems,
+            describe: &describe,
+        };
+        let config = v.config(file, raw);
+        if v.problems.is_empty() {
+            Ok(config)
+        } else {
+            Err(fail(v.problems))
+        }
+    }
+}
+
+/// Turns serde's `routes.0.key` into `routes[0].key`.
+fn normalize_path(p: &str) -> String {
+    let mut out = String::new();
+    for seg in p.split('.') {
+        if !seg.is_empty() && seg.bytes().all(|b| b.is_ascii_digit()) {
+            out.push('[');
+            out.push_str(seg);
+            out.push(']');
+        } else {
+            if !out.is_empty() {
+                out.push('.');
+            }
+            out.push_str(seg);
+        }
+    }
+    out
+}
+
+/// Applies `FENCEGATE__A__B=value` as `a.b = value`; a numeric segment
+/// indexes an array (`FENCEGATE__ROUTES__0__UPSTREAM`). Values are read as
+/// TOML when they parse as a TOML value (`5`, `true`, `["a"]`, `"quoted"`),
+/// else taken as a plain string. Returns which dotted keys came from where.
+fn apply_env_overrides(
+    table: &mut toml::Table,
+    env: impl IntoIterator<Item = (String, String)>,
+) -> Result<BTreeMap<String, String>, Vec<ConfigProblem>> {
+    let mut vars: Vec<(String, String)> = env
+        .into_iter()
+        .filter(|(k, _)| k.starts_with(ENV_PREFIX))
+        .collect();
+    vars.sort();
+    let mut applied = BTreeMap::new();
+    let mut problems = Vec::new();
+    for (var, raw) in vars {
+        let segments: Vec<String> = var[ENV_PREFIX.len()..]
+            .split("__")
+            .map(|s| s.to_ascii_lowercase())
+            .collect();
+        if segments.iter().any(|s| s.is_empty()) {
+            problems.push(ConfigProblem {
+                key: var.clone(),
+                why: "malformed override variable name".into(),
+            });
+            continue;
+        }
+        let value = parse_env_value(&raw);
+        let dotted = normalize_path(&segments.join("."));
+        match set_path(table, &segments, value) {
+            Ok(()) => {
+                applied.insert(dotted, var);
+            }
+            Err(why) => problems.push(ConfigProblem {
+                key: format!("{dotted} (from {var})"),
+                why,
+            }),
+        }
+    }
+    if problems.is_empty() {
+        Ok(applied)
+    } else {
+        Err(problems)
+    }
+}
+
+fn parse_env_value(raw: &str) -> toml::Value {
+    match toml::from_str::<toml::Table>(&format!("v = {raw}")) {
+        Ok(mut t) => t
+            .remove("v")
+            .unwrap_or_else(|| toml::Value::String(raw.into())),
+        Err(_) => toml::Value::String(raw.to_string()),
+    }
+}
+
+fn set_path(
+    table: &mut toml::Table,
+    segments: &[String],
+    value: toml::Value,
+) -> Result<(), String> {
+    let (first, rest) = segments.split_first().ok_or("empty key")?;
+    if rest.is_empty() {
+        table.insert(first.clone(), value);
+        return Ok(());
+    }
+    let next_is_index = rest[0].bytes().all(|b| b.is_ascii_digit());
+    let entry = table.entry(first.clone()).or_insert_with(|| {
+        if next_is_index {
+            toml::Value::Array(Vec::new())
+        } else {
+            toml::Value::Table(toml::Table::new())
+        }
+    });
+    set_in_value(entry, rest, value)
+}
+
+fn set_in_value(
+    node: &mut toml::Value,
+    segments: &[String],
+    value: toml::Value,
+) -> Result<(), String> {
+    match node {
+        toml::Value::Table(t) => set_path(t, segments, value),
+        toml::Value::Array(items) => {
+            let (idx, rest) = segments.split_first().ok_or("empty key")?;
+            let i: usize = idx
+                .parse()
+                .map_err(|_| format!("'{idx}' is not an index into an array"))?;
+            if i > items.len() {
+                return Err(format!(
+                    "index {i} skips entries: the array has {} entries",
+                    items.len()
+                ));
+            }
+            if i == items.len() {
+                items.push(toml::Value::Table(toml::Table::new()));
+            }
+            if rest.is_empty() {
+                items[i] = value;
+                Ok(())
+            } else {
+                set_in_value(&mut items[i], rest, value)
+            }
+        }
+        _ => Err("overrides a key that is not a table".into()),
+    }
+}
+
+/// Collects problems while turning raw values into typed ones.
+struct Validator<'a> {
+    problems: Vec<ConfigProblem>,
+    describe: &'a dyn Fn(String) -> String,
+}
+
+impl Validator<'_> {
+    fn problem(&mut self, key: impl Into<String>, why: impl Into<String>) {
+        let key = (self.describe)(key.into());
+        self.problems.push(ConfigProblem {
+            key,
+            why: why.into(),
+        });
+    }
+
+    fn addr(&mut self, key: &str, raw: &str) -> SocketAddr {
+        raw.parse().unwrap_or_else(|_| {
+            self.problem(
+                key,
+                format!("'{raw}' is not a socket address like 127.0.0.1:8080"),
+            );
+            SocketAddr::from(([127, 0, 0, 1], 0))
+        })
+    }
+
+    fn positive(&mut self, key: &str, value: u64, max: u64) -> u64 {
+        if value == 0 || value > max {
+            self.problem(key, format!("must be between 1 and {max}, got {value}"));
+        }
+        value.clamp(1, max)
+    }
+
+    fn config(&mut self, file: &str, raw: RawConfig) -> Config {
+        let server = self.server(raw.server);
+        let store = self.store(raw.store);
+        if raw.locks.backend.is_some() && raw.locks.enabled == Some(true) {
+            // Accepted for forward compatibility; nothing is served yet.
+        }
+        let _ = raw.tokens;
+        let routes = self.routes(raw.routes);
+        let demo = raw.demo.and_then(|d| match d.listen {
+            Some(l) => Some(DemoConfig {
+                listen: self.addr("demo.listen", &l),
+            }),
+            None => {
+                self.problem("demo.listen", "the [demo] section needs a listen address");
+                None
+            }
+        });
+        if server.listen == server.admin_listen && server.listen.port() != 0 {
+            self.problem(
+                "server.admin_listen",
+                "must differ from server.listen: the admin API is served on its own listener",
+            );
+        }
+        if let Some(d) = &demo {
+            if d.listen.port() != 0
+                && (d.listen == server.listen || d.listen == server.admin_listen)
+            {
+                self.problem("demo.listen", "must differ from the gateway's listeners");
+            }
+        }
+        Config {
+            source: file.to_string(),
+            server,
+            store,
+            routes,
+            demo,
+        }
+    }
+
+    fn server(&mut self, raw: RawServer) -> ServerConfig {
+        ServerConfig {
+            listen: self.addr("server.listen", &raw.listen),
+            admin_listen: self.addr("server.admin_listen", &raw.admin_listen),
+            max_body_bytes: self.positive("server.max_body_bytes", raw.max_body_bytes, 1 << 40),
+            header_read_timeout: Duration::from_millis(self.positive(
+                "server.header_read_timeout_ms",
+                raw.header_read_timeout_ms,
+                3_600_000,
+            )),
+            max_connections: self.positive("server.max_connections", raw.max_connections, 1_000_000)
+                as usize,
+            shutdown_grace: Duration::from_millis(self.positive(
+                "server.shutdown_grace_ms",
+                raw.shutdown_grace_ms,
+                3_600_000,
+            )),
+        }
+    }
+
+    fn store(&mut self, raw: RawStore) -> StoreConfig {
+        let backend = if let Some(rest) = raw.url.strip_prefix("sqlite:") {
+            let path = rest.strip_prefix("//").unwrap_or(rest);
+            let path = path.split('?').next().unwrap_or_default();
+            if path.is_empty() || path == ":memory:" || path.starts_with(":memory:") {
+                self.problem(
+                    "store.url",
+                    "an in-memory SQLite database is not durable; name a file, e.g. sqlite://fencegate.db",
+                );
+            }
+            StoreBackend::Sqlite(PathBuf::from(path))
+        } else if raw.url.starts_with("postgres://") || raw.url.starts_with("postgresql://") {
+            StoreBackend::Postgres
+        } else {
+            self.problem(
+                "store.url",
+                format!(
+                    "'{}' is neither a sqlite:// nor a postgres:// URL",
+                    redact_url(&raw.url)
+                ),
+            );
+            StoreBackend::Postgres
+        };
+        let mode = match raw.mode.as_str() {
+            "single" => StoreMode::Single,
+            "shared" => {
+                if matches!(backend, StoreBackend::Sqlite(_)) {
+                    self.problem(
+                        "store.mode",
+                        "\"shared\" needs a Postgres store; a SQLite file serves one instance",
+                    );
+                } else {
+                    self.problem(
+                        "store.mode",
+                        "\"shared\" (several instances on one Postgres) is not available in this version; use \"single\"",
+                    );
+                }
+                StoreMode::Shared
+            }
+            other => {
+                self.problem(
+                    "store.mode",
+                    format!("'{other}' is not a mode; use \"single\" or \"shared\""),
+                );
+                StoreMode::Single
+            }
+        };
+        StoreConfig {
+            url: raw.url,
+            backend,
+            mode,
+            pool_size: self.positive("store.pool_size", raw.pool_size, 1000) as u32,
+            timeout: Duration::from_millis(self.positive(
+                "store.timeout_ms",
+                raw.timeout_ms,
+                60_000,
+            )),
+            retry_after: Duration::from_secs(self.positive(
+                "store.retry_after_s",
+                raw.retry_after_s,
+                3600,
+            )),
+        }
+    }
+
+    fn routes(&mut self, raw: Vec<RawRoute>) -> Vec<Route> {
+        let mut names = HashSet::new();
+        let mut routes = Vec::new();
+        for (i, r) in raw.into_iter().enumerate() {
+            let at = |k: &str| format!("routes[{i}].{k}");
+            let name = match r.name {
+                Some(n) if !n.trim().is_empty() => n,
+                Some(_) => {
+                    self.problem(at("name"), "must not be empty");
+                    String::new()
+                }
+                None => {
+                    self.problem(at("name"), "missing: every route needs a name");
+                    String::new()
+                }
+            };
+            if !name.is_empty() && !names.insert(name.clone()) {
+                self.problem(at("name"), format!("duplicate route name '{name}'"));
+            }
+            let path = r.path.unwrap_or_default();
+            let pattern = if path.is_empty() {
+                self.problem(at("path"), "missing: every route needs a path pattern");
+                None
+            } else if path == RESERVED_PREFIX || path.starts_with(&format!("{RESERVED_PREFIX}/")) {
+                self.problem(
+                    at("path"),
+                    format!(
+                        "'{path}' is under {RESERVED_PREFIX}/, which is reserved for the gateway"
+                    ),
+                );
+                None
+            } else {
+                match PathPattern::parse(&path) {
+                    Ok(p) => Some(p),
+                    Err(why) => {
+                        self.problem(at("path"), format!("'{path}' {why}"));
+                        None
+                    }
+                }
+            };
+            let key = match (&r.key, &pattern) {
+                (None, _) => {
+                    self.problem(
+                        at("key"),
+                        "missing: every route needs a resource key template",
+                    );
+                    None
+                }
+                (Some(k), Some(p)) => match KeyTemplate::parse(k, p) {
+                    Ok(t) => Some(t),
+                    Err(why) => {
+                        self.problem(at("key"), format!("'{k}' {why}"));
+                        None
+                    }
+                },
+                (Some(_), None) => None,
+            };
+            let upstream = match r.upstream.as_deref() {
+                None => {
+                    self.problem(at("upstream"), "missing: every route needs an upstream URL");
+                    None
+                }
+                Some(u) => match parse_upstream(u) {
+                    Ok(up) => Some(up),
+                    Err(why) => {
+                        self.problem(at("upstream"), format!("'{u}' {why}"));
+                        None
+                    }
+                },
+            };
+            let mut fenced = Vec::new();
+            for m in &r.methods {
+                match Method::from_bytes(m.as_bytes()) {
+                    Ok(method) if m.bytes().all(|b| b.is_ascii_uppercase()) => {
+                        if !fenced.contains(&method) {
+                            fenced.push(method)
+                        }
+                    }
+                    _ => self.problem(
+                        at("methods"),
+                        format!("'{m}' is not an HTTP method in upper case, like \"PUT\""),
+                    ),
+                }
+            }
+            if r.methods.is_empty() {
+                self.problem(at("methods"), "must list at least one fenced method");
+            }
+            let token = match r.token.as_str() {
+                "integer" => TokenKind::Integer,
+                "jwt" => {
+                    self.problem(
+                        at("token"),
+                        "\"jwt\" fence tokens are not available in this version; use \"integer\"",
+                    );
+                    TokenKind::Integer
+                }
+                other => {
+                    self.problem(
+                        at("token"),
+                        format!("'{other}' is not a token kind; use \"integer\" or \"jwt\""),
+                    );
+                    TokenKind::Integer
+                }
+            };
+            let timeout =
+                Duration::from_millis(self.positive(&at("timeout_ms"), r.timeout_ms, 3_600_000));
+            if let (Some(pattern), Some(key), Some(upstream)) = (pattern, key, upstream) {
+                routes.push(Route {
+                    name,
+                    path,
+                    pattern,
+                    key,
+                    upstream,
+                    fenced_methods: fenced,
+                    token,
+                    timeout,
+                });
+            }
+        }
+        routes
+    }
+}
+
+fn parse_upstream(raw: &str) -> Result<Upstream, String> {
+    let uri: http::Uri = raw
+        .parse()
+        .map_err(|_| "is not a URL like http://127.0.0.1:9000".to_string())?;
+    let scheme = uri
+        .scheme()
+        .cloned()
+        .ok_or("has no scheme: write it like http://127.0.0.1:9000")?;
+    if scheme != http::uri::Scheme::HTTP {
+        return Err(format!(
+            "uses scheme '{scheme}'; only http:// upstreams are supported (terminate TLS in front of the upstream or on a sidecar)"
+        ));
+    }
+    let authority = uri.authority().cloned().ok_or("has no host")?;
+    if authority.as_str().contains('@') {
+        return Err("must not carry credentials".into());
+    }
+    if authority.host().is_empty() {
+        return Err("has no host".into());
+    }
+    if uri.query().is_some() {
+        return Err("must not have a query string".into());
+    }
+    let base_path = uri.path().trim_end_matches('/').to_string();
+    Ok(Upstream {
+        scheme,
+        authority,
+        base_path,
+    })
+}
+
+/// Hides a password in a database URL before it goes into a message.
+pub fn redact_url(url: &str) -> String {
+    if let Some((scheme, rest)) = url.split_once("://") {
+        if let Some((userinfo, host)) = rest.split_once('@') {
+            let user = userinfo.split(':').next().unwrap_or_default();
+            return format!("{scheme}://{user}:***@{host}");
+        }
+    }
+    url.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(text: &str) -> Result<Config, ConfigError> {
+        Config::from_toml("test.toml", text, Vec::new())
+    }
+
+    const GOOD: &str = r#"
+        [server]
+        listen = "127.0.0.1:8080"
+        admin_listen = "127.0.0.1:9090"
+        [store]
+        url = "sqlite://x.db"
+        [[routes]]
+        name = "documents"
+        path = "/docs/{id}"
+        upstream = "http://127.0.0.1:9000"
+        key = "doc:{id}"
+    "#;
+
+    #[test]
+    fn good_config_loads() {
+        let c = load(GOOD).unwrap();
+        assert_eq!(c.routes.len(), 1);
+        assert_eq!(c.routes[0].fenced_methods.len(), 4);
+        assert_eq!(c.store.backend, StoreBackend::Sqlite("x.db".into()));
+        assert_eq!(c.routes[0].timeout, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn every_problem_is_named() {
+        let text = r#"
+            [server]
+            listen = "nowhere"
+            lisen = "x"
+            [[routes]]
+            name = "a"
+            path = "/_fencegate/x"
+            upstream = "ftp://x"
+            key = "k"
+            timout_ms = 5
+            [[routes]]
+            name = "a"
+            path = "/b/{id}"
+            upstream = "http://127.0.0.1:1"
+            key = "b:{nope}"
+        "#;
+        let err = load(text).unwrap_err();
+        let s = err.to_string();
+        for needle in [
+            "test.toml: server.lisen: unknown key",
+            "test.toml: routes[0].timout_ms: unknown key",
+            "test.toml: server.listen: 'nowhere'",
+            "test.toml: routes[0].path:",
+            "test.toml: routes[0].upstream:",
+            "test.toml: routes[1].name: duplicate route name 'a'",
+            "test.toml: routes[1].key: 'b:{nope}' uses capture '{nope}'",
+        ] {
+            assert!(s.contains(needle), "missing {needle:?} in:\n{s}");
+        }
+    }
+
+    #[test]
+    fn env_overrides_apply_and_are_named() {
+        let env = vec![
+            (
+                "FENCEGATE__STORE__URL".to_string(),
+                "sqlite://other.db".to_string(),
+            ),
+            (
+                "FENCEGATE__ROUTES__0__TIMEOUT_MS".to_string(),
+                "250".to_string(),
+            ),
+            (
+                "FENCEGATE__SERVER__MAX_BODY_BYTES".to_string(),
+                "0".to_string(),
+            ),
+            ("UNRELATED".to_string(), "1".to_string()),
+        ];
+        let err = Config::from_toml("t.toml", GOOD, env.clone()).unwrap_err();
+        assert!(err
+            .to_string()
+            .contains("server.max_body_bytes (from FENCEGATE__SERVER__MAX_BODY_BYTES)"));
+        let c = Config::from_toml("t.toml", GOOD, env.into_iter().take(2)).unwrap();
+        assert_eq!(c.store.backend, StoreBackend::Sqlite("other.db".into()));
+        assert_eq!(c.routes[0].timeout, Duration::from_millis(250));
+    }
+
+    #[test]
+    fn type_errors_name_the_key() {
+        let err = load("[server]\nmax_body_bytes = \"big\"").unwrap_err();
+        assert!(err.to_string().contains("server.max_body_bytes"), "{err}");
+    }
+
+    #[test]
+    fn redacts_passwords() {
+        assert_eq!(
+            redact_url("postgres://u:secret@h/db"),
+            "postgres://u:***@h/db"
+        );
+    }
+}

@@ -1,0 +1,208 @@
+//! Errors the gateway answers with, tagged by where they came from, and their
+//! one mapping to HTTP: every answer the gateway itself produces is an RFC 9457
+//! `application/problem+json` document.
+
+use std::time::Duration;
+
+use axum::response::{IntoResponse, Response};
+use http::{header, HeaderValue, StatusCode};
+use serde_json::{json, Map, Value};
+
+/// Media type of problem documents.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+/// Everything that can stop a request at the gateway.
+#[derive(Debug, thiserror::Error)]
+pub enum GatewayError {
+    /// The client sent something we refuse; nothing was forwarded.
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    /// The fence store could not decide; we fail closed.
+    #[error("fence store unavailable: {0}")]
+    Store(#[from] crate::store::StoreError),
+    /// The upstream failed after the fence check passed.
+    #[error(transparent)]
+    Upstream(#[from] UpstreamError),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClientError {
+    #[error("no route matches {path}")]
+    NoRoute { path: String },
+    #[error("{0}")]
+    BadPath(&'static str),
+    #[error("method {method} is not allowed on route {route}")]
+    MethodNotAllowed { method: String, route: String },
+    #[error("missing X-Fence-Token for {key}")]
+    MissingToken { key: String },
+    #[error("malformed X-Fence-Token: {0}")]
+    MalformedToken(&'static str),
+    #[error("stale token {presented} for {key}; highest is {highest}")]
+    StaleToken {
+        key: String,
+        presented: i64,
+        highest: i64,
+    },
+    #[error("request body larger than {limit} bytes")]
+    BodyTooLarge { limit: u64 },
+    #[error("{0}")]
+    BadRequest(&'static str),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum UpstreamError {
+    #[error("upstream of route {route} unreachable: {detail}")]
+    Unreachable { route: String, detail: String },
+    #[error("upstream of route {route} did not answer within {timeout:?}")]
+    Timeout { route: String, timeout: Duration },
+}
+
+/// A problem document under construction.
+pub struct Problem {
+    status: StatusCode,
+    kind: &'static str,
+    title: &'static str,
+    detail: String,
+    extra: Map<String, Value>,
+    headers: Vec<(header::HeaderName, HeaderValue)>,
+}
+
+impl Problem {
+    pub fn new(
+        status: StatusCode,
+        kind: &'static str,
+        title: &'static str,
+        detail: impl Into<String>,
+    ) -> Self {
+        Self {
+            status,
+            kind,
+            title,
+            detail: detail.into(),
+            extra: Map::new(),
+            headers: Vec::new(),
+        }
+    }
+
+    pub fn with(mut self, field: &str, value: impl Into<Value>) -> Self {
+        self.extra.insert(field.to_string(), value.into());
+        self
+    }
+
+    pub fn header(mut self, name: header::HeaderName, value: HeaderValue) -> Self {
+        self.headers.push((name, value));
+        self
+    }
+}
+
+impl IntoResponse for Problem {
+    fn into_response(self) -> Response {
+        let mut body = Map::new();
+        body.insert(
+            "type".into(),
+            json!(format!("urn:fencegate:problem:{}", self.kind)),
+        );
+        body.insert("title".into(), json!(self.title));
+        body.insert("status".into(), json!(self.status.as_u16()));
+        body.insert("detail".into(), json!(self.detail));
+        body.extend(self.extra);
+        let mut resp = (self.status, Value::Object(body).to_string()).into_response();
+        resp.headers_mut()
+            .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        for (name, value) in self.headers {
+            resp.headers_mut().insert(name, value);
+        }
+        resp
+    }
+}
+
+impl GatewayError {
+    /// The problem document for this error: the single place where error
+    /// origins become status codes.
+    pub fn to_problem(&self, retry_after: Duration) -> Problem {
+        use ClientError as C;
+        match self {
+            GatewayError::Client(c) => match c {
+                C::NoRoute { path } => Problem::new(
+                    StatusCode::NOT_FOUND,
+                    "no-route",
+                    "No route",
+                    format!("no configured route matches the path {path}"),
+                ),
+                C::BadPath(why) => {
+                    Problem::new(StatusCode::BAD_REQUEST, "bad-path", "Bad request path", *why)
+                }
+                C::MethodNotAllowed { method, route } => Problem::new(
+                    StatusCode::METHOD_NOT_ALLOWED,
+                    "method-not-allowed",
+                    "Method not allowed",
+                    format!(
+                        "{method} is neither a fenced method of route '{route}' nor a safe method (GET, HEAD, OPTIONS); the gateway forwards no unchecked writes"
+                    ),
+                ),
+                C::MissingToken { key } => Problem::new(
+                    StatusCode::PRECONDITION_REQUIRED,
+                    "missing-token",
+                    "Fencing token required",
+                    format!("this write needs an X-Fence-Token header for resource '{key}'"),
+                )
+                .with("resource_key", key.as_str()),
+                C::MalformedToken(why) => Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "malformed-token",
+                    "Malformed fencing token",
+                    format!("X-Fence-Token must be 1 to 19 ASCII digits: {why}"),
+                ),
+                C::StaleToken {
+                    key,
+                    presented,
+                    highest,
+                } => Problem::new(
+                    StatusCode::CONFLICT,
+                    "stale-token",
+                    "Stale fencing token",
+                    format!(
+                        "token {presented} is lower than {highest}, the highest token recorded for resource '{key}'; the lock was taken over by a newer holder"
+                    ),
+                )
+                .with("resource_key", key.as_str())
+                .with("presented_token", *presented)
+                .with("highest_token", *highest),
+                C::BodyTooLarge { limit } => Problem::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "body-too-large",
+                    "Request body too large",
+                    format!("the request body exceeds the limit of {limit} bytes"),
+                ),
+                C::BadRequest(why) => {
+                    Problem::new(StatusCode::BAD_REQUEST, "bad-request", "Bad request", *why)
+                }
+            },
+            GatewayError::Store(_) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store-unavailable",
+                "Fence store unavailable",
+                "the fence store could not be reached, so the token cannot be checked; nothing was forwarded",
+            )
+            .header(
+                header::RETRY_AFTER,
+                HeaderValue::from(retry_after.as_secs().max(1)),
+            ),
+            GatewayError::Upstream(UpstreamError::Unreachable { route, .. }) => Problem::new(
+                StatusCode::BAD_GATEWAY,
+                "upstream-unreachable",
+                "Upstream unreachable",
+                format!("the upstream of route '{route}' could not be reached or broke off the exchange"),
+            ),
+            GatewayError::Upstream(UpstreamError::Timeout { route, timeout }) => Problem::new(
+                StatusCode::GATEWAY_TIMEOUT,
+                "upstream-timeout",
+                "Upstream timeout",
+                format!(
+                    "the upstream of route '{route}' did not answer within {} ms",
+                    timeout.as_millis()
+                ),
+            ),
+        }
+    }
+}

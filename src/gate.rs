@@ -1,0 +1,241 @@
+//! The per-key gate: the in-process half of the ordering guarantee.
+//!
+//! The store makes tokens monotonic, but a store check alone is not enough:
+//! a write with token 33 can pass its check, stall on the way to the upstream,
+//! and arrive after a write with 34 that checked later. The gate closes that
+//! window. For each resource key it admits writes of one token at a time:
+//!
+//! * writes with the *current* token run concurrently (one holder, many
+//!   writes);
+//! * a write with a *higher* token waits until every in-flight write with the
+//!   current token has finished at the upstream, then becomes current;
+//! * a write with a token *lower* than the highest one brought to the gate is
+//!   refused, even if it is not current yet: that higher token is already
+//!   durable in the store (see below), so the lower one is stale.
+//!
+//! The protocol around it, per request:
+//!
+//! 1. [`Gate::ticket`]: register interest in the key;
+//! 2. record the token in the store (durable, conditional upsert);
+//! 3. [`Ticket::admit`]: wait for the gate, get a [`Permit`];
+//! 4. forward; drop the permit when the upstream has finished.
+//!
+//! Why the ticket comes *before* the store write: a key's slot is forgotten
+//! when nothing references it, to keep memory flat. If a request could sit
+//! between its store write and its admission without holding a reference, the
+//! slot could be forgotten and re-created empty, and that request could be
+//! admitted after a newer token had already been forwarded. With the ticket
+//! taken first, every request admitted through a slot recorded its token
+//! after that slot was created, so the store already refused anything lower
+//! than what was forwarded before.
+//!
+//! Concurrency: one `std::sync::Mutex` over a map of slots. Critical sections
+//! are a few comparisons and never await, so a plain mutex beats an async
+//! one; waiting happens on per-waiter oneshot channels outside the lock.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+
+use tokio::sync::oneshot;
+
+/// The per-key admission state of one process.
+#[derive(Default)]
+pub struct Gate {
+    slots: Mutex<HashMap<Arc<str>, Slot>>,
+}
+
+#[derive(Default)]
+struct Slot {
+    /// Tickets and permits alive for this key; the slot is removed at zero.
+    refs: usize,
+    /// The token whose writes may be in flight now (0: none yet).
+    current: i64,
+    /// Forwards in flight with `current`.
+    inflight: usize,
+    /// The highest token admitted or waiting. Tokens below it are refused;
+    /// every value here was durably recorded before it got here.
+    highest: i64,
+    /// Higher-token requests waiting for `inflight` to reach zero.
+    waiters: Vec<oneshot::Sender<()>>,
+}
+
+/// Interest in a key, taken before the store write.
+pub struct Ticket {
+    gate: Arc<Gate>,
+    key: Arc<str>,
+    /// Moved into the permit on admission; a ticket that is dropped without
+    /// being admitted releases its reference.
+    live: bool,
+}
+
+/// The right to have one write in flight for a key with a token.
+pub struct Permit {
+    gate: Arc<Gate>,
+    key: Arc<str>,
+}
+
+/// A refusal: a higher token than the presented one reached the gate.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Stale {
+    pub highest: i64,
+}
+
+impl Gate {
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self::default())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, HashMap<Arc<str>, Slot>> {
+        // A panic while holding this lock would be a bug in the few lines
+        // below; the map is still consistent then, so keep serving.
+        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Registers interest in `key`. Take it before recording the token.
+    pub fn ticket(self: &Arc<Self>, key: &str) -> Ticket {
+        let mut slots = self.lock();
+        let key: Arc<str> = match slots.get_key_value(key) {
+            Some((k, _)) => k.clone(),
+            None => Arc::from(key),
+        };
+        slots.entry(key.clone()).or_default().refs += 1;
+        Ticket {
+            gate: self.clone(),
+            key,
+            live: true,
+        }
+    }
+
+    /// Keys currently tracked (in flight or waiting); for metrics and tests.
+    pub fn tracked_keys(&self) -> usize {
+        self.lock().len()
+    }
+
+    fn release(&self, key: &Arc<str>, inflight: bool) {
+        let mut slots = self.lock();
+        let Some(slot) = slots.get_mut(key) else {
+            return;
+        };
+        slot.refs -= 1;
+        if inflight {
+            slot.inflight -= 1;
+            if slot.inflight == 0 {
+                // Wake every waiter; they re-check under the lock and the
+                // highest of them wins, the rest are refused or join it.
+                for w in slot.waiters.drain(..) {
+                    let _ = w.send(());
+                }
+            }
+        }
+        if slot.refs == 0 {
+            slots.remove(key);
+        }
+    }
+}
+
+impl Ticket {
+    /// The key this ticket is for.
+    pub fn key(&self) -> &str {
+        &self.key
+    }
+
+    /// Waits until a write with `token` may go to the upstream. `token` must
+    /// have been durably recorded (the store answered with it as highest).
+    pub async fn admit(mut self, token: i64) -> Result<Permit, Stale> {
+        loop {
+            let wait = {
+                let mut slots = self.gate.lock();
+                let slot = slots
+                    .get_mut(&self.key)
+                    .expect("a live ticket keeps its slot");
+                slot.highest = slot.highest.max(token);
+                if token < slot.highest {
+                    return Err(Stale {
+                        highest: slot.highest,
+                    });
+                }
+                if token == slot.current || slot.inflight == 0 {
+                    slot.current = token;
+                    slot.inflight += 1;
+                    self.live = false;
+                    return Ok(Permit {
+                        gate: self.gate.clone(),
+                        key: self.key.clone(),
+                    });
+                }
+                let (tx, rx) = oneshot::channel();
+                slot.waiters.push(tx);
+                rx
+            };
+            // The sender is dropped only with the slot, which this ticket
+            // keeps alive; either way, re-check.
+            let _ = wait.await;
+        }
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        if self.live {
+            self.gate.release(&self.key, false);
+        }
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        self.gate.release(&self.key, true);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test]
+    async fn equal_tokens_share_higher_waits_lower_refused() {
+        let gate = Gate::new();
+        let a1 = gate.ticket("k").admit(33).await.unwrap();
+        let a2 = gate.ticket("k").admit(33).await.unwrap();
+        let b = gate.ticket("k");
+        let waiting = tokio::spawn(b.admit(34));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiting.is_finished(), "34 must wait for 33 to drain");
+        // 33 is now lower than the waiting 34: refused.
+        assert_eq!(
+            gate.ticket("k").admit(33).await.err(),
+            Some(Stale { highest: 34 })
+        );
+        drop(a1);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiting.is_finished());
+        drop(a2);
+        let b = waiting.await.unwrap().unwrap();
+        drop(b);
+        assert_eq!(gate.tracked_keys(), 0, "slots are forgotten when idle");
+    }
+
+    #[tokio::test]
+    async fn highest_waiter_wins() {
+        let gate = Gate::new();
+        let a = gate.ticket("k").admit(1).await.unwrap();
+        let w2 = tokio::spawn(gate.ticket("k").admit(2));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        let w3 = tokio::spawn(gate.ticket("k").admit(3));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        drop(a);
+        assert_eq!(w2.await.unwrap().err(), Some(Stale { highest: 3 }));
+        let p3 = w3.await.unwrap().unwrap();
+        drop(p3);
+        assert_eq!(gate.tracked_keys(), 0);
+    }
+
+    #[tokio::test]
+    async fn keys_are_independent() {
+        let gate = Gate::new();
+        let _a = gate.ticket("a").admit(5).await.unwrap();
+        let _b = gate.ticket("b").admit(1).await.unwrap();
+        assert_eq!(gate.tracked_keys(), 2);
+    }
+}

@@ -1,0 +1,314 @@
+//! A request's life through the gateway, as named phases:
+//!
+//! match route → check framing and size → read token → check fence → forward
+//! → respond.
+//!
+//! Non-fenced (safe) methods skip the token and fence phases. Fenced writes
+//! run their fence check and forward in a spawned task: once a write has
+//! started its way to the upstream it must run to its end even if the client
+//! disconnects, because the gate may not open for a newer token while the
+//! upstream could still be applying this one.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::{ConnectInfo, State};
+use axum::response::{IntoResponse, Response};
+use http::{header, Method, Request};
+use tokio::sync::oneshot;
+
+use crate::config::Route;
+use crate::error::{ClientError, GatewayError, UpstreamError};
+use crate::fence::Fence;
+use crate::gate::Permit;
+use crate::metrics::{Metrics, RouteLabels};
+use crate::proxy::{self, BodyOutcome, HoldingBody, LimitedBody, UpstreamClient};
+use crate::routing::{self, PathError};
+use crate::token::{self, TokenError};
+
+/// Shared state of the traffic listener: cheap handles only.
+#[derive(Clone)]
+pub struct GatewayState {
+    /// Routes in file order; the first match wins.
+    pub routes: Arc<[Arc<Route>]>,
+    /// Store plus gate: the fence decision.
+    pub fence: Fence,
+    /// Pooled upstream connections, shared by all routes.
+    pub client: UpstreamClient,
+    pub metrics: Metrics,
+    /// `[server] max_body_bytes`.
+    pub max_body_bytes: u64,
+    /// Sent as `Retry-After` with 503 answers.
+    pub retry_after: Duration,
+}
+
+/// The traffic listener's handler for every proxied request.
+pub async fn handle(State(state): State<GatewayState>, req: Request<Body>) -> Response {
+    let retry_after = state.retry_after;
+    match serve(state, req).await {
+        Ok(resp) => resp,
+        Err(e) => {
+            if let GatewayError::Store(err) = &e {
+                tracing::warn!(error = %err, "fence store unavailable; answering 503");
+            }
+            e.to_problem(retry_after).into_response()
+        }
+    }
+}
+
+async fn serve(state: GatewayState, req: Request<Body>) -> Result<Response, GatewayError> {
+    let peer = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0);
+
+    // Phase: match route.
+    let (route, key) = match_route(&state.routes, req.uri().path())?;
+
+    // Phase: framing and size, before anything touches the store.
+    check_framing(&req, state.max_body_bytes)?;
+
+    let fenced = route.fenced_methods.contains(req.method());
+    if !fenced {
+        if !is_safe(req.method()) {
+            return Err(ClientError::MethodNotAllowed {
+                method: req.method().to_string(),
+                route: route.name.clone(),
+            }
+            .into());
+        }
+        state
+            .metrics
+            .passthrough
+            .get_or_create(&RouteLabels {
+                route: route.name.clone(),
+            })
+            .inc();
+        return forward(&state, &route, req, peer, None).await;
+    }
+
+    // Phase: read token.
+    let token = match token::from_headers(req.headers()) {
+        Ok(t) => t,
+        Err(TokenError::Missing) => {
+            state.metrics.decision(&route.name, "missing_token");
+            return Err(ClientError::MissingToken { key }.into());
+        }
+        Err(TokenError::Malformed(why)) => {
+            state.metrics.decision(&route.name, "malformed_token");
+            return Err(ClientError::MalformedToken(why).into());
+        }
+    };
+
+    // Phases: check fence, forward, respond — detached from the client.
+    let (tx, rx) = oneshot::channel();
+    tokio::spawn(async move {
+        let result = fenced_write(&state, &route, key, token, req, peer, &tx).await;
+        let _ = tx.send(result);
+    });
+    rx.await.unwrap_or_else(|_| {
+        // The task panicked; nothing of ours may be assumed about it.
+        Err(GatewayError::Upstream(UpstreamError::Unreachable {
+            route: String::new(),
+            detail: "internal task failed".into(),
+        }))
+    })
+}
+
+/// Check the fence, then forward while holding the key's permit.
+async fn fenced_write(
+    state: &GatewayState,
+    route: &Arc<Route>,
+    key: String,
+    token: i64,
+    req: Request<Body>,
+    peer: Option<SocketAddr>,
+    client: &oneshot::Sender<Result<Response, GatewayError>>,
+) -> Result<Response, GatewayError> {
+    let waited = Instant::now();
+    let permit = match state.fence.check(&key, token).await {
+        Ok(p) => p,
+        Err(e) => {
+            let outcome = match &e {
+                GatewayError::Client(ClientError::StaleToken { .. }) => "stale",
+                _ => {
+                    state.metrics.store_error("record");
+                    "store_unavailable"
+                }
+            };
+            state.metrics.decision(&route.name, outcome);
+            return Err(e);
+        }
+    };
+    state
+        .metrics
+        .gate_wait
+        .observe(waited.elapsed().as_secs_f64());
+    if client.is_closed() {
+        // The client left while we waited: nobody would see the answer, so
+        // do not start a write on its behalf. The token stays recorded,
+        // which only ever makes older holders stale sooner.
+        state.metrics.decision(&route.name, "client_gone");
+        return Err(ClientError::BadRequest("client disconnected").into());
+    }
+    state.metrics.decision(&route.name, "forwarded");
+    forward(state, route, req, peer, Some(permit)).await
+}
+
+/// Phase: forward, and build the response.
+async fn forward(
+    state: &GatewayState,
+    route: &Arc<Route>,
+    req: Request<Body>,
+    peer: Option<SocketAddr>,
+    permit: Option<Permit>,
+) -> Result<Response, GatewayError> {
+    let started = Instant::now();
+    let deadline = started + route.timeout;
+    let outcome = BodyOutcome::default();
+    let (parts, body) = req.into_parts();
+    let body = Body::new(LimitedBody::new(
+        body,
+        state.max_body_bytes,
+        outcome.clone(),
+    ));
+    let upstream_req =
+        proxy::upstream_request(Request::from_parts(parts, body), &route.upstream, peer)
+            .map_err(|_| ClientError::BadRequest("the request cannot be forwarded as given"))?;
+
+    let sent = tokio::time::timeout_at(deadline.into(), state.client.request(upstream_req)).await;
+    match sent {
+        Ok(Ok(resp)) => {
+            state
+                .metrics
+                .upstream_latency(&route.name, started.elapsed());
+            let (mut parts, body) = resp.into_parts();
+            proxy::strip_hop_by_hop(&mut parts.headers);
+            let body = match permit {
+                Some(p) => Body::new(HoldingBody::new(body, p)),
+                None => Body::new(body),
+            };
+            Ok(Response::from_parts(parts, body))
+        }
+        Ok(Err(e)) => {
+            // A connect error means nothing was sent. Anything else: the
+            // upstream may have received part or all of the request and be
+            // working on it; keep the key closed to newer tokens until the
+            // route's timeout has run out.
+            if !e.is_connect() {
+                if let Some(p) = permit {
+                    hold_until(deadline, p);
+                }
+            }
+            if outcome.too_large() {
+                state.metrics.decision(&route.name, "too_large");
+                return Err(ClientError::BodyTooLarge {
+                    limit: state.max_body_bytes,
+                }
+                .into());
+            }
+            if outcome.client_failed() {
+                return Err(
+                    ClientError::BadRequest("the client broke off the request body").into(),
+                );
+            }
+            state.metrics.upstream_error(&route.name, "unreachable");
+            tracing::warn!(route = %route.name, error = %e, "upstream request failed");
+            Err(UpstreamError::Unreachable {
+                route: route.name.clone(),
+                detail: e.to_string(),
+            }
+            .into())
+        }
+        Err(_) => {
+            state.metrics.upstream_error(&route.name, "timeout");
+            Err(UpstreamError::Timeout {
+                route: route.name.clone(),
+                timeout: route.timeout,
+            }
+            .into())
+        }
+    }
+}
+
+/// Keeps a permit until `deadline`, off the request's path.
+fn hold_until(deadline: Instant, permit: Permit) {
+    tokio::spawn(async move {
+        tokio::time::sleep_until(deadline.into()).await;
+        drop(permit);
+    });
+}
+
+/// Phase: find the first route whose pattern matches, and its resource key.
+fn match_route(routes: &[Arc<Route>], path: &str) -> Result<(Arc<Route>, String), GatewayError> {
+    if path == crate::config::RESERVED_PREFIX
+        || path.starts_with(&format!("{}/", crate::config::RESERVED_PREFIX))
+    {
+        return Err(ClientError::NoRoute {
+            path: path.to_string(),
+        }
+        .into());
+    }
+    if routing::has_dot_segment(path) {
+        return Err(ClientError::BadPath(
+            "the path has a '.' or '..' segment; send the normalized path",
+        )
+        .into());
+    }
+    for route in routes.iter() {
+        match route.pattern.matches(path) {
+            Ok(Some(captures)) => {
+                let key = route.key.render(&captures);
+                return Ok((route.clone(), key));
+            }
+            Ok(None) => continue,
+            Err(PathError::NotUtf8) => {
+                return Err(ClientError::BadPath("a path segment does not decode to UTF-8").into())
+            }
+            Err(PathError::DotSegment) => {
+                return Err(ClientError::BadPath(
+                    "the path has a '.' or '..' segment; send the normalized path",
+                )
+                .into())
+            }
+        }
+    }
+    Err(ClientError::NoRoute {
+        path: path.to_string(),
+    }
+    .into())
+}
+
+/// Phase: refuse ambiguous framing and bodies declared too large.
+fn check_framing(req: &Request<Body>, max_body: u64) -> Result<(), GatewayError> {
+    let headers = req.headers();
+    if headers.contains_key(header::TRANSFER_ENCODING)
+        && headers.contains_key(header::CONTENT_LENGTH)
+    {
+        return Err(ClientError::BadRequest(
+            "both Content-Length and Transfer-Encoding were sent (RFC 9112 §6.1)",
+        )
+        .into());
+    }
+    let mut lengths = headers.get_all(header::CONTENT_LENGTH).iter();
+    if let Some(len) = lengths.next() {
+        let declared: u64 = len
+            .to_str()
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .ok_or(ClientError::BadRequest("Content-Length is not a number"))?;
+        if lengths.next().is_some() {
+            return Err(ClientError::BadRequest("more than one Content-Length header").into());
+        }
+        if declared > max_body {
+            return Err(ClientError::BodyTooLarge { limit: max_body }.into());
+        }
+    }
+    Ok(())
+}
+
+fn is_safe(m: &Method) -> bool {
+    m == Method::GET || m == Method::HEAD || m == Method::OPTIONS
+}

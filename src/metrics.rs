@@ -1,0 +1,164 @@
+//! Prometheus metrics, served as text on the admin listener.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DecisionLabels {
+    pub route: String,
+    pub outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RouteLabels {
+    pub route: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UpstreamErrorLabels {
+    pub route: String,
+    pub kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StoreErrorLabels {
+    pub op: &'static str,
+}
+
+type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+
+/// Every metric the gateway exports. Cloning shares the same counters.
+#[derive(Clone)]
+pub struct Metrics {
+    /// Fence decisions by route and outcome (`forwarded`, `stale`,
+    /// `missing_token`, `malformed_token`, `store_unavailable`, ...).
+    pub decisions: Family<DecisionLabels, Counter>,
+    /// Requests forwarded without a check (safe methods).
+    pub passthrough: Family<RouteLabels, Counter>,
+    /// Time from sending a request upstream to its response head.
+    pub upstream_latency: HistogramFamily<RouteLabels>,
+    /// Upstream failures by kind (`unreachable`, `timeout`).
+    pub upstream_errors: Family<UpstreamErrorLabels, Counter>,
+    /// Store failures by operation.
+    pub store_errors: Family<StoreErrorLabels, Counter>,
+    /// Time fenced writes waited at the gate for older tokens to drain.
+    pub gate_wait: Histogram,
+    /// Keys with writes in flight or waiting.
+    pub gate_keys: Gauge,
+    registry: std::sync::Arc<Registry>,
+}
+
+fn latency_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("fencegate");
+        let decisions = Family::<DecisionLabels, Counter>::default();
+        let passthrough = Family::<RouteLabels, Counter>::default();
+        let upstream_latency: HistogramFamily<RouteLabels> =
+            Family::new_with_constructor(latency_histogram);
+        let upstream_errors = Family::<UpstreamErrorLabels, Counter>::default();
+        let store_errors = Family::<StoreErrorLabels, Counter>::default();
+        let gate_wait = latency_histogram();
+        let gate_keys = Gauge::default();
+        registry.register(
+            "decisions",
+            "Fence decisions on fenced writes, by route and outcome",
+            decisions.clone(),
+        );
+        registry.register(
+            "passthrough_requests",
+            "Requests forwarded without a fence check (non-fenced methods)",
+            passthrough.clone(),
+        );
+        registry.register(
+            "upstream_response_seconds",
+            "Time from forwarding to the upstream's response head",
+            upstream_latency.clone(),
+        );
+        registry.register(
+            "upstream_errors",
+            "Upstream failures by kind",
+            upstream_errors.clone(),
+        );
+        registry.register(
+            "store_errors",
+            "Fence store failures by operation",
+            store_errors.clone(),
+        );
+        registry.register(
+            "gate_wait_seconds",
+            "Time fenced writes waited for older tokens' writes to finish",
+            gate_wait.clone(),
+        );
+        registry.register(
+            "gate_keys",
+            "Resource keys with writes in flight or waiting",
+            gate_keys.clone(),
+        );
+        Self {
+            decisions,
+            passthrough,
+            upstream_latency,
+            upstream_errors,
+            store_errors,
+            gate_wait,
+            gate_keys,
+            registry: std::sync::Arc::new(registry),
+        }
+    }
+
+    pub fn decision(&self, route: &str, outcome: &'static str) {
+        self.decisions
+            .get_or_create(&DecisionLabels {
+                route: route.to_string(),
+                outcome,
+            })
+            .inc();
+    }
+
+    pub fn upstream_error(&self, route: &str, kind: &'static str) {
+        self.upstream_errors
+            .get_or_create(&UpstreamErrorLabels {
+                route: route.to_string(),
+                kind,
+            })
+            .inc();
+    }
+
+    pub fn store_error(&self, op: &'static str) {
+        self.store_errors
+            .get_or_create(&StoreErrorLabels { op })
+            .inc();
+    }
+
+    pub fn upstream_latency(&self, route: &str, d: Duration) {
+        self.upstream_latency
+            .get_or_create(&RouteLabels {
+                route: route.to_string(),
+            })
+            .observe(d.as_secs_f64());
+    }
+
+    /// The Prometheus text exposition.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,123 @@
+//! The fence store: the durable record of the highest token per resource key.
+//!
+//! Two backends share one shape of decision: a single conditional upsert that
+//! raises a key's highest token only to a greater value and answers with the
+//! highest token after the statement. The caller accepts its token iff that
+//! answer equals it. Every call is bounded by `[store] timeout_ms` so a store
+//! that hangs turns into a prompt 503 instead of a pile of stuck requests.
+//!
+//! A statement that timed out may still commit later. That is safe: a token
+//! recorded but never forwarded only makes older tokens stale sooner, which
+//! is what the newer holder's existence means anyway.
+
+mod postgres;
+mod sqlite;
+
+use std::future::Future;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+
+use crate::config::{StoreBackend, StoreConfig, StoreMode};
+
+pub use postgres::PgStore;
+pub use sqlite::SqliteStore;
+
+/// Why the store could not answer.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("database error: {0}")]
+    Database(#[from] sqlx::Error),
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
+    #[error("migration failed: {0}")]
+    Migrate(#[from] sqlx::migrate::MigrateError),
+    #[error("this instance does not hold the store's single-writer lock")]
+    NotOwner,
+    #[error("{0}")]
+    Other(String),
+}
+
+/// What the admin API shows for a key.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct FenceRecord {
+    pub resource_key: String,
+    pub highest_token: i64,
+    pub updated_at: DateTime<Utc>,
+}
+
+/// A handle on the configured store; cheap to clone (pools inside).
+#[derive(Clone)]
+pub enum FenceStore {
+    Postgres(PgStore),
+    Sqlite(SqliteStore),
+}
+
+impl FenceStore {
+    /// Connects, applies migrations and, in `single` mode, takes the
+    /// single-writer lock. Fails if another instance holds it.
+    pub async fn open(cfg: &StoreConfig) -> Result<Self, StoreError> {
+        match &cfg.backend {
+            StoreBackend::Sqlite(path) => Ok(Self::Sqlite(SqliteStore::open(path, cfg).await?)),
+            StoreBackend::Postgres => {
+                let single = cfg.mode == StoreMode::Single;
+                Ok(Self::Postgres(PgStore::open(cfg, single).await?))
+            }
+        }
+    }
+
+    /// Records `token` for `key` unless a higher one is recorded; returns the
+    /// highest token after the statement (equal to `token` iff accepted).
+    /// The returned value is durable: the statement has committed.
+    pub async fn record(&self, key: &str, token: i64) -> Result<i64, StoreError> {
+        match self {
+            Self::Postgres(s) => s.record(key, token).await,
+            Self::Sqlite(s) => s.record(key, token).await,
+        }
+    }
+
+    pub async fn get(&self, key: &str) -> Result<Option<FenceRecord>, StoreError> {
+        match self {
+            Self::Postgres(s) => s.get(key).await,
+            Self::Sqlite(s) => s.get(key).await,
+        }
+    }
+
+    /// Cheap reachability check for `/readyz`.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        match self {
+            Self::Postgres(s) => s.ping().await,
+            Self::Sqlite(s) => s.ping().await,
+        }
+    }
+
+    /// Closes the pools (and releases the single-writer lock).
+    pub async fn close(&self) {
+        match self {
+            Self::Postgres(s) => s.close().await,
+            Self::Sqlite(s) => s.close().await,
+        }
+    }
+}
+
+/// Runs a store future with the configured bound.
+async fn bounded<T>(
+    limit: Duration,
+    fut: impl Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, StoreError> {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(r) => r.map_err(StoreError::from),
+        Err(_) => Err(StoreError::Timeout(limit)),
+    }
+}
+
+/// Applies the migrations for the backend a URL names, then exits; used by
+/// `fencegate migrate`.
+pub async fn migrate_url(url: &str) -> Result<(), StoreError> {
+    if let Some(rest) = url.strip_prefix("sqlite:") {
+        let path = rest.strip_prefix("//").unwrap_or(rest);
+        sqlite::migrate_path(std::path::Path::new(path)).await
+    } else {
+        postgres::migrate_url(url).await
+    }
+}

@@ -1,0 +1,251 @@
+//! Postgres: the production store.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::{Connection, PgConnection, PgPool, Row};
+use tokio::task::JoinHandle;
+
+use super::{bounded, FenceRecord, StoreError};
+use crate::config::{redact_url, StoreConfig};
+
+/// Advisory locks use the two-int4 form with this first half, so they never
+/// collide with an application's one-bigint locks or with other namespaces.
+/// ("FGAT" in ASCII.)
+pub const LOCK_NAMESPACE: i32 = 0x4647_4154;
+/// Second half of the single-writer lock.
+const SINGLE_WRITER_ID: i32 = 1;
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");
+
+/// One statement decides: raise the key's token only to a greater value, and
+/// answer with the highest token either way. The second SELECT covers the
+/// "not raised" case (equal or stale token) in the same round trip.
+const RECORD: &str = "\
+WITH up AS (
+    INSERT INTO fences AS f (resource_key, highest_token, updated_at)
+    VALUES ($1, $2, now())
+    ON CONFLICT (resource_key) DO UPDATE
+        SET highest_token = EXCLUDED.highest_token, updated_at = now()
+        WHERE f.highest_token < EXCLUDED.highest_token
+    RETURNING f.highest_token
+)
+SELECT highest_token FROM up
+UNION ALL
+SELECT highest_token FROM fences
+ WHERE resource_key = $1 AND NOT EXISTS (SELECT 1 FROM up)";
+
+#[derive(Clone)]
+pub struct PgStore {
+    pool: PgPool,
+    /// Bound on every operation, including waiting for a pooled connection.
+    timeout: Duration,
+    /// Present in `single` mode: the advisory lock that makes this instance
+    /// the only writer. Decisions are refused while it is not held.
+    owner: Option<Arc<OwnerLock>>,
+}
+
+impl PgStore {
+    pub async fn open(cfg: &StoreConfig, single: bool) -> Result<Self, StoreError> {
+        let opts = connect_options(&cfg.url, cfg.timeout)?;
+        let pool = PgPoolOptions::new()
+            .max_connections(cfg.pool_size)
+            .acquire_timeout(cfg.timeout)
+            .connect_with(opts.clone())
+            .await
+            .map_err(|e| {
+                StoreError::Other(format!("cannot connect to {}: {e}", redact_url(&cfg.url)))
+            })?;
+        MIGRATOR.run(&pool).await?;
+        let owner = if single {
+            Some(OwnerLock::acquire(opts, cfg.timeout).await?)
+        } else {
+            None
+        };
+        Ok(Self {
+            pool,
+            timeout: cfg.timeout,
+            owner,
+        })
+    }
+
+    fn check_owner(&self) -> Result<(), StoreError> {
+        match &self.owner {
+            Some(o) if !o.held.load(Ordering::Acquire) => Err(StoreError::NotOwner),
+            _ => Ok(()),
+        }
+    }
+
+    pub async fn record(&self, key: &str, token: i64) -> Result<i64, StoreError> {
+        self.check_owner()?;
+        let highest: Option<i64> = bounded(self.timeout, async {
+            let row = sqlx::query(RECORD)
+                .bind(key)
+                .bind(token)
+                .fetch_optional(&self.pool)
+                .await?;
+            match row {
+                Some(r) => Ok(Some(r.try_get::<i64, _>(0)?)),
+                // The conflicting row was committed after this statement's
+                // snapshot was taken: look again with a fresh snapshot.
+                None => {
+                    sqlx::query_scalar("SELECT highest_token FROM fences WHERE resource_key = $1")
+                        .bind(key)
+                        .fetch_optional(&self.pool)
+                        .await
+                }
+            }
+        })
+        .await?;
+        highest.ok_or_else(|| {
+            StoreError::Other(format!("fence row for '{key}' vanished during a decision"))
+        })
+    }
+
+    pub async fn get(&self, key: &str) -> Result<Option<FenceRecord>, StoreError> {
+        bounded(self.timeout, async {
+            let row = sqlx::query(
+                "SELECT resource_key, highest_token, updated_at FROM fences WHERE resource_key = $1",
+            )
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await?;
+            row.map(|r| {
+                Ok(FenceRecord {
+                    resource_key: r.try_get(0)?,
+                    highest_token: r.try_get(1)?,
+                    updated_at: r.try_get(2)?,
+                })
+            })
+            .transpose()
+        })
+        .await
+    }
+
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.check_owner()?;
+        bounded(self.timeout, async {
+            sqlx::query("SELECT 1")
+                .execute(&self.pool)
+                .await
+                .map(|_| ())
+        })
+        .await
+    }
+
+    pub async fn close(&self) {
+        if let Some(o) = &self.owner {
+            o.task.abort();
+        }
+        self.pool.close().await;
+    }
+}
+
+fn connect_options(url: &str, timeout: Duration) -> Result<PgConnectOptions, StoreError> {
+    let opts: PgConnectOptions = url
+        .parse()
+        .map_err(|e| StoreError::Other(format!("bad store URL {}: {e}", redact_url(url))))?;
+    // A server-side bound too, so an abandoned statement does not hold row
+    // locks long after the client gave up on it.
+    let ms = (timeout.as_millis() * 2).to_string();
+    Ok(opts
+        .application_name("fencegate")
+        .options([("statement_timeout", ms.as_str())]))
+}
+
+/// The single-writer lock: a session advisory lock held on a connection we
+/// own for the life of the process (never a pooled one, which a transaction
+/// pooler could hand to someone else).
+pub struct OwnerLock {
+    /// False while the lock connection is gone; decisions answer 503 then.
+    held: AtomicBool,
+    /// Watches the lock connection and takes the lock again after an outage.
+    task: JoinHandle<()>,
+}
+
+impl OwnerLock {
+    async fn acquire(opts: PgConnectOptions, timeout: Duration) -> Result<Arc<Self>, StoreError> {
+        let conn = match try_lock(&opts, timeout).await {
+            Ok(Some(conn)) => conn,
+            Ok(None) => {
+                return Err(StoreError::Other(
+                    "another fencegate instance in \"single\" mode is using this store; \
+                     stop it first, or run every instance with [store] mode = \"shared\""
+                        .into(),
+                ))
+            }
+            Err(e) => return Err(e),
+        };
+        let held = AtomicBool::new(true);
+        let (tx, rx) = tokio::sync::oneshot::channel::<Arc<OwnerLock>>();
+        let task = tokio::spawn(async move {
+            let Ok(me) = rx.await else { return };
+            watch(me, conn, opts, timeout).await;
+        });
+        let lock = Arc::new(Self { held, task });
+        let _ = tx.send(lock.clone());
+        Ok(lock)
+    }
+}
+
+async fn try_lock(
+    opts: &PgConnectOptions,
+    timeout: Duration,
+) -> Result<Option<PgConnection>, StoreError> {
+    bounded(timeout, async {
+        let mut conn = PgConnection::connect_with(opts).await?;
+        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
+            .bind(LOCK_NAMESPACE)
+            .bind(SINGLE_WRITER_ID)
+            .fetch_one(&mut conn)
+            .await?;
+        Ok(got.then_some(conn))
+    })
+    .await
+}
+
+/// Pings the lock connection every second. When it breaks, the session (and
+/// with it the lock) is gone: stop deciding at once, then reconnect and take
+/// the lock again, unless another instance took it meanwhile.
+async fn watch(
+    me: Arc<OwnerLock>,
+    mut conn: PgConnection,
+    opts: PgConnectOptions,
+    timeout: Duration,
+) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tick.tick().await;
+        let alive = tokio::time::timeout(timeout, conn.ping()).await;
+        if matches!(alive, Ok(Ok(()))) {
+            continue;
+        }
+        me.held.store(false, Ordering::Release);
+        tracing::error!("lost the store connection holding the single-writer lock; fenced writes answer 503 until it is back");
+        loop {
+            tick.tick().await;
+            match try_lock(&opts, timeout).await {
+                Ok(Some(c)) => {
+                    conn = c;
+                    me.held.store(true, Ordering::Release);
+                    tracing::info!("single-writer lock taken again; fenced writes resume");
+                    break;
+                }
+                Ok(None) => tracing::error!(
+                    "another fencegate instance took the single-writer lock of this store; this instance keeps answering 503"
+                ),
+                Err(e) => tracing::warn!(error = %e, "store still unreachable"),
+            }
+        }
+    }
+}
+
+pub async fn migrate_url(url: &str) -> Result<(), StoreError> {
+    let opts = connect_options(url, Duration::from_secs(30))?;
+    let mut conn = PgConnection::connect_with(&opts).await?;
+    MIGRATOR.run(&mut conn).await?;
+    conn.close().await?;
+    Ok(())
+}

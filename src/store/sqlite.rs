@@ -1,0 +1,166 @@
+//! SQLite: the embedded, zero-setup store for a single instance.
+//!
+//! Durability: WAL journal with `synchronous = FULL`, so a commit is on disk
+//! before the decision returns (`NORMAL` would lose recent commits on power
+//! loss, and a fence table must never go backwards).
+//!
+//! One connection does all the work. SQLite has one writer anyway; a single
+//! connection avoids busy-lock retries and keeps the two statements of a
+//! refused decision (upsert, then read) free of interleavings.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{Row, SqlitePool};
+
+use super::{bounded, FenceRecord, StoreError};
+use crate::config::StoreConfig;
+
+static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
+
+/// SQLite's clock, in Unix milliseconds.
+const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
+
+#[derive(Clone)]
+pub struct SqliteStore {
+    pool: SqlitePool,
+    timeout: Duration,
+    /// An exclusive lock on `<file>.lock`, held for the life of the process,
+    /// so a second instance cannot write the same file. Dropped with the last
+    /// clone of the store.
+    _owner: Arc<File>,
+}
+
+impl SqliteStore {
+    pub async fn open(path: &Path, cfg: &StoreConfig) -> Result<Self, StoreError> {
+        let owner = lock_file(path)?;
+        let pool = pool(path, cfg.timeout).await?;
+        MIGRATOR.run(&pool).await?;
+        Ok(Self {
+            pool,
+            timeout: cfg.timeout,
+            _owner: Arc::new(owner),
+        })
+    }
+
+    pub async fn record(&self, key: &str, token: i64) -> Result<i64, StoreError> {
+        let upsert = format!(
+            "INSERT INTO fences (resource_key, highest_token, updated_at) VALUES (?1, ?2, {NOW_MS}) \
+             ON CONFLICT (resource_key) DO UPDATE \
+                SET highest_token = excluded.highest_token, updated_at = excluded.updated_at \
+                WHERE fences.highest_token < excluded.highest_token \
+             RETURNING highest_token"
+        );
+        bounded(self.timeout, async {
+            let mut conn = self.pool.acquire().await?;
+            let raised: Option<i64> = sqlx::query_scalar(&upsert)
+                .bind(key)
+                .bind(token)
+                .fetch_optional(&mut *conn)
+                .await?;
+            match raised {
+                Some(h) => Ok(h),
+                None => {
+                    sqlx::query_scalar("SELECT highest_token FROM fences WHERE resource_key = ?1")
+                        .bind(key)
+                        .fetch_one(&mut *conn)
+                        .await
+                }
+            }
+        })
+        .await
+    }
+
+    pub async fn get(&self, key: &str) -> Result<Option<FenceRecord>, StoreError> {
+        bounded(self.timeout, async {
+            let row = sqlx::query(
+                "SELECT resource_key, highest_token, updated_at FROM fences WHERE resource_key = ?1",
+            )
+            .bind(key)
+            .fetch_optional(&self.pool)
+            .await?;
+            row.map(|r| {
+                let ms: i64 = r.try_get(2)?;
+                Ok(FenceRecord {
+                    resource_key: r.try_get(0)?,
+                    highest_token: r.try_get(1)?,
+                    updated_at: DateTime::<Utc>::from_timestamp_millis(ms).unwrap_or_default(),
+                })
+            })
+            .transpose()
+        })
+        .await
+    }
+
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        bounded(self.timeout, async {
+            sqlx::query("SELECT 1")
+                .execute(&self.pool)
+                .await
+                .map(|_| ())
+        })
+        .await
+    }
+
+    pub async fn close(&self) {
+        self.pool.close().await;
+    }
+}
+
+async fn pool(path: &Path, timeout: Duration) -> Result<SqlitePool, StoreError> {
+    let opts = SqliteConnectOptions::new()
+        .filename(path)
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Full)
+        .busy_timeout(timeout);
+    SqlitePoolOptions::new()
+        .max_connections(1)
+        .acquire_timeout(timeout)
+        .connect_with(opts)
+        .await
+        .map_err(|e| StoreError::Other(format!("cannot open {}: {e}", path.display())))
+}
+
+fn lock_path(path: &Path) -> PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(".lock");
+    PathBuf::from(p)
+}
+
+fn lock_file(path: &Path) -> Result<File, StoreError> {
+    let lp = lock_path(path);
+    let file = File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&lp)
+        .map_err(|e| StoreError::Other(format!("cannot open {}: {e}", lp.display())))?;
+    match file.try_lock() {
+        Ok(()) => Ok(file),
+        Err(std::fs::TryLockError::WouldBlock) => Err(StoreError::Other(format!(
+            "another fencegate instance is using {} (its lock file {} is held); \
+             a SQLite store serves one instance",
+            path.display(),
+            lp.display()
+        ))),
+        Err(std::fs::TryLockError::Error(e)) => Err(StoreError::Other(format!(
+            "cannot lock {}: {e}",
+            lp.display()
+        ))),
+    }
+}
+
+/// `fencegate migrate` for a SQLite URL. Takes the file lock too, so it does
+/// not race a running gateway.
+pub async fn migrate_path(path: &Path) -> Result<(), StoreError> {
+    let _owner = lock_file(path)?;
+    let pool = pool(path, Duration::from_secs(30)).await?;
+    MIGRATOR.run(&pool).await?;
+    pool.close().await;
+    Ok(())
+}
