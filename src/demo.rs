@@ -18,10 +18,13 @@ use http::{HeaderMap, Method, StatusCode, Uri};
 use serde_json::json;
 use tokio::net::TcpListener;
 
+/// A stored document: its content, the token that wrote it, its version.
+type Doc = (String, Option<String>, u64);
+
 #[derive(Clone, Default)]
 struct Docs {
-    /// path → (content, token that wrote it, version)
-    inner: Arc<Mutex<HashMap<String, (String, Option<String>, u64)>>>,
+    /// Documents by request path.
+    inner: Arc<Mutex<HashMap<String, Doc>>>,
 }
 
 /// The demo backend's router.

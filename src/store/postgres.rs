@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool, Row};
+
 use tokio::task::JoinHandle;
 
 use super::{bounded, FenceRecord, StoreError};
@@ -81,16 +82,18 @@ impl PgStore {
     pub async fn record(&self, key: &str, token: i64) -> Result<i64, StoreError> {
         self.check_owner()?;
         let highest: Option<i64> = bounded(self.timeout, async {
-            let row = sqlx::query(RECORD)
+            let first: Option<i64> = sqlx::query_scalar(RECORD)
                 .bind(key)
                 .bind(token)
                 .fetch_optional(&self.pool)
                 .await?;
-            match row {
-                Some(r) => Ok(Some(r.try_get::<i64, _>(0)?)),
-                // The conflicting row was committed after this statement's
-                // snapshot was taken: look again with a fresh snapshot.
-                None => {
+            match first {
+                Some(h) if h >= token => Ok(Some(h)),
+                // The statement did not raise the row because a concurrent
+                // decision committed a token >= ours after this statement's
+                // snapshot was taken, so its fallback SELECT saw an older
+                // row (or none). Read again with a fresh snapshot.
+                _ => {
                     sqlx::query_scalar("SELECT highest_token FROM fences WHERE resource_key = $1")
                         .bind(key)
                         .fetch_optional(&self.pool)

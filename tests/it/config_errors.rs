@@ -1,0 +1,115 @@
+//! `check-config` and `serve` on bad configs: every problem is named with
+//! file, key and reason, and the exit code says so.
+
+use crate::support::process::run;
+
+fn write(text: &str) -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("bad.toml");
+    std::fs::write(&path, text).unwrap();
+    (dir, path.display().to_string())
+}
+
+#[test]
+fn check_config_lists_every_problem() {
+    let (_d, path) = write(
+        r#"
+[server]
+listen = "not-an-address"
+admin_listen = "127.0.0.1:9090"
+colour = "blue"
+
+[store]
+url = "mysql://db"
+mode = "sometimes"
+
+[[routes]]
+name = "docs"
+path = "/docs/{id}"
+upstream = "http://127.0.0.1:9000"
+key = "doc:{doc_id}"
+
+[[routes]]
+name = "docs"
+path = "/_fencegate/locks/{name}"
+upstream = "127.0.0.1:9000"
+key = "x"
+timeout_ms = 0
+
+[[routes]]
+name = "nothing"
+path = "/n/{id}"
+key = "n:{id}"
+methods = ["put"]
+"#,
+    );
+    let (code, _out, err) = run(&["check-config", &path]);
+    assert_eq!(code, 1, "{err}");
+    for needle in [
+        "server.listen: 'not-an-address' is not a socket address",
+        "server.colour: unknown key",
+        "store.url: 'mysql://db' is neither",
+        "store.mode: 'sometimes' is not a mode",
+        "routes[0].key: 'doc:{doc_id}' uses capture '{doc_id}', which the route's path does not define (it defines: {id})",
+        "routes[1].name: duplicate route name 'docs'",
+        "routes[1].path: '/_fencegate/locks/{name}' is under /_fencegate/, which is reserved",
+        "routes[1].upstream: '127.0.0.1:9000'",
+        "routes[1].timeout_ms: must be between 1 and",
+        "routes[2].upstream: missing",
+        "routes[2].methods: 'put' is not an HTTP method in upper case",
+    ] {
+        assert!(err.contains(&format!("{path}: {needle}")), "missing {needle:?} in:\n{err}");
+    }
+}
+
+#[test]
+fn serve_refuses_a_bad_config() {
+    let (_d, path) = write("[server]\nlisten = \"nowhere\"\n");
+    let (code, _out, err) = run(&["serve", "--config", &path]);
+    assert_eq!(code, 1);
+    assert!(err.contains("server.listen"), "{err}");
+    assert!(err.contains("not starting"), "{err}");
+}
+
+#[test]
+fn unreadable_and_invalid_toml_files() {
+    let (code, _o, err) = run(&["check-config", "/nonexistent/fencegate.toml"]);
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("/nonexistent/fencegate.toml: -: cannot read the file"),
+        "{err}"
+    );
+    let (_d, path) = write("[server\nlisten = 1");
+    let (code, _o, err) = run(&["check-config", &path]);
+    assert_eq!(code, 1);
+    assert!(err.contains("not valid TOML"), "{err}");
+    let (_d, path) = write("[server]\nmax_body_bytes = \"lots\"\n");
+    let (code, _o, err) = run(&["check-config", &path]);
+    assert_eq!(code, 1);
+    assert!(err.contains("server.max_body_bytes"), "{err}");
+}
+
+#[test]
+fn the_shipped_configs_are_valid() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    for file in ["config/fencegate.toml", "config/docker.toml"] {
+        let (code, out, err) = run(&["check-config", &format!("{root}/{file}")]);
+        assert_eq!(code, 0, "{file}: {out}{err}");
+    }
+}
+
+#[test]
+fn env_overrides_are_validated_too() {
+    let root = env!("CARGO_MANIFEST_DIR");
+    let out = std::process::Command::new(crate::support::process::binary())
+        .args(["check-config", &format!("{root}/config/fencegate.toml")])
+        .env("FENCEGATE__STORE__MODE", "weird")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("store.mode (from FENCEGATE__STORE__MODE)"),
+        "{err}"
+    );
+}

@@ -1,0 +1,116 @@
+//! The new highest token is durable before forwarding: it survives a
+//! graceful restart and a kill -9, on both stores. And only one `single`
+//! instance may use a store.
+
+use crate::support::app::{config_text, docs_route, problem, TestApp};
+use crate::support::db::{Backend, TestStore};
+use crate::support::process::GatewayProcess;
+use crate::support::upstream::Upstream;
+
+#[tokio::test]
+async fn survives_restart_sqlite() {
+    survives_restart(Backend::Sqlite).await
+}
+
+#[tokio::test]
+async fn survives_restart_postgres() {
+    survives_restart(Backend::Postgres).await
+}
+
+async fn survives_restart(b: Backend) {
+    let store = TestStore::new(b).await;
+    let up = Upstream::start().await;
+    let app = TestApp::spawn(&store.url, &docs_route(&up.url())).await;
+    assert_eq!(app.put("/docs/a", Some("34"), "B").await.status(), 200);
+    app.stop().await;
+    let app = TestApp::spawn(&store.url, &docs_route(&up.url())).await;
+    let body = problem(app.put("/docs/a", Some("33"), "A").await, 409).await;
+    assert_eq!(body["highest_token"], 34);
+    assert_eq!(
+        app.put("/docs/a", Some("34"), "B again").await.status(),
+        200
+    );
+}
+
+#[tokio::test]
+async fn survives_kill_9_sqlite() {
+    survives_kill_9(Backend::Sqlite).await
+}
+
+#[tokio::test]
+async fn survives_kill_9_postgres() {
+    survives_kill_9(Backend::Postgres).await
+}
+
+/// Acknowledged tokens survive kill -9 of the gateway process, including
+/// writes acknowledged the instant before the kill.
+async fn survives_kill_9(b: Backend) {
+    let store = TestStore::new(b).await;
+    let up = Upstream::start().await;
+    let config = config_text(&store.url, &docs_route(&up.url()));
+    let mut gw = GatewayProcess::start(&config);
+    let http = reqwest::Client::new();
+    let mut last_acked = 0;
+    for t in 1..=50 {
+        let resp = http
+            .put(gw.url(&format!("/docs/k{}", t % 5)))
+            .header("x-fence-token", t.to_string())
+            .body("x")
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        last_acked = t;
+    }
+    gw.kill9();
+    let gw = GatewayProcess::start(&config);
+    for k in 0..5 {
+        // The highest acknowledged token for key k is the largest t ≤ 50 with t % 5 == k.
+        let highest = (1..=last_acked).filter(|t| t % 5 == k).max().unwrap();
+        let resp = http
+            .put(gw.url(&format!("/docs/k{k}")))
+            .header("x-fence-token", (highest - 1).to_string())
+            .body("stale")
+            .send()
+            .await
+            .unwrap();
+        let body = problem(resp, 409).await;
+        assert_eq!(body["highest_token"], highest, "key k{k}");
+    }
+    assert!(
+        up.applied().iter().all(|a| &a.body[..] == b"x"),
+        "no stale write reached the upstream"
+    );
+}
+
+#[tokio::test]
+async fn second_single_instance_is_refused_sqlite() {
+    second_single_instance_is_refused(Backend::Sqlite).await
+}
+
+#[tokio::test]
+async fn second_single_instance_is_refused_postgres() {
+    second_single_instance_is_refused(Backend::Postgres).await
+}
+
+async fn second_single_instance_is_refused(b: Backend) {
+    let store = TestStore::new(b).await;
+    let up = Upstream::start().await;
+    let first = TestApp::spawn(&store.url, &docs_route(&up.url())).await;
+    let second = TestApp::try_spawn(&store.url, &docs_route(&up.url())).await;
+    let err = match second {
+        Ok(_) => panic!("a second single-mode instance started on the same store"),
+        Err(e) => e.to_string(),
+    };
+    assert!(err.contains("another fencegate instance"), "{err}");
+    // Also as a process: it exits non-zero with the message.
+    let config = config_text(&store.url, &docs_route(&up.url()));
+    let log = match GatewayProcess::try_start(&config) {
+        Ok(_) => panic!("a second single-mode process started"),
+        Err(log) => log,
+    };
+    assert!(log.contains("another fencegate instance"), "{log}");
+    // Once the first stops, a new instance may start.
+    first.stop().await;
+    TestApp::spawn(&store.url, &docs_route(&up.url())).await;
+}

@@ -1,0 +1,208 @@
+//! Header hygiene and streaming.
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+use crate::support::app::{docs_route, problem, TestApp};
+use crate::support::db::{Backend, TestStore};
+use crate::support::upstream::Upstream;
+
+async fn setup() -> (TestStore, Upstream, TestApp) {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = Upstream::start().await;
+    let app = TestApp::spawn(&store.url, &docs_route(&up.url())).await;
+    (store, up, app)
+}
+
+#[tokio::test]
+async fn hop_by_hop_headers_are_removed_and_forwarding_headers_set() {
+    let (_s, up, app) = setup().await;
+    // Raw HTTP, so nothing in the client library normalizes what we send.
+    let mut s = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    s.write_all(
+        b"PUT /docs/h?x=1 HTTP/1.1\r\n\
+          Host: client.example\r\n\
+          Connection: keep-alive, X-Private\r\n\
+          X-Private: secret\r\n\
+          Keep-Alive: timeout=5\r\n\
+          TE: trailers\r\n\
+          Trailer: X-Checksum\r\n\
+          Upgrade: websocket\r\n\
+          Proxy-Authorization: Basic Zm9vOmJhcg==\r\n\
+          Proxy-Connection: keep-alive\r\n\
+          X-Forwarded-For: 10.1.2.3\r\n\
+          X-Forwarded-Proto: https\r\n\
+          X-Fence-Token: 0042\r\n\
+          X-Custom: kept\r\n\
+          Content-Length: 5\r\n\r\nhello",
+    )
+    .await
+    .unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = s.read(&mut buf).await.unwrap();
+    let head = String::from_utf8_lossy(&buf[..n]);
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+
+    let reqs = up.requests();
+    assert_eq!(reqs.len(), 1);
+    let r = &reqs[0];
+    assert_eq!(r.path_and_query, "/docs/h?x=1");
+    let h = &r.headers;
+    for gone in [
+        "connection",
+        "x-private",
+        "keep-alive",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authorization",
+        "proxy-connection",
+    ] {
+        assert!(!h.contains_key(gone), "{gone} was forwarded");
+    }
+    assert_eq!(h["x-fence-token"], "0042", "token forwarded unchanged");
+    assert_eq!(h["x-custom"], "kept");
+    assert_eq!(h["x-forwarded-for"], "10.1.2.3, 127.0.0.1");
+    assert_eq!(h["x-forwarded-proto"], "http");
+    assert_eq!(h["x-forwarded-host"], "client.example");
+    assert_eq!(
+        h["host"],
+        up.addr().to_string(),
+        "upstream authority comes from config"
+    );
+    assert_eq!(r.body_len, 5);
+}
+
+#[tokio::test]
+async fn bodies_stream_both_ways() {
+    let (_s, up, app) = setup().await;
+    // 8 MiB up, chunked (unknown length), through the gateway.
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
+        (0..128).map(|_| Ok(vec![7u8; 64 * 1024])).collect();
+    let resp = app
+        .http
+        .put(app.url("/docs/big"))
+        .header("x-fence-token", "1")
+        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
+            chunks,
+        )))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(up.applied()[0].body.len(), 8 * 1024 * 1024);
+    // 32 MiB down, larger than the request limit: responses are not limited.
+    let resp = app
+        .http
+        .get(app.url("/docs/big"))
+        .header("x-test-response-bytes", (32 * 1024 * 1024).to_string())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.bytes().await.unwrap().len(), 32 * 1024 * 1024);
+}
+
+#[tokio::test]
+async fn oversized_bodies_are_413() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = Upstream::start().await;
+    // A small limit via the [server] section.
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nmax_body_bytes = 1000\n\
+         [store]\nurl = \"{}\"\n{}",
+        store.url,
+        docs_route(&up.url())
+    );
+    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
+    let app = TestApp::from_config(config).await.unwrap();
+    // Declared too large: refused before anything else.
+    let resp = app.put("/docs/a", Some("1"), &"x".repeat(1001)).await;
+    problem(resp, 413).await;
+    // Chunked and too large: cut off on the bytes actually read.
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = (0..4).map(|_| Ok(vec![1u8; 600])).collect();
+    let resp = app
+        .http
+        .put(app.url("/docs/b"))
+        .header("x-fence-token", "1")
+        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
+            chunks,
+        )))
+        .send()
+        .await
+        .unwrap();
+    problem(resp, 413).await;
+    assert!(up.applied().is_empty(), "no oversized write was applied");
+    // At the limit is fine.
+    assert_eq!(
+        app.put("/docs/c", Some("1"), &"x".repeat(1000))
+            .await
+            .status(),
+        200
+    );
+}
+
+/// Content-Length together with Transfer-Encoding (RFC 9112 §6.1): the
+/// server parses the body by Transfer-Encoding alone, drops Content-Length
+/// and closes the connection afterwards, so the upstream receives one
+/// unambiguous message and nothing can be smuggled behind it.
+#[tokio::test]
+async fn conflicting_framing_cannot_smuggle() {
+    let (_s, up, app) = setup().await;
+    let mut s = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    s.write_all(
+        b"PUT /docs/a HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 5\r\n\
+          Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n\
+          PUT /docs/a HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 0\r\nContent-Length: 0\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut all = Vec::new();
+    let read =
+        tokio::time::timeout(std::time::Duration::from_secs(5), s.read_to_end(&mut all)).await;
+    assert!(
+        read.is_ok(),
+        "the connection must be closed after such a request"
+    );
+    let text = String::from_utf8_lossy(&all);
+    assert!(
+        text.starts_with("HTTP/1.1 200") || text.starts_with("HTTP/1.1 400"),
+        "{text}"
+    );
+    assert_eq!(
+        text.matches("HTTP/1.1").count(),
+        1,
+        "the request behind it was not served: {text}"
+    );
+    for r in up.requests() {
+        assert!(
+            !r.headers.contains_key("content-length") || r.body_len == 5,
+            "{r:?}"
+        );
+        assert_eq!(r.body_len, 5);
+    }
+}
+
+#[tokio::test]
+async fn garbage_requests_get_4xx_not_a_crash() {
+    let (_s, up, app) = setup().await;
+    for raw in [
+        &b"GARBAGE\r\n\r\n"[..],
+        b"PUT /docs/a HTTP/1.1\r\nHost: x\r\nX-Fence-Token: \xff\xfe\r\nContent-Length: 0\r\n\r\n",
+        b"PUT /docs/%ff HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 0\r\n\r\n",
+        b"PUT /docs/a HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: abc\r\n\r\n",
+    ] {
+        let mut s = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+        s.write_all(raw).await.unwrap();
+        let mut buf = vec![0u8; 4096];
+        let n = s.read(&mut buf).await.unwrap_or(0);
+        let head = String::from_utf8_lossy(&buf[..n]);
+        assert!(
+            head.starts_with("HTTP/1.1 4"),
+            "{:?} → {head}",
+            String::from_utf8_lossy(raw)
+        );
+    }
+    assert!(up.requests().is_empty());
+    // Still serving.
+    assert_eq!(app.put("/docs/a", Some("1"), "ok").await.status(), 200);
+}

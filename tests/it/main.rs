@@ -1,0 +1,12 @@
+//! Integration tests: real gateways (in-process and as processes), real
+//! upstreams on port 0, real SQLite files and Postgres databases.
+
+mod answer_table;
+mod config_errors;
+mod durability;
+mod headers;
+mod ordering;
+mod pg_outage;
+mod server_limits;
+mod support;
+mod upstream_selftest;

@@ -1,0 +1,254 @@
+//! The ordering guarantee under concurrency: for one key, no write reaches
+//! the upstream after a write with a higher token, and writes with different
+//! tokens are never in flight together.
+//!
+//! These tests fail on a naive check-then-forward gateway: with the gate
+//! bypassed (store check only), `lock_holders_never_overlap` reports
+//! "two tokens in flight" and "applied N after M" violations within its
+//! first few hundred writes, and the disconnect tests see the newer token
+//! forwarded while the older write is still open at the upstream.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use rand::Rng;
+use tokio::io::AsyncWriteExt;
+
+use crate::support::app::{docs_route, TestApp};
+use crate::support::db::{Backend, TestStore};
+use crate::support::upstream::{Upstream, UpstreamOptions};
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lock_holders_never_overlap_sqlite() {
+    lock_holders_never_overlap(Backend::Sqlite).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn lock_holders_never_overlap_postgres() {
+    lock_holders_never_overlap(Backend::Postgres).await
+}
+
+/// 24 clients act as lock holders on 3 documents: each takes the next token
+/// for a random document ("acquires the lock"), pauses at random (a GC
+/// pause), then writes one to three times with it while the upstream takes a
+/// random time to apply each write.
+async fn lock_holders_never_overlap(b: Backend) {
+    const CLIENTS: usize = 24;
+    const ROUNDS: usize = 12;
+    const DOCS: usize = 3;
+    let store = TestStore::new(b).await;
+    let up = Upstream::start_with(UpstreamOptions {
+        write_delay_ms: (0, 8),
+    })
+    .await;
+    let app = Arc::new(TestApp::spawn(&store.url, &docs_route(&up.url())).await);
+    let counters: Arc<Vec<AtomicI64>> = Arc::new((0..DOCS).map(|_| AtomicI64::new(0)).collect());
+    // body → token, for every write the gateway acknowledged with 200.
+    let acked: Arc<Mutex<HashMap<String, i64>>> = Arc::default();
+    let refused = Arc::new(AtomicI64::new(0));
+
+    let mut tasks = Vec::new();
+    for client in 0..CLIENTS {
+        let (app, counters, acked, refused) = (
+            app.clone(),
+            counters.clone(),
+            acked.clone(),
+            refused.clone(),
+        );
+        tasks.push(tokio::spawn(async move {
+            for round in 0..ROUNDS {
+                let (doc, pause, writes) = {
+                    let mut rng = rand::thread_rng();
+                    (
+                        rng.gen_range(0..DOCS),
+                        rng.gen_range(0..15u64),
+                        rng.gen_range(1..=3),
+                    )
+                };
+                let token = counters[doc].fetch_add(1, Ordering::SeqCst) + 1;
+                tokio::time::sleep(Duration::from_millis(pause)).await;
+                for w in 0..writes {
+                    let body = format!("c{client}-r{round}-w{w}-t{token}");
+                    let resp = app
+                        .put(&format!("/docs/{doc}"), Some(&token.to_string()), &body)
+                        .await;
+                    match resp.status().as_u16() {
+                        200 => {
+                            acked.lock().unwrap().insert(body, token);
+                        }
+                        409 => {
+                            let v: serde_json::Value = resp.json().await.unwrap();
+                            let highest = v["highest_token"].as_i64().unwrap();
+                            assert!(highest > token, "409 must name a higher token: {v}");
+                            refused.fetch_add(1, Ordering::Relaxed);
+                            break;
+                        }
+                        s => panic!(
+                            "unexpected status {s}: {}",
+                            resp.text().await.unwrap_or_default()
+                        ),
+                    }
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+
+    let violations = up.violations();
+    assert!(
+        violations.is_empty(),
+        "ordering violated:\n{}",
+        violations.join("\n")
+    );
+    let applied = up.applied();
+    let acked = acked.lock().unwrap();
+    let mut seen = HashMap::new();
+    for a in &applied {
+        let body = String::from_utf8_lossy(&a.body).into_owned();
+        *seen.entry(body).or_insert(0) += 1;
+    }
+    for (body, token) in acked.iter() {
+        assert_eq!(
+            seen.get(body),
+            Some(&1),
+            "acknowledged write {body} (token {token}) applied once"
+        );
+    }
+    assert_eq!(
+        applied.len(),
+        acked.len(),
+        "only acknowledged writes were applied"
+    );
+    assert!(
+        acked.len() > CLIENTS,
+        "the run did real work ({} writes)",
+        acked.len()
+    );
+    assert!(
+        refused.load(Ordering::Relaxed) > 0,
+        "the run exercised stale holders"
+    );
+}
+
+/// A client sends half its body with token 33 and goes away while a holder
+/// of 34 writes. The upstream must never see 34 while 33's request is open,
+/// and never apply the truncated write.
+#[tokio::test]
+async fn client_disconnect_mid_body_does_not_let_newer_overtake() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = Upstream::start().await;
+    let mut routes = docs_route(&up.url());
+    routes.push_str("timeout_ms = 1000\n");
+    let app = TestApp::spawn(&store.url, &routes).await;
+
+    let mut a = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    a.write_all(
+        b"PUT /docs/x HTTP/1.1\r\nhost: t\r\nx-fence-token: 33\r\ncontent-length: 100\r\n\r\n0123456789",
+    )
+    .await
+    .unwrap();
+    // Wait until the upstream has A's request open.
+    wait_for(|| up.in_flight() == 1).await;
+
+    let app2 = Arc::new(app);
+    let b = {
+        let app = app2.clone();
+        tokio::spawn(async move { app.put("/docs/x", Some("34"), "B").await.status() })
+    };
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    assert!(
+        !b.is_finished(),
+        "34 must wait while 33's write is open upstream"
+    );
+    assert!(up.applied().is_empty());
+    drop(a);
+    assert_eq!(b.await.unwrap(), 200);
+
+    let violations = up.violations();
+    assert!(violations.is_empty(), "{violations:?}");
+    let applied = up.applied();
+    assert_eq!(applied.len(), 1);
+    assert_eq!(applied[0].token, Some(34));
+    assert_eq!(
+        up.aborted().len(),
+        1,
+        "the truncated write was seen and not applied"
+    );
+}
+
+/// A write whose client disconnects after sending everything still runs to
+/// its end upstream, and a newer token waits for it.
+#[tokio::test]
+async fn forward_survives_client_disconnect() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = Upstream::start().await;
+    let app = Arc::new(TestApp::spawn(&store.url, &docs_route(&up.url())).await);
+
+    let a = {
+        let app = app.clone();
+        tokio::spawn(async move {
+            app.http
+                .put(app.url("/docs/y"))
+                .header("x-fence-token", "33")
+                .header("x-test-delay-ms", "400")
+                .body("A")
+                .send()
+                .await
+        })
+    };
+    wait_for(|| up.in_flight() == 1).await;
+    a.abort(); // the client goes away mid-exchange
+    let b = app.put("/docs/y", Some("34"), "B").await;
+    assert_eq!(b.status(), 200);
+    let violations = up.violations();
+    assert!(violations.is_empty(), "{violations:?}");
+    let order: Vec<_> = up.applied().iter().map(|a| a.token).collect();
+    assert_eq!(order, vec![Some(33), Some(34)], "A ran to its end before B");
+}
+
+/// Equal tokens may be in flight together (one holder writing in parallel).
+#[tokio::test]
+async fn equal_tokens_run_concurrently() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = Upstream::start().await;
+    let app = Arc::new(TestApp::spawn(&store.url, &docs_route(&up.url())).await);
+    let mut tasks = Vec::new();
+    for i in 0..4 {
+        let app = app.clone();
+        tasks.push(tokio::spawn(async move {
+            app.http
+                .put(app.url("/docs/z"))
+                .header("x-fence-token", "5")
+                .header("x-test-delay-ms", "300")
+                .body(format!("w{i}"))
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }));
+    }
+    let mut max_in_flight = 0;
+    while tasks.iter().any(|t| !t.is_finished()) {
+        max_in_flight = max_in_flight.max(up.in_flight());
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), 200);
+    }
+    assert!(max_in_flight > 1, "equal tokens were serialized");
+    assert!(up.violations().is_empty());
+}
+
+async fn wait_for(mut cond: impl FnMut() -> bool) {
+    for _ in 0..500 {
+        if cond() {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("condition not reached within 5 s");
+}

@@ -1,0 +1,126 @@
+//! An in-process gateway for tests: `Application::build` on port 0.
+
+use std::net::SocketAddr;
+
+use fencegate::app::{Application, StartError};
+use fencegate::config::Config;
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+/// A `[[routes]]` entry as TOML.
+pub fn route(name: &str, path: &str, upstream: &str, key: &str) -> String {
+    format!(
+        "[[routes]]\nname = \"{name}\"\npath = \"{path}\"\nupstream = \"{upstream}\"\nkey = \"{key}\"\n"
+    )
+}
+
+/// The usual test route: `/docs/{id}` → `doc:{id}`.
+pub fn docs_route(upstream: &str) -> String {
+    route("docs", "/docs/{id}", upstream, "doc:{id}")
+}
+
+/// A whole config: listeners on port 0, the store, then `extra` (routes and
+/// any other sections).
+pub fn config_text(store_url: &str, extra: &str) -> String {
+    format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+         [store]\nurl = \"{store_url}\"\ntimeout_ms = 1500\n{extra}"
+    )
+}
+
+pub struct TestApp {
+    pub addr: SocketAddr,
+    pub admin: SocketAddr,
+    pub http: reqwest::Client,
+    stop: Option<oneshot::Sender<()>>,
+    task: Option<JoinHandle<()>>,
+}
+
+impl TestApp {
+    pub async fn spawn(store_url: &str, extra: &str) -> TestApp {
+        match Self::try_spawn(store_url, extra).await {
+            Ok(a) => a,
+            Err(e) => panic!("gateway did not start: {e}"),
+        }
+    }
+
+    pub async fn try_spawn(store_url: &str, extra: &str) -> Result<TestApp, StartError> {
+        let text = config_text(store_url, extra);
+        let config = Config::from_toml("test.toml", &text, Vec::new())
+            .unwrap_or_else(|e| panic!("test config is invalid:\n{e}\n---\n{text}"));
+        Self::from_config(config).await
+    }
+
+    pub async fn from_config(config: Config) -> Result<TestApp, StartError> {
+        let app = Application::build(config).await?;
+        let addr = app.traffic_addr();
+        let admin = app.admin_addr();
+        let (tx, rx) = oneshot::channel::<()>();
+        let task = tokio::spawn(app.run(async move {
+            let _ = rx.await;
+        }));
+        Ok(TestApp {
+            addr,
+            admin,
+            http: reqwest::Client::builder()
+                .pool_max_idle_per_host(64)
+                .build()
+                .expect("reqwest client"),
+            stop: Some(tx),
+            task: Some(task),
+        })
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://{}{}", self.addr, path)
+    }
+
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.admin, path)
+    }
+
+    /// A fenced PUT with an optional raw token header value.
+    pub async fn put(&self, path: &str, token: Option<&str>, body: &str) -> reqwest::Response {
+        let mut req = self.http.put(self.url(path)).body(body.to_string());
+        if let Some(t) = token {
+            req = req.header("x-fence-token", t);
+        }
+        req.send().await.expect("gateway answered")
+    }
+
+    /// Graceful stop; waits until the gateway has released its store.
+    pub async fn stop(mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+        if let Some(t) = self.task.take() {
+            let _ = t.await;
+        }
+    }
+}
+
+impl Drop for TestApp {
+    fn drop(&mut self) {
+        if let Some(tx) = self.stop.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// Reads a problem+json answer, checking the content type and base fields.
+pub async fn problem(resp: reqwest::Response, status: u16) -> serde_json::Value {
+    assert_eq!(resp.status().as_u16(), status, "unexpected status");
+    let ct = resp
+        .headers()
+        .get("content-type")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
+    assert_eq!(ct, "application/problem+json");
+    let body: serde_json::Value = resp.json().await.expect("problem body is JSON");
+    assert_eq!(body["status"], status);
+    for field in ["type", "title", "detail"] {
+        assert!(body[field].is_string(), "problem lacks {field}: {body}");
+    }
+    body
+}

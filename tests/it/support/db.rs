@@ -1,0 +1,121 @@
+//! Databases for tests: a fresh Postgres database per test on the shared
+//! server (or `DATABASE_URL`), or a SQLite file in a temp dir.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+
+use sqlx::{Connection, PgConnection};
+
+/// Which fence store a test runs against.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+/// The server that tests create their databases on.
+pub fn admin_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_string())
+}
+
+/// A store for one test; removed when dropped.
+pub struct TestStore {
+    pub url: String,
+    _dir: Option<tempfile::TempDir>,
+    pg_name: Option<String>,
+}
+
+static COUNTER: AtomicU32 = AtomicU32::new(0);
+
+impl TestStore {
+    pub async fn new(backend: Backend) -> Self {
+        match backend {
+            Backend::Sqlite => {
+                let dir = tempfile::tempdir().expect("temp dir");
+                let url = format!("sqlite://{}", dir.path().join("fences.db").display());
+                Self {
+                    url,
+                    _dir: Some(dir),
+                    pg_name: None,
+                }
+            }
+            Backend::Postgres => {
+                let name = format!(
+                    "fg_test_{}_{}_{}",
+                    std::process::id(),
+                    COUNTER.fetch_add(1, Ordering::Relaxed),
+                    rand::random::<u32>()
+                );
+                create_database(&name).await;
+                let url = database_url(&name);
+                Self {
+                    url,
+                    _dir: None,
+                    pg_name: Some(name),
+                }
+            }
+        }
+    }
+}
+
+/// `admin_url()` with its database replaced by `name`.
+pub fn database_url(name: &str) -> String {
+    let base = admin_url();
+    let (prefix, query) = match base.split_once('?') {
+        Some((p, q)) => (p.to_string(), format!("?{q}")),
+        None => (base.clone(), String::new()),
+    };
+    let after_scheme = prefix.find("://").map(|i| i + 3).unwrap_or(0);
+    let root = match prefix[after_scheme..].find('/') {
+        Some(i) => &prefix[..after_scheme + i],
+        None => prefix.as_str(),
+    };
+    format!("{root}/{name}{query}")
+}
+
+async fn connect_admin() -> PgConnection {
+    let url = admin_url();
+    match PgConnection::connect(&url).await {
+        Ok(c) => c,
+        Err(e) => panic!(
+            "cannot reach Postgres at {url}: {e}\n\
+             Start it with: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start\n\
+             (or point DATABASE_URL at a Postgres server where this user may CREATE DATABASE)"
+        ),
+    }
+}
+
+async fn create_database(name: &str) {
+    let mut conn = connect_admin().await;
+    sqlx::query(&format!("CREATE DATABASE \"{name}\""))
+        .execute(&mut conn)
+        .await
+        .unwrap_or_else(|e| panic!("CREATE DATABASE {name}: {e}"));
+    let _ = conn.close().await;
+}
+
+impl Drop for TestStore {
+    fn drop(&mut self) {
+        if let Some(name) = self.pg_name.take() {
+            // Best effort, on a thread of its own: Drop cannot await and may
+            // run inside a runtime.
+            let _ = std::thread::spawn(move || {
+                let rt = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build();
+                if let Ok(rt) = rt {
+                    rt.block_on(async {
+                        if let Ok(mut c) = PgConnection::connect(&admin_url()).await {
+                            let _ = sqlx::query(&format!(
+                                "DROP DATABASE IF EXISTS \"{name}\" WITH (FORCE)"
+                            ))
+                            .execute(&mut c)
+                            .await;
+                        }
+                    });
+                }
+            })
+            .join();
+        }
+    }
+}

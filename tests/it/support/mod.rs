@@ -1,0 +1,17 @@
+#![allow(dead_code)]
+
+pub mod app;
+pub mod db;
+pub mod pg;
+pub mod process;
+pub mod upstream;
+
+/// Sends raw bytes on a new connection and returns what came back first.
+pub async fn raw_request(addr: std::net::SocketAddr, raw: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    s.write_all(raw.as_bytes()).await.expect("write");
+    let mut buf = vec![0u8; 8192];
+    let n = s.read(&mut buf).await.unwrap_or(0);
+    String::from_utf8_lossy(&buf[..n]).into_owned()
+}
