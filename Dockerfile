@@ -35,14 +35,13 @@ RUN rm -rf target/release/.fingerprint/fencegate-* \
 # ---------------------------------------------------------------- runtime ---
 FROM debian:bookworm-slim AS runtime
 
-# ca-certificates: TLS to upstreams/Postgres. curl: the HEALTHCHECK below
-# (the binary has no health subcommand). Versions are deliberately not
+# curl: the HEALTHCHECK below (the binary has no health subcommand). Versions are deliberately not
 # pinned: Debian only keeps the current security release of a package in
 # the archive, so a pinned version would break the build after the next
 # point release; the base image tag already fixes the Debian release.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends ca-certificates curl \
+    && apt-get install -y --no-install-recommends curl \
     && rm -rf /var/lib/apt/lists/*
 
 # Fixed, unprivileged uid/gid so volume ownership is predictable.

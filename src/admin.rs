@@ -3,11 +3,11 @@
 
 use std::time::Duration;
 
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use http::{header, HeaderValue, StatusCode};
+use http::{header, HeaderValue, StatusCode, Uri};
 
 use crate::error::Problem;
 use crate::metrics::Metrics;
@@ -28,6 +28,7 @@ pub fn router(state: AdminState) -> Router {
         .route("/metrics", get(metrics))
         .route("/fences/{*key}", get(fence))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
 }
 
@@ -67,7 +68,22 @@ async fn metrics(State(s): State<AdminState>) -> Response {
         .into_response()
 }
 
-async fn fence(State(s): State<AdminState>, Path(key): Path<String>) -> Response {
+async fn fence(State(s): State<AdminState>, uri: Uri) -> Response {
+    // Decoded by hand rather than with the `Path` extractor, whose rejection
+    // would not be a problem document.
+    let raw = uri.path().strip_prefix("/fences/").unwrap_or_default();
+    let key = match percent_encoding::percent_decode_str(raw).decode_utf8() {
+        Ok(k) => k.into_owned(),
+        Err(_) => {
+            return Problem::new(
+                StatusCode::BAD_REQUEST,
+                "bad-path",
+                "Bad request path",
+                "the resource key does not decode to UTF-8",
+            )
+            .into_response()
+        }
+    };
     match s.store.get(&key).await {
         Ok(Some(rec)) => Json(rec).into_response(),
         Ok(None) => Problem::new(
@@ -101,6 +117,16 @@ async fn not_found() -> Response {
         "not-found",
         "Not found",
         "the admin API serves /healthz, /readyz, /metrics and /fences/{key}",
+    )
+    .into_response()
+}
+
+async fn method_not_allowed() -> Response {
+    Problem::new(
+        StatusCode::METHOD_NOT_ALLOWED,
+        "method-not-allowed",
+        "Method not allowed",
+        "the admin API is read-only: use GET",
     )
     .into_response()
 }

@@ -47,7 +47,8 @@ pub struct Metrics {
     pub upstream_errors: Family<UpstreamErrorLabels, Counter>,
     /// Store failures by operation.
     pub store_errors: Family<StoreErrorLabels, Counter>,
-    /// Time fenced writes waited at the gate for older tokens to drain.
+    /// Time fenced writes spent being decided: the store write plus the wait
+    /// at the gate for older tokens' writes to finish.
     pub gate_wait: Histogram,
     /// Keys with writes in flight or waiting.
     pub gate_keys: Gauge,
@@ -96,7 +97,7 @@ impl Metrics {
         );
         registry.register(
             "gate_wait_seconds",
-            "Time fenced writes waited for older tokens' writes to finish",
+            "Time fenced writes spent being decided: store write plus waiting at the gate",
             gate_wait.clone(),
         );
         registry.register(

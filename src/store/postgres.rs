@@ -151,11 +151,15 @@ fn connect_options(url: &str, timeout: Duration) -> Result<PgConnectOptions, Sto
         .parse()
         .map_err(|e| StoreError::Other(format!("bad store URL {}: {e}", redact_url(url))))?;
     // A server-side bound too, so an abandoned statement does not hold row
-    // locks long after the client gave up on it.
+    // locks long after the client gave up on it. And synchronous_commit on,
+    // whatever the server or role default says: a decision must be on disk
+    // before it is acknowledged, or the fence table could go backwards after
+    // a crash.
     let ms = (timeout.as_millis() * 2).to_string();
-    Ok(opts
-        .application_name("fencegate")
-        .options([("statement_timeout", ms.as_str())]))
+    Ok(opts.application_name("fencegate").options([
+        ("statement_timeout", ms.as_str()),
+        ("synchronous_commit", "on"),
+    ]))
 }
 
 /// The single-writer lock: a session advisory lock held on a connection we

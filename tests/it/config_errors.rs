@@ -113,3 +113,42 @@ fn env_overrides_are_validated_too() {
         "{err}"
     );
 }
+
+#[tokio::test]
+async fn migrate_command_creates_the_schema() {
+    use crate::support::db::{Backend, TestStore};
+    use sqlx::Connection;
+    for b in [Backend::Sqlite, Backend::Postgres] {
+        let store = TestStore::new(b).await;
+        let (code, out, err) = run(&["migrate", "--database-url", &store.url]);
+        assert_eq!(code, 0, "{b:?}: {out}{err}");
+        assert!(out.contains("migrations applied"), "{out}");
+        // Twice is fine.
+        let (code, _, err) = run(&["migrate", "--database-url", &store.url]);
+        assert_eq!(code, 0, "{err}");
+        let n: i64 = match b {
+            Backend::Sqlite => {
+                let mut c = sqlx::SqliteConnection::connect(&store.url).await.unwrap();
+                sqlx::query_scalar("SELECT count(*) FROM fences")
+                    .fetch_one(&mut c)
+                    .await
+                    .unwrap()
+            }
+            Backend::Postgres => {
+                let mut c = sqlx::PgConnection::connect(&store.url).await.unwrap();
+                sqlx::query_scalar("SELECT count(*) FROM fences")
+                    .fetch_one(&mut c)
+                    .await
+                    .unwrap()
+            }
+        };
+        assert_eq!(n, 0);
+    }
+    let (code, _, err) = run(&[
+        "migrate",
+        "--database-url",
+        "postgres://postgres@127.0.0.1:1/none",
+    ]);
+    assert_eq!(code, 1);
+    assert!(err.starts_with("migrate:"), "{err}");
+}
