@@ -106,9 +106,12 @@ impl Application {
                 let _ = rx.wait_for(|s| *s).await;
             }
         };
+        // Request spans at DEBUG: free when that level is off, and a
+        // per-request trace when chasing a problem (RUST_LOG=tower_http=debug).
         let traffic_router = Router::new()
             .fallback(gateway::handle)
-            .with_state(self.gateway.clone());
+            .with_state(self.gateway.clone())
+            .layer(tower_http::trace::TraceLayer::new_for_http());
         let admin_router = admin::router(self.admin_state.clone());
         let traffic = tokio::spawn(server::serve(
             self.traffic,

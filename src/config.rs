@@ -289,7 +289,11 @@ struct RawDemo {
 impl Config {
     /// Loads a config file with overrides from the process environment.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        Self::load_with_env(path, std::env::vars())
+        // `vars_os`, not `vars`: the latter panics on a variable that is not
+        // UTF-8, and an unrelated variable must not crash the gateway.
+        let env = std::env::vars_os()
+            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)));
+        Self::load_with_env(path, env)
     }
 
     /// Loads a config file with overrides from the given variables.

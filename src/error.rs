@@ -23,6 +23,9 @@ pub enum GatewayError {
     /// The upstream failed after the fence check passed.
     #[error(transparent)]
     Upstream(#[from] UpstreamError),
+    /// A bug of ours; the string says where.
+    #[error("internal error: {0}")]
+    Internal(&'static str),
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -187,6 +190,12 @@ impl GatewayError {
             .header(
                 header::RETRY_AFTER,
                 HeaderValue::from(retry_after.as_secs().max(1)),
+            ),
+            GatewayError::Internal(what) => Problem::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal",
+                "Internal error",
+                format!("the gateway failed internally ({what}); see its log"),
             ),
             GatewayError::Upstream(UpstreamError::Unreachable { route, .. }) => Problem::new(
                 StatusCode::BAD_GATEWAY,

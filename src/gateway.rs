@@ -50,8 +50,12 @@ pub async fn handle(State(state): State<GatewayState>, req: Request<Body>) -> Re
     match serve(state, req).await {
         Ok(resp) => resp,
         Err(e) => {
-            if let GatewayError::Store(err) = &e {
-                tracing::warn!(error = %err, "fence store unavailable; answering 503");
+            match &e {
+                GatewayError::Store(err) => {
+                    tracing::warn!(error = %err, "fence store unavailable; answering 503")
+                }
+                GatewayError::Internal(what) => tracing::error!(what, "internal error"),
+                _ => tracing::debug!(error = %e, "request refused"),
             }
             e.to_problem(retry_after).into_response()
         }
@@ -108,13 +112,9 @@ async fn serve(state: GatewayState, req: Request<Body>) -> Result<Response, Gate
         let result = fenced_write(&state, &route, key, token, req, peer, &tx).await;
         let _ = tx.send(result);
     });
-    rx.await.unwrap_or_else(|_| {
-        // The task panicked; nothing of ours may be assumed about it.
-        Err(GatewayError::Upstream(UpstreamError::Unreachable {
-            route: String::new(),
-            detail: "internal task failed".into(),
-        }))
-    })
+    rx.await.unwrap_or(Err(GatewayError::Internal(
+        "the fenced write task ended without an answer",
+    )))
 }
 
 /// Check the fence, then forward while holding the key's permit.
