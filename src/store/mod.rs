@@ -76,10 +76,49 @@ impl FenceStore {
         }
     }
 
+    /// Issues the next fence for a lock name, durably: above every fence
+    /// issued for the name and above the highest token recorded for the
+    /// resource key of the same name. Used by Redlock grants.
+    pub async fn issue_fence(&self, name: &str) -> Result<i64, StoreError> {
+        match self {
+            Self::Postgres(s) => s.issue_fence(name).await,
+            Self::Sqlite(s) => s.issue_fence(name).await,
+        }
+    }
+
+    /// The value every new fence for `name` must exceed: the last fence
+    /// issued for it, or the highest token recorded for the key, whichever is
+    /// higher (0 if neither exists).
+    pub async fn fence_floor(&self, name: &str) -> Result<i64, StoreError> {
+        match self {
+            Self::Postgres(s) => s.fence_floor(name).await,
+            Self::Sqlite(s) => s.fence_floor(name).await,
+        }
+    }
+
+    /// Durably records `fence` as issued for `name` if it is above the floor.
+    /// Returns false (and records nothing) when it is not: a grant with that
+    /// fence must then be withdrawn.
+    pub async fn record_fence(&self, name: &str, fence: i64) -> Result<bool, StoreError> {
+        match self {
+            Self::Postgres(s) => s.record_fence(name, fence).await,
+            Self::Sqlite(s) => s.record_fence(name, fence).await,
+        }
+    }
+
     pub async fn get(&self, key: &str) -> Result<Option<FenceRecord>, StoreError> {
         match self {
             Self::Postgres(s) => s.get(key).await,
             Self::Sqlite(s) => s.get(key).await,
+        }
+    }
+
+    /// Fails when this instance may not write the store now (in `single`
+    /// mode on Postgres: the single-writer lock is not held).
+    pub fn check_writer(&self) -> Result<(), StoreError> {
+        match self {
+            Self::Postgres(s) => s.check_owner(),
+            Self::Sqlite(_) => Ok(()),
         }
     }
 

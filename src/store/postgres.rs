@@ -38,6 +38,32 @@ UNION ALL
 SELECT highest_token FROM fences
  WHERE resource_key = $1 AND NOT EXISTS (SELECT 1 FROM up)";
 
+/// Next fence for a lock name: above every fence issued for it and above the
+/// highest token recorded for the resource key of the same name.
+const ISSUE_FENCE: &str = "\
+INSERT INTO locks AS l (name, fence)
+VALUES ($1, COALESCE((SELECT highest_token FROM fences WHERE resource_key = $1), 0) + 1)
+ON CONFLICT (name) DO UPDATE
+    SET fence = GREATEST(l.fence, COALESCE((SELECT highest_token FROM fences WHERE resource_key = $1), 0)) + 1
+RETURNING fence";
+
+/// The highest fence a grant for this name must exceed.
+const FENCE_FLOOR: &str = "\
+SELECT GREATEST(
+    COALESCE((SELECT fence FROM locks WHERE name = $1), 0),
+    COALESCE((SELECT highest_token FROM fences WHERE resource_key = $1), 0))";
+
+/// Records a fence issued elsewhere (Redis) if it is above the floor;
+/// returns a row only when it was.
+const RECORD_FENCE: &str = "\
+INSERT INTO locks AS l (name, fence)
+SELECT $1, $2
+ WHERE $2 > COALESCE((SELECT highest_token FROM fences WHERE resource_key = $1), 0)
+ON CONFLICT (name) DO UPDATE
+    SET fence = EXCLUDED.fence
+    WHERE l.fence < EXCLUDED.fence
+RETURNING fence";
+
 #[derive(Clone)]
 pub struct PgStore {
     pool: PgPool,
@@ -72,7 +98,8 @@ impl PgStore {
         })
     }
 
-    fn check_owner(&self) -> Result<(), StoreError> {
+    /// Fails when, in `single` mode, the single-writer lock is not held.
+    pub fn check_owner(&self) -> Result<(), StoreError> {
         match &self.owner {
             Some(o) if !o.held.load(Ordering::Acquire) => Err(StoreError::NotOwner),
             _ => Ok(()),
@@ -105,6 +132,45 @@ impl PgStore {
         highest.ok_or_else(|| {
             StoreError::Other(format!("fence row for '{key}' vanished during a decision"))
         })
+    }
+
+    pub async fn issue_fence(&self, name: &str) -> Result<i64, StoreError> {
+        self.check_owner()?;
+        bounded(self.timeout, async {
+            sqlx::query_scalar(ISSUE_FENCE)
+                .bind(name)
+                .fetch_one(&self.pool)
+                .await
+        })
+        .await
+    }
+
+    pub async fn fence_floor(&self, name: &str) -> Result<i64, StoreError> {
+        bounded(self.timeout, async {
+            sqlx::query_scalar(FENCE_FLOOR)
+                .bind(name)
+                .fetch_one(&self.pool)
+                .await
+        })
+        .await
+    }
+
+    pub async fn record_fence(&self, name: &str, fence: i64) -> Result<bool, StoreError> {
+        self.check_owner()?;
+        bounded(self.timeout, async {
+            let raised: Option<i64> = sqlx::query_scalar(RECORD_FENCE)
+                .bind(name)
+                .bind(fence)
+                .fetch_optional(&self.pool)
+                .await?;
+            Ok(raised.is_some())
+        })
+        .await
+    }
+
+    /// The pool, for the lock API's store backend.
+    pub fn pool(&self) -> &PgPool {
+        &self.pool
     }
 
     pub async fn get(&self, key: &str) -> Result<Option<FenceRecord>, StoreError> {

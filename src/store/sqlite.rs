@@ -75,6 +75,57 @@ impl SqliteStore {
         .await
     }
 
+    pub async fn issue_fence(&self, name: &str) -> Result<i64, StoreError> {
+        bounded(self.timeout, async {
+            sqlx::query_scalar(
+                "INSERT INTO locks (name, fence) \
+                 VALUES (?1, COALESCE((SELECT highest_token FROM fences WHERE resource_key = ?1), 0) + 1) \
+                 ON CONFLICT (name) DO UPDATE \
+                    SET fence = MAX(locks.fence, COALESCE((SELECT highest_token FROM fences WHERE resource_key = ?1), 0)) + 1 \
+                 RETURNING fence",
+            )
+            .bind(name)
+            .fetch_one(&self.pool)
+            .await
+        })
+        .await
+    }
+
+    pub async fn fence_floor(&self, name: &str) -> Result<i64, StoreError> {
+        bounded(self.timeout, async {
+            sqlx::query_scalar(
+                "SELECT MAX(COALESCE((SELECT fence FROM locks WHERE name = ?1), 0), \
+                            COALESCE((SELECT highest_token FROM fences WHERE resource_key = ?1), 0))",
+            )
+            .bind(name)
+            .fetch_one(&self.pool)
+            .await
+        })
+        .await
+    }
+
+    pub async fn record_fence(&self, name: &str, fence: i64) -> Result<bool, StoreError> {
+        bounded(self.timeout, async {
+            let raised: Option<i64> = sqlx::query_scalar(
+                "INSERT INTO locks (name, fence) \
+                 SELECT ?1, ?2 WHERE ?2 > COALESCE((SELECT highest_token FROM fences WHERE resource_key = ?1), 0) \
+                 ON CONFLICT (name) DO UPDATE SET fence = excluded.fence WHERE locks.fence < excluded.fence \
+                 RETURNING fence",
+            )
+            .bind(name)
+            .bind(fence)
+            .fetch_optional(&self.pool)
+            .await?;
+            Ok(raised.is_some())
+        })
+        .await
+    }
+
+    /// The pool, for the lock API's store backend.
+    pub fn pool(&self) -> &SqlitePool {
+        &self.pool
+    }
+
     pub async fn get(&self, key: &str) -> Result<Option<FenceRecord>, StoreError> {
         bounded(self.timeout, async {
             let row = sqlx::query(

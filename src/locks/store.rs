@@ -1,0 +1,269 @@
+//! `backend = "store"`: leases in the gateway's own database.
+//!
+//! Every operation is one statement, and expiry is judged by the database's
+//! clock (`now()` on Postgres, `julianday('now')` on SQLite), never by a
+//! gateway's or a client's. The fence is a per-name counter in the same row:
+//! it survives release and expiry, and each grant takes one above both it
+//! and the highest token the gateway recorded for the resource key.
+
+use std::time::Duration;
+
+use sqlx::Row;
+
+use super::backend::{Lease, LockError, LockState};
+use crate::store::FenceStore;
+
+/// Postgres: take the lock if it is free or expired.
+const PG_ACQUIRE: &str = "\
+INSERT INTO locks AS l (name, fence, lease, expires_at)
+VALUES ($1, COALESCE((SELECT highest_token FROM fences WHERE resource_key = $1), 0) + 1,
+        $2, now() + $3 * interval '1 millisecond')
+ON CONFLICT (name) DO UPDATE
+    SET fence = GREATEST(l.fence, COALESCE((SELECT highest_token FROM fences WHERE resource_key = $1), 0)) + 1,
+        lease = EXCLUDED.lease,
+        expires_at = EXCLUDED.expires_at
+    WHERE l.lease IS NULL OR l.expires_at <= now()
+RETURNING fence, GREATEST(0, (EXTRACT(EPOCH FROM (expires_at - now())) * 1000))::bigint";
+
+/// Postgres: extend a lease that is still ours and still valid; an expired
+/// lease is never silently revived.
+const PG_RENEW: &str = "\
+UPDATE locks SET expires_at = now() + $3 * interval '1 millisecond'
+ WHERE name = $1 AND lease = $2 AND expires_at > now()
+RETURNING fence, GREATEST(0, (EXTRACT(EPOCH FROM (expires_at - now())) * 1000))::bigint";
+
+/// Postgres: release and wake waiters on every instance, in one statement
+/// (the notification is delivered when it commits).
+const PG_RELEASE: &str = "\
+WITH r AS (
+    UPDATE locks SET lease = NULL, expires_at = NULL
+     WHERE name = $1 AND lease = $2 AND expires_at > now()
+    RETURNING name
+)
+SELECT pg_notify('fencegate_locks', name) FROM r";
+
+const PG_STATUS: &str = "\
+SELECT fence,
+       lease IS NOT NULL AND expires_at > now(),
+       GREATEST(0, (EXTRACT(EPOCH FROM (expires_at - now())) * 1000))::bigint
+  FROM locks WHERE name = $1";
+
+/// SQLite's clock in Unix milliseconds.
+const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
+
+fn sqlite_acquire() -> String {
+    format!(
+        "INSERT INTO locks (name, fence, lease, expires_at) \
+         VALUES (?1, COALESCE((SELECT highest_token FROM fences WHERE resource_key = ?1), 0) + 1, ?2, {NOW_MS} + ?3) \
+         ON CONFLICT (name) DO UPDATE \
+            SET fence = MAX(locks.fence, COALESCE((SELECT highest_token FROM fences WHERE resource_key = ?1), 0)) + 1, \
+                lease = excluded.lease, expires_at = excluded.expires_at \
+            WHERE locks.lease IS NULL OR locks.expires_at <= {NOW_MS} \
+         RETURNING fence, MAX(0, expires_at - {NOW_MS})"
+    )
+}
+
+fn sqlite_renew() -> String {
+    format!(
+        "UPDATE locks SET expires_at = {NOW_MS} + ?3 \
+         WHERE name = ?1 AND lease = ?2 AND expires_at > {NOW_MS} \
+         RETURNING fence, MAX(0, expires_at - {NOW_MS})"
+    )
+}
+
+fn sqlite_release() -> String {
+    format!(
+        "UPDATE locks SET lease = NULL, expires_at = NULL \
+         WHERE name = ?1 AND lease = ?2 AND expires_at > {NOW_MS} RETURNING name"
+    )
+}
+
+fn sqlite_status() -> String {
+    format!(
+        "SELECT fence, lease IS NOT NULL AND expires_at > {NOW_MS}, MAX(0, COALESCE(expires_at, 0) - {NOW_MS}) \
+         FROM locks WHERE name = ?1"
+    )
+}
+
+/// The store backend: a handle on the gateway's fence store.
+#[derive(Clone)]
+pub struct StoreLocks {
+    store: FenceStore,
+    timeout: Duration,
+}
+
+fn ms(v: i64) -> Duration {
+    Duration::from_millis(v.max(0) as u64)
+}
+
+impl StoreLocks {
+    pub fn new(store: FenceStore, timeout: Duration) -> Self {
+        Self { store, timeout }
+    }
+
+    async fn bounded<T>(
+        &self,
+        fut: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+    ) -> Result<T, LockError> {
+        match tokio::time::timeout(self.timeout, fut).await {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(LockError::Unavailable(format!("fence store: {e}"))),
+            Err(_) => Err(LockError::Unavailable(format!(
+                "fence store: no answer within {:?}",
+                self.timeout
+            ))),
+        }
+    }
+
+    pub async fn try_acquire(
+        &self,
+        name: &str,
+        lease: &str,
+        ttl: Duration,
+    ) -> Result<Lease, LockError> {
+        self.store.check_writer()?;
+        let ttl_ms = ttl.as_millis() as i64;
+        let row = match &self.store {
+            FenceStore::Postgres(s) => self
+                .bounded(
+                    sqlx::query(PG_ACQUIRE)
+                        .bind(name)
+                        .bind(lease)
+                        .bind(ttl_ms as f64)
+                        .fetch_optional(s.pool()),
+                )
+                .await?
+                .map(|r| (r.try_get::<i64, _>(0), r.try_get::<i64, _>(1))),
+            FenceStore::Sqlite(s) => self
+                .bounded(
+                    sqlx::query(&sqlite_acquire())
+                        .bind(name)
+                        .bind(lease)
+                        .bind(ttl_ms)
+                        .fetch_optional(s.pool()),
+                )
+                .await?
+                .map(|r| (r.try_get::<i64, _>(0), r.try_get::<i64, _>(1))),
+        };
+        match row {
+            Some((Ok(fence), Ok(valid))) => Ok(Lease {
+                name: name.to_string(),
+                lease: lease.to_string(),
+                fence,
+                valid_for: ms(valid),
+            }),
+            Some((Err(e), _)) | Some((_, Err(e))) => Err(LockError::Unavailable(e.to_string())),
+            None => {
+                let state = self.status(name).await?;
+                Err(LockError::Held {
+                    expires_in: state.expires_in,
+                })
+            }
+        }
+    }
+
+    pub async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
+        self.store.check_writer()?;
+        let ttl_ms = ttl.as_millis() as i64;
+        let row = match &self.store {
+            FenceStore::Postgres(s) => {
+                self.bounded(
+                    sqlx::query(PG_RENEW)
+                        .bind(name)
+                        .bind(lease)
+                        .bind(ttl_ms as f64)
+                        .fetch_optional(s.pool()),
+                )
+                .await?
+            }
+            .map(|r| (r.try_get::<i64, _>(0), r.try_get::<i64, _>(1))),
+            FenceStore::Sqlite(s) => self
+                .bounded(
+                    sqlx::query(&sqlite_renew())
+                        .bind(name)
+                        .bind(lease)
+                        .bind(ttl_ms)
+                        .fetch_optional(s.pool()),
+                )
+                .await?
+                .map(|r| (r.try_get::<i64, _>(0), r.try_get::<i64, _>(1))),
+        };
+        match row {
+            Some((Ok(fence), Ok(valid))) => Ok(Lease {
+                name: name.to_string(),
+                lease: lease.to_string(),
+                fence,
+                valid_for: ms(valid),
+            }),
+            Some((Err(e), _)) | Some((_, Err(e))) => Err(LockError::Unavailable(e.to_string())),
+            None => Err(LockError::NotHolder),
+        }
+    }
+
+    /// Releases; returns true when a row was released (the caller wakes
+    /// local waiters; Postgres also notifies other instances).
+    pub async fn release(&self, name: &str, lease: &str) -> Result<(), LockError> {
+        self.store.check_writer()?;
+        let released = match &self.store {
+            FenceStore::Postgres(s) => self
+                .bounded(
+                    sqlx::query(PG_RELEASE)
+                        .bind(name)
+                        .bind(lease)
+                        .fetch_optional(s.pool()),
+                )
+                .await?
+                .is_some(),
+            FenceStore::Sqlite(s) => self
+                .bounded(
+                    sqlx::query(&sqlite_release())
+                        .bind(name)
+                        .bind(lease)
+                        .fetch_optional(s.pool()),
+                )
+                .await?
+                .is_some(),
+        };
+        if released {
+            Ok(())
+        } else {
+            Err(LockError::NotHolder)
+        }
+    }
+
+    pub async fn status(&self, name: &str) -> Result<LockState, LockError> {
+        let row: Option<(i64, Option<bool>, Option<i64>)> = match &self.store {
+            FenceStore::Postgres(s) => {
+                self.bounded(
+                    sqlx::query_as(PG_STATUS)
+                        .bind(name)
+                        .fetch_optional(s.pool()),
+                )
+                .await?
+            }
+            FenceStore::Sqlite(s) => {
+                self.bounded(
+                    sqlx::query_as(&sqlite_status())
+                        .bind(name)
+                        .fetch_optional(s.pool()),
+                )
+                .await?
+            }
+        };
+        Ok(match row {
+            None => LockState {
+                held: false,
+                fence: 0,
+                expires_in: None,
+            },
+            Some((fence, held, left)) => {
+                let held = held.unwrap_or(false);
+                LockState {
+                    held,
+                    fence,
+                    expires_in: if held { left.map(ms) } else { None },
+                }
+            }
+        })
+    }
+}
