@@ -19,6 +19,9 @@ pub struct AdminState {
     pub metrics: Metrics,
     pub gate: std::sync::Arc<crate::gate::Gate>,
     pub retry_after: Duration,
+    /// Checked by `/readyz` too: a lock backend that cannot answer means the
+    /// gateway cannot grant.
+    pub locks: Option<crate::locks::LockService>,
 }
 
 pub fn router(state: AdminState) -> Router {
@@ -37,7 +40,12 @@ async fn healthz() -> impl IntoResponse {
 }
 
 async fn readyz(State(s): State<AdminState>) -> Response {
-    match s.store.ping().await {
+    let store = s.store.ping().await.map_err(|e| e.to_string());
+    let locks = match &s.locks {
+        Some(l) => l.ping().await.map_err(|e| e.to_string()),
+        None => Ok(()),
+    };
+    match store.and(locks) {
         Ok(()) => Json(serde_json::json!({"status": "ready", "store": "ok"})).into_response(),
         Err(e) => {
             s.metrics.store_error("ping");
@@ -45,7 +53,7 @@ async fn readyz(State(s): State<AdminState>) -> Response {
                 StatusCode::SERVICE_UNAVAILABLE,
                 "not-ready",
                 "Not ready",
-                format!("the fence store is not reachable: {e}"),
+                format!("not ready: {e}"),
             )
             .header(
                 header::RETRY_AFTER,

@@ -9,9 +9,15 @@ use axum::Router;
 use tokio::net::TcpListener;
 
 use crate::admin::{self, AdminState};
-use crate::config::Config;
+use crate::config::{Config, LockBackendConfig};
 use crate::fence::Fence;
 use crate::gateway::{self, GatewayState};
+use crate::locks::api::LockApiState;
+use crate::locks::notify::Notifier;
+use crate::locks::redis::RedisLocks;
+use crate::locks::redlock::Redlock;
+use crate::locks::store::StoreLocks;
+use crate::locks::{Backend, LockLimits, LockService};
 use crate::metrics::Metrics;
 use crate::server::{self, Limits};
 use crate::store::{FenceStore, StoreError};
@@ -27,6 +33,8 @@ pub enum StartError {
     },
     #[error("fence store: {0}")]
     Store(#[from] StoreError),
+    #[error("lock backend: {0}")]
+    Locks(#[from] crate::locks::LockError),
 }
 
 /// A gateway ready to serve: store open, listeners bound.
@@ -36,6 +44,10 @@ pub struct Application {
     demo: Option<TcpListener>,
     gateway: GatewayState,
     admin_state: AdminState,
+    /// The lock API, when `[locks] enabled`.
+    locks: Option<LockApiState>,
+    /// Background tasks (notification listeners) to stop on shutdown.
+    tasks: Vec<tokio::task::JoinHandle<()>>,
     limits: Limits,
 }
 
@@ -51,6 +63,16 @@ impl Application {
         let store = FenceStore::open(&config.store).await?;
         let metrics = Metrics::new();
         let fence = Fence::new(store.clone());
+        let mut tasks = Vec::new();
+        let locks = if config.locks.enabled {
+            let service = lock_service(&config, &store, &metrics, &mut tasks).await?;
+            Some(LockApiState {
+                locks: service,
+                retry_after: config.store.retry_after,
+            })
+        } else {
+            None
+        };
         let gateway = GatewayState {
             routes: config.routes.iter().cloned().map(Arc::new).collect(),
             fence: fence.clone(),
@@ -58,12 +80,14 @@ impl Application {
             metrics: metrics.clone(),
             max_body_bytes: config.server.max_body_bytes,
             retry_after: config.store.retry_after,
+            jwt: config.tokens.clone(),
         };
         let admin_state = AdminState {
             store,
             metrics,
             gate: fence.gate.clone(),
             retry_after: config.store.retry_after,
+            locks: locks.as_ref().map(|l| l.locks.clone()),
         };
         Ok(Self {
             traffic,
@@ -71,6 +95,8 @@ impl Application {
             demo,
             gateway,
             admin_state,
+            locks,
+            tasks,
             limits: Limits {
                 header_read_timeout: config.server.header_read_timeout,
                 max_connections: config.server.max_connections,
@@ -108,9 +134,14 @@ impl Application {
         };
         // Request spans at DEBUG: free when that level is off, and a
         // per-request trace when chasing a problem (RUST_LOG=tower_http=debug).
-        let traffic_router = Router::new()
+        let mut traffic_router = Router::new()
             .fallback(gateway::handle)
-            .with_state(self.gateway.clone())
+            .with_state(self.gateway.clone());
+        if let Some(l) = self.locks.clone() {
+            traffic_router = traffic_router.merge(crate::locks::api::router(l));
+        }
+        let traffic_router = traffic_router
+            .method_not_allowed_fallback(crate::locks::api::method_not_allowed)
             .layer(tower_http::trace::TraceLayer::new_for_http());
         let admin_router = admin::router(self.admin_state.clone());
         let traffic = tokio::spawn(server::serve(
@@ -136,9 +167,62 @@ impl Application {
         if let Some(d) = demo {
             let _ = d.await;
         }
+        for t in &self.tasks {
+            t.abort();
+        }
         self.admin_state.store.close().await;
         tracing::info!("stopped");
     }
+}
+
+/// Builds the lock service for the configured backend.
+async fn lock_service(
+    config: &Config,
+    store: &FenceStore,
+    metrics: &Metrics,
+    tasks: &mut Vec<tokio::task::JoinHandle<()>>,
+) -> Result<LockService, StartError> {
+    let notifier = Notifier::new();
+    let backend = match &config.locks.backend {
+        LockBackendConfig::Store => {
+            if let FenceStore::Postgres(pg) = store {
+                tasks.push(crate::locks::store::spawn_pg_listener(
+                    pg.pool().clone(),
+                    notifier.clone(),
+                ));
+            }
+            Backend::Store(StoreLocks::new(store.clone(), config.store.timeout))
+        }
+        LockBackendConfig::Redis { url } => Backend::Redis(
+            RedisLocks::connect(
+                url,
+                store.clone(),
+                config.locks.redis_timeout,
+                notifier.clone(),
+            )
+            .await?,
+        ),
+        LockBackendConfig::Redlock { urls } => Backend::Redlock(
+            Redlock::connect(
+                urls,
+                store.clone(),
+                config.locks.redis_timeout,
+                notifier.clone(),
+            )
+            .await?,
+        ),
+    };
+    Ok(LockService::new(
+        backend,
+        notifier,
+        config.tokens.clone(),
+        LockLimits {
+            min_ttl: config.locks.min_ttl,
+            max_ttl: config.locks.max_ttl,
+            max_wait: config.locks.max_wait,
+        },
+        metrics.clone(),
+    ))
 }
 
 async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {

@@ -34,8 +34,41 @@ pub struct Config {
     pub server: ServerConfig,
     pub store: StoreConfig,
     pub routes: Vec<Route>,
+    pub locks: LocksConfig,
+    /// Keys for JWT fence tokens, when `[tokens]` is configured.
+    pub tokens: Option<std::sync::Arc<crate::jwt::JwtKeys>>,
     /// A built-in demo backend to start next to the gateway, if any.
     pub demo: Option<DemoConfig>,
+}
+
+/// `[locks]`: the lock API.
+#[derive(Debug, Clone)]
+pub struct LocksConfig {
+    /// Serve `/_fencegate/locks/...` at all.
+    pub enabled: bool,
+    pub backend: LockBackendConfig,
+    /// Bounds on a lease's ttl, so a client cannot take a lock forever (or
+    /// for a time too short to be meaningful).
+    pub min_ttl: Duration,
+    pub max_ttl: Duration,
+    /// Longest `wait_ms` of a blocking acquire.
+    pub max_wait: Duration,
+    /// Bound on one Redis operation (`backend = "redis"`), or on each
+    /// node's answer (`backend = "redlock"`): Redlock needs it short next to
+    /// the ttl, since time spent waiting is taken from the lease's validity.
+    pub redis_timeout: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LockBackendConfig {
+    /// The `[store]` database.
+    Store,
+    Redis {
+        url: String,
+    },
+    Redlock {
+        urls: Vec<String>,
+    },
 }
 
 /// `[server]`: listeners and the limits that protect them.
@@ -120,7 +153,11 @@ pub struct Upstream {
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TokenKind {
+    /// A decimal number.
     Integer,
+    /// A JWT signed by one of the `[tokens]` keys, whose `fence` claim is
+    /// the number and whose `sub` must be the route's resource key.
+    Jwt,
 }
 
 /// One problem found while loading a config.
@@ -213,37 +250,59 @@ impl Default for RawStore {
     }
 }
 
-/// `[locks]` is part of the contract's file format; the lock API itself is
-/// not served by this version, so the section is only type-checked.
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Deserialize)]
 #[serde(default)]
-#[allow(dead_code)]
 struct RawLocks {
-    enabled: Option<bool>,
-    backend: Option<String>,
-    redis_url: Option<String>,
-    redis_urls: Option<Vec<String>>,
-    min_ttl_ms: Option<u64>,
-    max_ttl_ms: Option<u64>,
+    enabled: bool,
+    backend: String,
+    redis_url: String,
+    redis_urls: Vec<String>,
+    min_ttl_ms: u64,
+    max_ttl_ms: u64,
+    max_wait_ms: u64,
+    redis_timeout_ms: Option<u64>,
 }
 
-/// `[tokens]`, type-checked only (JWT tokens are not served by this version).
-#[derive(Debug, Default, Deserialize)]
+impl Default for RawLocks {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            backend: "store".into(),
+            redis_url: "redis://127.0.0.1:6379".into(),
+            redis_urls: Vec::new(),
+            min_ttl_ms: 100,
+            max_ttl_ms: 600_000,
+            max_wait_ms: 60_000,
+            redis_timeout_ms: None,
+        }
+    }
+}
+
+#[derive(Debug, Deserialize)]
 #[serde(default)]
-#[allow(dead_code)]
 struct RawTokens {
-    issuer: Option<String>,
+    issuer: String,
     signing_kid: Option<String>,
-    leeway_s: Option<u64>,
+    leeway_s: u64,
     keys: Vec<RawTokenKey>,
 }
 
+impl Default for RawTokens {
+    fn default() -> Self {
+        Self {
+            issuer: "fencegate".into(),
+            signing_kid: None,
+            leeway_s: 5,
+            keys: Vec::new(),
+        }
+    }
+}
+
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
-#[allow(dead_code)]
 struct RawTokenKey {
-    kid: Option<String>,
-    algorithm: Option<String>,
+    kid: String,
+    algorithm: String,
     private_key_file: Option<String>,
     public_key_file: Option<String>,
     secret_env: Option<String>,
@@ -531,11 +590,19 @@ impl Validator<'_> {
     fn config(&mut self, file: &str, raw: RawConfig) -> Config {
         let server = self.server(raw.server);
         let store = self.store(raw.store);
-        if raw.locks.backend.is_some() && raw.locks.enabled == Some(true) {
-            // Accepted for forward compatibility; nothing is served yet.
-        }
-        let _ = raw.tokens;
+        let locks = self.locks(raw.locks);
+        let tokens = raw.tokens.and_then(|t| self.tokens(file, t));
         let routes = self.routes(raw.routes);
+        if tokens.is_none() {
+            for (i, r) in routes.iter().enumerate() {
+                if r.token == TokenKind::Jwt {
+                    self.problem(
+                        format!("routes[{i}].token"),
+                        "\"jwt\" needs a [tokens] section with at least one key",
+                    );
+                }
+            }
+        }
         let demo = raw.demo.and_then(|d| match d.listen {
             Some(l) => Some(DemoConfig {
                 listen: self.addr("demo.listen", &l),
@@ -563,7 +630,146 @@ impl Validator<'_> {
             server,
             store,
             routes,
+            locks,
+            tokens,
             demo,
+        }
+    }
+
+    fn locks(&mut self, raw: RawLocks) -> LocksConfig {
+        let backend = match raw.backend.as_str() {
+            "store" => LockBackendConfig::Store,
+            "redis" => {
+                if !raw.redis_url.starts_with("redis://") {
+                    self.problem(
+                        "locks.redis_url",
+                        format!("'{}' is not a redis:// URL", redact_url(&raw.redis_url)),
+                    );
+                }
+                LockBackendConfig::Redis { url: raw.redis_url }
+            }
+            "redlock" => {
+                if raw.redis_urls.len() < 3 {
+                    self.problem(
+                        "locks.redis_urls",
+                        format!(
+                            "Redlock needs at least 3 independent Redis nodes, {} given",
+                            raw.redis_urls.len()
+                        ),
+                    );
+                }
+                for (i, u) in raw.redis_urls.iter().enumerate() {
+                    if !u.starts_with("redis://") {
+                        self.problem(
+                            format!("locks.redis_urls[{i}]"),
+                            format!("'{}' is not a redis:// URL", redact_url(u)),
+                        );
+                    }
+                }
+                let mut seen = HashSet::new();
+                for u in &raw.redis_urls {
+                    if !seen.insert(u) {
+                        self.problem(
+                            "locks.redis_urls",
+                            format!(
+                                "'{}' is listed twice; Redlock's nodes must be independent",
+                                redact_url(u)
+                            ),
+                        );
+                    }
+                }
+                LockBackendConfig::Redlock {
+                    urls: raw.redis_urls,
+                }
+            }
+            other => {
+                self.problem(
+                    "locks.backend",
+                    format!(
+                        "'{other}' is not a lock backend; use \"store\", \"redis\" or \"redlock\""
+                    ),
+                );
+                LockBackendConfig::Store
+            }
+        };
+        let min = self.positive("locks.min_ttl_ms", raw.min_ttl_ms, 86_400_000);
+        let max = self.positive("locks.max_ttl_ms", raw.max_ttl_ms, 86_400_000);
+        if min > max {
+            self.problem(
+                "locks.min_ttl_ms",
+                format!("{min} is above locks.max_ttl_ms ({max})"),
+            );
+        }
+        let default_timeout = match backend {
+            LockBackendConfig::Redlock { .. } => 50,
+            _ => 1000,
+        };
+        let redis_timeout = self.positive(
+            "locks.redis_timeout_ms",
+            raw.redis_timeout_ms.unwrap_or(default_timeout),
+            60_000,
+        );
+        LocksConfig {
+            enabled: raw.enabled,
+            backend,
+            min_ttl: Duration::from_millis(min),
+            max_ttl: Duration::from_millis(max),
+            max_wait: Duration::from_millis(raw.max_wait_ms.min(3_600_000)),
+            redis_timeout: Duration::from_millis(redis_timeout),
+        }
+    }
+
+    fn tokens(
+        &mut self,
+        file: &str,
+        raw: RawTokens,
+    ) -> Option<std::sync::Arc<crate::jwt::JwtKeys>> {
+        // Key files are relative to the config file's directory.
+        let base = Path::new(file)
+            .parent()
+            .map(Path::to_path_buf)
+            .unwrap_or_default();
+        let resolve = |p: Option<String>| {
+            p.map(|p| {
+                let p = PathBuf::from(p);
+                if p.is_absolute() {
+                    p
+                } else {
+                    base.join(p)
+                }
+            })
+        };
+        let settings = crate::jwt::TokensSettings {
+            issuer: raw.issuer,
+            signing_kid: raw.signing_kid,
+            leeway: Duration::from_secs(raw.leeway_s.min(3600)),
+            keys: raw
+                .keys
+                .into_iter()
+                .map(|k| crate::jwt::KeySettings {
+                    kid: k.kid,
+                    algorithm: k.algorithm,
+                    private_key_file: resolve(k.private_key_file),
+                    public_key_file: resolve(k.public_key_file),
+                    secret_env: k.secret_env,
+                })
+                .collect(),
+        };
+        if settings.keys.is_empty() {
+            self.problem(
+                "tokens.keys",
+                "the [tokens] section needs at least one [[tokens.keys]] entry",
+            );
+            return None;
+        }
+        match crate::jwt::JwtKeys::load(&settings, &|name| std::env::var(name).ok()) {
+            Ok(k) => Some(std::sync::Arc::new(k)),
+            Err(problems) => {
+                for (key, why) in problems {
+                    self.problem(key, why);
+                }
+                None
+            }
         }
     }
 
@@ -741,13 +947,7 @@ impl Validator<'_> {
             }
             let token = match r.token.as_str() {
                 "integer" => TokenKind::Integer,
-                "jwt" => {
-                    self.problem(
-                        at("token"),
-                        "\"jwt\" fence tokens are not available in this version; use \"integer\"",
-                    );
-                    TokenKind::Integer
-                }
+                "jwt" => TokenKind::Jwt,
                 other => {
                     self.problem(
                         at("token"),

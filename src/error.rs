@@ -40,6 +40,10 @@ pub enum ClientError {
     MissingToken { key: String },
     #[error("malformed X-Fence-Token: {0}")]
     MalformedToken(&'static str),
+    #[error("invalid JWT fence token: {0}")]
+    InvalidJwt(String),
+    #[error("JWT fence token for {presented}, not {expected}")]
+    JwtForOtherKey { expected: String, presented: String },
     #[error("stale token {presented} for {key}; highest is {highest}")]
     StaleToken {
         key: String,
@@ -156,6 +160,24 @@ impl GatewayError {
                     "Malformed fencing token",
                     format!("X-Fence-Token must be 1 to 19 ASCII digits: {why}"),
                 ),
+                C::InvalidJwt(why) => Problem::new(
+                    StatusCode::UNAUTHORIZED,
+                    "invalid-token",
+                    "Invalid fencing token",
+                    format!("the X-Fence-Token JWT was refused: {why}"),
+                ),
+                C::JwtForOtherKey {
+                    expected,
+                    presented,
+                } => Problem::new(
+                    StatusCode::FORBIDDEN,
+                    "token-for-other-resource",
+                    "Token for another resource",
+                    format!(
+                        "the X-Fence-Token JWT was issued for resource '{presented}', not '{expected}'"
+                    ),
+                )
+                .with("resource_key", expected.as_str()),
                 C::StaleToken {
                     key,
                     presented,

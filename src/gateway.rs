@@ -19,10 +19,11 @@ use axum::response::{IntoResponse, Response};
 use http::{header, Method, Request};
 use tokio::sync::oneshot;
 
-use crate::config::Route;
+use crate::config::{Route, TokenKind};
 use crate::error::{ClientError, GatewayError, UpstreamError};
 use crate::fence::Fence;
 use crate::gate::Permit;
+use crate::jwt::JwtRejection;
 use crate::metrics::{Metrics, RouteLabels};
 use crate::proxy::{self, BodyOutcome, HoldingBody, LimitedBody, UpstreamClient};
 use crate::routing::{self, PathError};
@@ -42,6 +43,8 @@ pub struct GatewayState {
     pub max_body_bytes: u64,
     /// Sent as `Retry-After` with 503 answers.
     pub retry_after: Duration,
+    /// Verifies JWT fence tokens on `token = "jwt"` routes.
+    pub jwt: Option<Arc<crate::jwt::JwtKeys>>,
 }
 
 /// The traffic listener's handler for every proxied request.
@@ -94,15 +97,11 @@ async fn serve(state: GatewayState, req: Request<Body>) -> Result<Response, Gate
     }
 
     // Phase: read token.
-    let token = match token::from_headers(req.headers()) {
+    let token = match read_token(&state, &route, &key, req.headers()) {
         Ok(t) => t,
-        Err(TokenError::Missing) => {
-            state.metrics.decision(&route.name, "missing_token");
-            return Err(ClientError::MissingToken { key }.into());
-        }
-        Err(TokenError::Malformed(why)) => {
-            state.metrics.decision(&route.name, "malformed_token");
-            return Err(ClientError::MalformedToken(why).into());
+        Err((outcome, e)) => {
+            state.metrics.decision(&route.name, outcome);
+            return Err(e.into());
         }
     };
 
@@ -115,6 +114,60 @@ async fn serve(state: GatewayState, req: Request<Body>) -> Result<Response, Gate
     rx.await.unwrap_or(Err(GatewayError::Internal(
         "the fenced write task ended without an answer",
     )))
+}
+
+/// The fencing token of a request: a decimal number, or the `fence` claim of
+/// a verified JWT issued for this resource key.
+fn read_token(
+    state: &GatewayState,
+    route: &Route,
+    key: &str,
+    headers: &http::HeaderMap,
+) -> Result<i64, (&'static str, ClientError)> {
+    match route.token {
+        TokenKind::Integer => token::from_headers(headers).map_err(|e| match e {
+            TokenError::Missing => (
+                "missing_token",
+                ClientError::MissingToken {
+                    key: key.to_string(),
+                },
+            ),
+            TokenError::Malformed(why) => ("malformed_token", ClientError::MalformedToken(why)),
+        }),
+        TokenKind::Jwt => {
+            let raw = token::raw_from_headers(headers).map_err(|e| match e {
+                TokenError::Missing => (
+                    "missing_token",
+                    ClientError::MissingToken {
+                        key: key.to_string(),
+                    },
+                ),
+                TokenError::Malformed(why) => {
+                    ("invalid_token", ClientError::InvalidJwt(why.into()))
+                }
+            })?;
+            let keys = state.jwt.as_ref().ok_or((
+                "invalid_token",
+                ClientError::InvalidJwt("no JWT keys are configured".into()),
+            ))?;
+            match keys.verify(raw, key) {
+                Ok(claims) => Ok(claims.fence),
+                Err(JwtRejection::Invalid(why)) => {
+                    Err(("invalid_token", ClientError::InvalidJwt(why)))
+                }
+                Err(JwtRejection::WrongSubject {
+                    expected,
+                    presented,
+                }) => Err((
+                    "wrong_subject",
+                    ClientError::JwtForOtherKey {
+                        expected,
+                        presented,
+                    },
+                )),
+            }
+        }
+    }
 }
 
 /// Check the fence, then forward while holding the key's permit.

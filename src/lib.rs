@@ -40,6 +40,7 @@ pub mod error;
 pub mod fence;
 pub mod gate;
 pub mod gateway;
+pub mod jwt;
 pub mod locks;
 pub mod metrics;
 pub mod proxy;

@@ -27,6 +27,12 @@ pub struct UpstreamErrorLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct LockLabels {
+    pub backend: &'static str,
+    pub event: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StoreErrorLabels {
     pub op: &'static str,
 }
@@ -52,6 +58,10 @@ pub struct Metrics {
     pub gate_wait: Histogram,
     /// Keys with writes in flight or waiting.
     pub gate_keys: Gauge,
+    /// Lock API outcomes by backend and event (`grant`, `held`, `renew`,
+    /// `renew_refused`, `release`, `release_refused`, `expired`,
+    /// `unavailable`).
+    pub lock_events: Family<LockLabels, Counter>,
     registry: std::sync::Arc<Registry>,
 }
 
@@ -70,6 +80,12 @@ impl Metrics {
         let store_errors = Family::<StoreErrorLabels, Counter>::default();
         let gate_wait = latency_histogram();
         let gate_keys = Gauge::default();
+        let lock_events = Family::<LockLabels, Counter>::default();
+        registry.register(
+            "lock_events",
+            "Lock API outcomes by backend and event",
+            lock_events.clone(),
+        );
         registry.register(
             "decisions",
             "Fence decisions on fenced writes, by route and outcome",
@@ -113,6 +129,7 @@ impl Metrics {
             store_errors,
             gate_wait,
             gate_keys,
+            lock_events,
             registry: std::sync::Arc::new(registry),
         }
     }
@@ -132,6 +149,12 @@ impl Metrics {
                 route: route.to_string(),
                 kind,
             })
+            .inc();
+    }
+
+    pub fn lock_event(&self, backend: &'static str, event: &'static str) {
+        self.lock_events
+            .get_or_create(&LockLabels { backend, event })
             .inc();
     }
 

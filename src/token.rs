@@ -44,6 +44,21 @@ pub fn parse_integer(raw: &[u8]) -> Result<i64, TokenError> {
     Ok(value)
 }
 
+/// The header's raw value (for JWT tokens), refusing duplicates and values
+/// that are not visible ASCII.
+pub fn raw_from_headers(headers: &HeaderMap) -> Result<&str, TokenError> {
+    let mut values = headers.get_all(HEADER).iter();
+    let first = values.next().ok_or(TokenError::Missing)?;
+    if values.next().is_some() {
+        return Err(TokenError::Malformed(
+            "more than one X-Fence-Token header was sent",
+        ));
+    }
+    first
+        .to_str()
+        .map_err(|_| TokenError::Malformed("the token is not visible ASCII"))
+}
+
 /// Reads and parses the token from a request's headers.
 ///
 /// Several `X-Fence-Token` headers are refused rather than picking one: the

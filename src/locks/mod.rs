@@ -1,5 +1,291 @@
 //! The lock API: leases whose grants carry fencing tokens.
+//!
+//! [`LockService`] is the facade the HTTP handlers ([`api`]) use. It checks
+//! bounds, makes lease ids, runs the blocking-acquire loop, signs tokens and
+//! counts metrics; the backends ([`store`], and the Redis ones) only grant,
+//! renew, release and report, each taking its fences from, or checking them
+//! against, the durable store.
+//!
+//! Fences are per lock name, and the lock name is the resource key the token
+//! fences: a grant's fence is always above the highest token the gateway has
+//! recorded for that key, so a fresh holder can write at once.
 
+pub mod api;
 pub mod backend;
 pub mod notify;
+pub mod redis;
+pub mod redlock;
 pub mod store;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use chrono::{DateTime, Utc};
+use rand::RngCore;
+
+use crate::metrics::Metrics;
+pub use backend::{Lease, LockError, LockState};
+use notify::Notifier;
+use store::StoreLocks;
+
+/// Bounds on what clients may ask for.
+#[derive(Debug, Clone, Copy)]
+pub struct LockLimits {
+    pub min_ttl: Duration,
+    pub max_ttl: Duration,
+    /// Longest `wait_ms` a blocking acquire may ask for.
+    pub max_wait: Duration,
+}
+
+/// The backend in use.
+#[derive(Clone)]
+pub enum Backend {
+    Store(StoreLocks),
+    Redis(redis::RedisLocks),
+    Redlock(redlock::Redlock),
+}
+
+/// Dispatches one call to whichever backend is configured.
+macro_rules! dispatch {
+    ($self:expr, $b:ident => $call:expr) => {
+        match $self {
+            Backend::Store($b) => $call,
+            Backend::Redis($b) => $call,
+            Backend::Redlock($b) => $call,
+        }
+    };
+}
+
+impl Backend {
+    fn label(&self) -> &'static str {
+        match self {
+            Backend::Store(_) => "store",
+            Backend::Redis(_) => "redis",
+            Backend::Redlock(_) => "redlock",
+        }
+    }
+
+    async fn try_acquire(
+        &self,
+        name: &str,
+        lease: &str,
+        ttl: Duration,
+    ) -> Result<Lease, LockError> {
+        dispatch!(self, b => b.try_acquire(name, lease, ttl).await)
+    }
+
+    async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
+        dispatch!(self, b => b.renew(name, lease, ttl).await)
+    }
+
+    async fn release(&self, name: &str, lease: &str) -> Result<(), LockError> {
+        dispatch!(self, b => b.release(name, lease).await)
+    }
+
+    async fn status(&self, name: &str) -> Result<LockState, LockError> {
+        dispatch!(self, b => b.status(name).await)
+    }
+
+    async fn ping(&self) -> Result<(), LockError> {
+        match self {
+            // The store's own readiness is checked by /readyz already.
+            Backend::Store(_) => Ok(()),
+            Backend::Redis(b) => b.ping().await,
+            Backend::Redlock(b) => b.ping().await,
+        }
+    }
+}
+
+/// A grant as the API returns it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Grant {
+    pub name: String,
+    /// Secret: proves ownership for renew and release.
+    pub lease: String,
+    pub fence: i64,
+    /// What to send as `X-Fence-Token`: a JWT when signing keys are
+    /// configured, else the decimal fence.
+    pub token: String,
+    pub ttl_ms: u64,
+    /// When the lease ends by the gateway's clock at grant time; the
+    /// backend's clock decides.
+    pub expires_at: DateTime<Utc>,
+}
+
+/// What `GET /_fencegate/locks/{name}` shows.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Status {
+    pub name: String,
+    pub held: bool,
+    pub fence: i64,
+    pub expires_in_ms: Option<u64>,
+}
+
+/// Cheap to clone.
+#[derive(Clone)]
+pub struct LockService {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    backend: Backend,
+    /// Wakes blocking acquires on release (fed locally and by the backend's
+    /// cross-instance channel).
+    notifier: Arc<Notifier>,
+    /// Signs grant tokens when `[tokens]` names a signing key.
+    jwt: Option<Arc<crate::jwt::JwtKeys>>,
+    limits: LockLimits,
+    metrics: Metrics,
+}
+
+/// Longest a waiter sleeps without re-checking: expiry sends no event, and a
+/// lost notification must cost at most this much.
+const FALLBACK_RECHECK: Duration = Duration::from_millis(500);
+
+impl LockService {
+    pub fn new(
+        backend: Backend,
+        notifier: Arc<Notifier>,
+        jwt: Option<Arc<crate::jwt::JwtKeys>>,
+        limits: LockLimits,
+        metrics: Metrics,
+    ) -> Self {
+        Self {
+            inner: Arc::new(Inner {
+                backend,
+                notifier,
+                jwt: jwt.filter(|k| k.can_sign()),
+                limits,
+                metrics,
+            }),
+        }
+    }
+
+    /// Reachability of the backend, for `/readyz`.
+    pub async fn ping(&self) -> Result<(), LockError> {
+        self.inner.backend.ping().await
+    }
+
+    pub fn limits(&self) -> LockLimits {
+        self.inner.limits
+    }
+
+    /// Acquires `name` for `ttl`, waiting up to `wait` for a holder to
+    /// release or expire. Waiting sleeps on release notifications (and, for
+    /// expiry, until the holder's lease runs out), never busy-polls.
+    pub async fn acquire(
+        &self,
+        name: &str,
+        ttl: Duration,
+        wait: Duration,
+    ) -> Result<Grant, LockError> {
+        let deadline = Instant::now() + wait;
+        let lease = new_lease_id();
+        loop {
+            // Register before trying, so a release in between is not missed.
+            let waiter = self.inner.notifier.register(name);
+            match self.inner.backend.try_acquire(name, &lease, ttl).await {
+                Ok(l) => {
+                    self.count("grant");
+                    return self.grant(l, ttl);
+                }
+                Err(LockError::Held { expires_in }) => {
+                    let now = Instant::now();
+                    if now >= deadline {
+                        self.count("held");
+                        return Err(LockError::Held { expires_in });
+                    }
+                    let mut nap = (deadline - now).min(FALLBACK_RECHECK);
+                    if let Some(e) = expires_in {
+                        nap = nap.min(e + Duration::from_millis(2));
+                    }
+                    tokio::select! {
+                        _ = waiter.wait() => {}
+                        _ = tokio::time::sleep(nap) => {}
+                    }
+                }
+                Err(e) => {
+                    self.count("unavailable");
+                    return Err(e);
+                }
+            }
+        }
+    }
+
+    pub async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Grant, LockError> {
+        match self.inner.backend.renew(name, lease, ttl).await {
+            Ok(l) => {
+                self.count("renew");
+                self.grant(l, ttl)
+            }
+            Err(e) => {
+                self.count(match e {
+                    LockError::NotHolder => "renew_refused",
+                    _ => "unavailable",
+                });
+                Err(e)
+            }
+        }
+    }
+
+    pub async fn release(&self, name: &str, lease: &str) -> Result<(), LockError> {
+        let r = self.inner.backend.release(name, lease).await;
+        match &r {
+            Ok(()) => {
+                self.count("release");
+                self.inner.notifier.notify(name);
+            }
+            Err(LockError::NotHolder) => self.count("release_refused"),
+            Err(_) => self.count("unavailable"),
+        }
+        r
+    }
+
+    pub async fn status(&self, name: &str) -> Result<Status, LockError> {
+        let s = self.inner.backend.status(name).await?;
+        Ok(Status {
+            name: name.to_string(),
+            held: s.held,
+            fence: s.fence,
+            expires_in_ms: s.expires_in.map(|d| d.as_millis() as u64),
+        })
+    }
+
+    fn grant(&self, l: Lease, ttl: Duration) -> Result<Grant, LockError> {
+        let now = Utc::now();
+        let expires_at = now
+            + chrono::Duration::from_std(l.valid_for).unwrap_or_else(|_| chrono::Duration::zero());
+        let token = match &self.inner.jwt {
+            Some(keys) => {
+                // exp in whole seconds, rounded up so the token never ends
+                // before the lease.
+                let exp_ms = expires_at.timestamp_millis();
+                let exp = (exp_ms + 999).div_euclid(1000);
+                keys.sign(&l.name, l.fence, now.timestamp(), exp)
+                    .map_err(|e| LockError::Unavailable(format!("cannot sign the token: {e}")))?
+            }
+            None => l.fence.to_string(),
+        };
+        Ok(Grant {
+            name: l.name,
+            lease: l.lease,
+            fence: l.fence,
+            token,
+            ttl_ms: ttl.as_millis() as u64,
+            expires_at,
+        })
+    }
+
+    fn count(&self, event: &'static str) {
+        self.inner
+            .metrics
+            .lock_event(self.inner.backend.label(), event);
+    }
+}
+
+/// 128 random bits from the OS, as 32 hex characters.
+pub fn new_lease_id() -> String {
+    let mut bytes = [0u8; 16];
+    rand::rngs::OsRng.fill_bytes(&mut bytes);
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

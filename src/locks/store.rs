@@ -267,3 +267,40 @@ impl StoreLocks {
         })
     }
 }
+
+/// Feeds Postgres `NOTIFY fencegate_locks` (sent by every instance's
+/// release) into the local notifier, so waiters on this instance wake when
+/// another instance releases. Reconnects by itself; while it is down, the
+/// waiters' bounded re-check still finds the lock free.
+pub fn spawn_pg_listener(
+    pool: sqlx::PgPool,
+    notifier: std::sync::Arc<super::notify::Notifier>,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        loop {
+            let mut listener = match sqlx::postgres::PgListener::connect_with(&pool).await {
+                Ok(l) => l,
+                Err(e) => {
+                    tracing::debug!(error = %e, "lock notification listener cannot connect; retrying");
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                    continue;
+                }
+            };
+            if let Err(e) = listener.listen("fencegate_locks").await {
+                tracing::debug!(error = %e, "LISTEN failed; retrying");
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                continue;
+            }
+            loop {
+                match listener.recv().await {
+                    Ok(n) => notifier.notify(n.payload()),
+                    Err(e) => {
+                        tracing::debug!(error = %e, "lock notification listener lost its connection");
+                        break;
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    })
+}

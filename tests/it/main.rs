@@ -5,6 +5,8 @@ mod answer_table;
 mod config_errors;
 mod durability;
 mod headers;
+mod locks_api;
+mod locks_redis;
 mod ordering;
 mod pg_outage;
 mod server_limits;

@@ -4,6 +4,7 @@ pub mod app;
 pub mod db;
 pub mod pg;
 pub mod process;
+pub mod redis;
 pub mod upstream;
 
 /// Sends raw bytes on a new connection and returns what came back first.

@@ -1,0 +1,378 @@
+//! The lock API over HTTP, with `backend = "store"` on SQLite and Postgres.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use serde_json::{json, Value};
+
+use crate::support::app::{docs_route, problem, TestApp};
+use crate::support::db::{Backend, TestStore};
+use crate::support::upstream::Upstream;
+
+macro_rules! on_both_stores {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(super::Backend::Sqlite).await })*
+        }
+        mod postgres {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(super::Backend::Postgres).await })*
+        }
+    };
+}
+
+on_both_stores!(
+    grant_hold_renew_release,
+    expiry_ends_the_lease,
+    blocking_acquire_wakes_on_release_and_expiry,
+    blocking_acquire_times_out,
+    racing_acquirers_never_overlap,
+    fences_start_above_recorded_tokens,
+    expired_holder_is_fenced_off_end_to_end,
+    bad_bodies_name_the_field,
+);
+
+struct Setup {
+    _store: TestStore,
+    up: Upstream,
+    app: Arc<TestApp>,
+}
+
+async fn setup(b: Backend) -> Setup {
+    let store = TestStore::new(b).await;
+    let up = Upstream::start().await;
+    let app = TestApp::spawn(&store.url, &docs_route(&up.url())).await;
+    Setup {
+        _store: store,
+        up,
+        app: Arc::new(app),
+    }
+}
+
+impl Setup {
+    async fn post(&self, path: &str, body: Value) -> reqwest::Response {
+        self.app
+            .http
+            .post(self.app.url(&format!("/_fencegate/locks/{path}")))
+            .json(&body)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    async fn acquire(&self, name: &str, ttl_ms: u64, wait_ms: u64) -> reqwest::Response {
+        self.post(name, json!({"ttl_ms": ttl_ms, "wait_ms": wait_ms}))
+            .await
+    }
+
+    async fn status(&self, name: &str) -> Value {
+        let r = self
+            .app
+            .http
+            .get(self.app.url(&format!("/_fencegate/locks/{name}")))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        r.json().await.unwrap()
+    }
+}
+
+async fn granted(resp: reqwest::Response) -> Value {
+    let status = resp.status();
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(status, 201, "{v}");
+    v
+}
+
+async fn grant_hold_renew_release(b: Backend) {
+    let s = setup(b).await;
+    let g = granted(s.acquire("doc:a", 5000, 0).await).await;
+    assert_eq!(g["name"], "doc:a");
+    assert_eq!(g["fence"], 1);
+    assert_eq!(
+        g["token"], "1",
+        "without signing keys the token is the decimal fence"
+    );
+    assert_eq!(g["ttl_ms"], 5000);
+    assert!(g["expires_at"].is_string());
+    let lease = g["lease"].as_str().unwrap().to_string();
+    assert_eq!(lease.len(), 32, "128-bit lease id");
+    assert!(lease.bytes().all(|c| c.is_ascii_hexdigit()));
+
+    // Held by A: B is refused at once.
+    let body = problem(s.acquire("doc:a", 5000, 0).await, 409).await;
+    assert_eq!(body["name"], "doc:a");
+    assert!(body["expires_in_ms"].as_u64().unwrap() > 0);
+
+    // Status shows the holder's fence, never the lease.
+    let st = s.status("doc:a").await;
+    assert_eq!(st["held"], true);
+    assert_eq!(st["fence"], 1);
+    assert!(st["expires_in_ms"].as_u64().unwrap() <= 5000);
+    assert!(
+        !st.to_string().contains(&lease),
+        "status leaks the lease id"
+    );
+
+    // Renew by the holder: same fence.
+    let r = s
+        .post("doc:a/renew", json!({"lease": lease, "ttl_ms": 8000}))
+        .await;
+    assert_eq!(r.status(), 200);
+    let r: Value = r.json().await.unwrap();
+    assert_eq!(r["fence"], 1);
+    assert_eq!(r["lease"], lease.as_str());
+    assert_eq!(r["ttl_ms"], 8000);
+
+    // Somebody else's lease: 409 for renew and release.
+    let other = "0".repeat(32);
+    problem(
+        s.post("doc:a/renew", json!({"lease": other, "ttl_ms": 1000}))
+            .await,
+        409,
+    )
+    .await;
+    problem(s.post("doc:a/release", json!({"lease": other})).await, 409).await;
+
+    // Release, then a second release is refused, and the next grant is higher.
+    let r = s.post("doc:a/release", json!({"lease": lease})).await;
+    assert_eq!(r.status(), 204);
+    problem(s.post("doc:a/release", json!({"lease": lease})).await, 409).await;
+    let st = s.status("doc:a").await;
+    assert_eq!(st["held"], false);
+    assert_eq!(st["fence"], 1, "the fence survives release");
+    assert_eq!(st["expires_in_ms"], Value::Null);
+    let g2 = granted(s.acquire("doc:a", 5000, 0).await).await;
+    assert_eq!(g2["fence"], 2);
+    // Never-used names.
+    let st = s.status("never-used").await;
+    assert_eq!(
+        st,
+        json!({"name": "never-used", "held": false, "fence": 0, "expires_in_ms": null})
+    );
+}
+
+async fn expiry_ends_the_lease(b: Backend) {
+    let s = setup(b).await;
+    let g = granted(s.acquire("doc:e", 150, 0).await).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(s.status("doc:e").await["held"], false);
+    // An expired lease is never silently revived.
+    problem(
+        s.post("doc:e/renew", json!({"lease": g["lease"], "ttl_ms": 5000}))
+            .await,
+        409,
+    )
+    .await;
+    problem(
+        s.post("doc:e/release", json!({"lease": g["lease"]})).await,
+        409,
+    )
+    .await;
+    let g2 = granted(s.acquire("doc:e", 5000, 0).await).await;
+    assert_eq!(g2["fence"], 2, "the fence survives expiry");
+}
+
+async fn blocking_acquire_wakes_on_release_and_expiry(b: Backend) {
+    let s = Arc::new(setup(b).await);
+    // Release wakes the waiter.
+    let a = granted(s.acquire("doc:w", 10_000, 0).await).await;
+    let waiter = {
+        let s = s.clone();
+        tokio::spawn(async move { s.acquire("doc:w", 5000, 8000).await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        !waiter.is_finished(),
+        "the waiter must wait while A holds the lock"
+    );
+    let r = s.post("doc:w/release", json!({"lease": a["lease"]})).await;
+    assert_eq!(r.status(), 204);
+    let started = std::time::Instant::now();
+    let b_grant = granted(waiter.await.unwrap()).await;
+    assert_eq!(b_grant["fence"], 2);
+    // It was woken, not left to its deadline (8 s).
+    assert!(
+        started.elapsed() < Duration::from_secs(4),
+        "waiter was not woken by the release"
+    );
+
+    // Expiry wakes the waiter too (no event is sent for expiry).
+    granted(s.acquire("doc:x", 300, 0).await).await;
+    let c = granted(s.acquire("doc:x", 5000, 8000).await).await;
+    assert_eq!(c["fence"], 2);
+}
+
+async fn blocking_acquire_times_out(b: Backend) {
+    let s = setup(b).await;
+    granted(s.acquire("doc:t", 10_000, 0).await).await;
+    let started = std::time::Instant::now();
+    problem(s.acquire("doc:t", 1000, 300).await, 409).await;
+    assert!(
+        started.elapsed() >= Duration::from_millis(300),
+        "answered before its wait_ms"
+    );
+}
+
+/// Ten clients loop: acquire (blocking), check nobody else holds it, hold
+/// briefly, release. Fences must be unique and increase in grant order, and
+/// two holders never overlap.
+async fn racing_acquirers_never_overlap(b: Backend) {
+    let s = Arc::new(setup(b).await);
+    // One round of 20 simultaneous non-blocking tries: exactly one wins.
+    let mut tries = Vec::new();
+    for _ in 0..20 {
+        let s = s.clone();
+        tries.push(tokio::spawn(async move {
+            s.acquire("doc:r0", 10_000, 0).await.status()
+        }));
+    }
+    let mut wins = 0;
+    for t in tries {
+        match t.await.unwrap().as_u16() {
+            201 => wins += 1,
+            409 => {}
+            other => panic!("unexpected {other}"),
+        }
+    }
+    assert_eq!(wins, 1);
+
+    let busy = Arc::new(AtomicBool::new(false));
+    let fences = Arc::new(Mutex::new(Vec::new()));
+    let mut tasks = Vec::new();
+    for _ in 0..10 {
+        let (s, busy, fences) = (s.clone(), busy.clone(), fences.clone());
+        tasks.push(tokio::spawn(async move {
+            for _ in 0..4 {
+                let g = granted(s.acquire("doc:r", 5000, 20_000).await).await;
+                assert!(!busy.swap(true, Ordering::SeqCst), "two holders at once");
+                fences.lock().unwrap().push(g["fence"].as_i64().unwrap());
+                tokio::time::sleep(Duration::from_millis(3)).await;
+                busy.store(false, Ordering::SeqCst);
+                let r = s.post("doc:r/release", json!({"lease": g["lease"]})).await;
+                assert_eq!(r.status(), 204);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let fences = fences.lock().unwrap().clone();
+    assert_eq!(fences.len(), 40);
+    assert!(
+        fences.windows(2).all(|w| w[0] < w[1]),
+        "fences not increasing: {fences:?}"
+    );
+}
+
+async fn fences_start_above_recorded_tokens(b: Backend) {
+    let s = setup(b).await;
+    assert_eq!(s.app.put("/docs/big", Some("500"), "x").await.status(), 200);
+    let g = granted(s.acquire("doc:big", 5000, 0).await).await;
+    assert_eq!(
+        g["fence"], 501,
+        "a grant's fence is above the highest recorded token"
+    );
+    // And the grant's token works at once.
+    assert_eq!(
+        s.app
+            .put("/docs/big", Some(g["token"].as_str().unwrap()), "y")
+            .await
+            .status(),
+        200
+    );
+}
+
+/// The classic scenario: A's lease expires while it is paused, B acquires
+/// and writes, A's late write is refused.
+async fn expired_holder_is_fenced_off_end_to_end(b: Backend) {
+    let s = setup(b).await;
+    let a = granted(s.acquire("doc:report", 200, 0).await).await;
+    tokio::time::sleep(Duration::from_millis(400)).await; // A's GC pause
+    let bg = granted(s.acquire("doc:report", 5000, 0).await).await;
+    assert!(bg["fence"].as_i64() > a["fence"].as_i64());
+    let r = s
+        .app
+        .put("/docs/report", Some(bg["token"].as_str().unwrap()), "by B")
+        .await;
+    assert_eq!(r.status(), 200);
+    let body = problem(
+        s.app
+            .put("/docs/report", Some(a["token"].as_str().unwrap()), "by A")
+            .await,
+        409,
+    )
+    .await;
+    assert_eq!(body["highest_token"], bg["fence"]);
+    let applied = s.up.applied();
+    assert_eq!(applied.len(), 1);
+    assert_eq!(&applied[0].body[..], b"by B");
+}
+
+async fn bad_bodies_name_the_field(b: Backend) {
+    let s = setup(b).await;
+    let raw = |path: &'static str, body: &'static str| {
+        let app = s.app.clone();
+        async move {
+            app.http
+                .post(app.url(&format!("/_fencegate/locks/{path}")))
+                .header("content-type", "application/json")
+                .body(body)
+                .send()
+                .await
+                .unwrap()
+        }
+    };
+    for (path, body, field) in [
+        ("n", "not json", "body"),
+        ("n", "[1]", "body"),
+        ("n", "{}", "ttl_ms"),
+        ("n", r#"{"ttl_ms": "5000"}"#, "ttl_ms"),
+        ("n", r#"{"ttl_ms": -1}"#, "ttl_ms"),
+        ("n", r#"{"ttl_ms": 1.5}"#, "ttl_ms"),
+        ("n", r#"{"ttl_ms": 50}"#, "ttl_ms"),
+        ("n", r#"{"ttl_ms": 600001}"#, "ttl_ms"),
+        ("n", r#"{"ttl_ms": 1000, "wait_ms": "x"}"#, "wait_ms"),
+        ("n", r#"{"ttl_ms": 1000, "wait_ms": 99999999}"#, "wait_ms"),
+        ("n", r#"{"ttl": 1000}"#, "body"),
+        ("n/renew", r#"{"ttl_ms": 1000}"#, "lease"),
+        ("n/renew", r#"{"lease": 5, "ttl_ms": 1000}"#, "lease"),
+        ("n/renew", r#"{"lease": "abc"}"#, "ttl_ms"),
+        ("n/release", "{}", "lease"),
+        ("n/release", r#"{"lease": ""}"#, "lease"),
+    ] {
+        let v = problem(raw(path, body).await, 400).await;
+        assert_eq!(v["field"], field, "{path} {body}: {v}");
+    }
+    // Larger than any lock request: refused without reading it all.
+    let big = "x".repeat(64 * 1024);
+    let r = s
+        .app
+        .http
+        .post(s.app.url("/_fencegate/locks/n"))
+        .body(big)
+        .send()
+        .await
+        .unwrap();
+    problem(r, 413).await;
+    // Wrong method on a lock path, unknown gateway path.
+    let r = s
+        .app
+        .http
+        .delete(s.app.url("/_fencegate/locks/n"))
+        .send()
+        .await
+        .unwrap();
+    problem(r, 405).await;
+    problem(
+        s.app
+            .http
+            .get(s.app.url("/_fencegate/nope"))
+            .send()
+            .await
+            .unwrap(),
+        404,
+    )
+    .await;
+}
