@@ -5,6 +5,7 @@ mod answer_table;
 mod config_errors;
 mod durability;
 mod headers;
+mod jwt_tokens;
 mod locks_api;
 mod locks_redis;
 mod ordering;
