@@ -144,24 +144,30 @@ type NameParam = Result<Path<String>, PathRejection>;
 type BodyParam = Result<Bytes, BytesRejection>;
 
 /// Unwraps the extractors, turning their rejections into problem documents.
-fn inputs(name: NameParam, body: Option<BodyParam>) -> Result<(String, Bytes), Response> {
+fn inputs(name: NameParam, body: Option<BodyParam>) -> Result<(String, Bytes), Box<Response>> {
     let name = match name {
         Ok(Path(n)) => n,
-        Err(e) => return Err(BadBody::new("name", e.body_text()).into_response()),
+        Err(e) => {
+            return Err(Box::new(
+                BadBody::new("name", e.body_text()).into_response(),
+            ))
+        }
     };
-    check_name(&name).map_err(BadBody::into_response)?;
+    check_name(&name).map_err(|b| Box::new(b.into_response()))?;
     let body = match body {
         None => Bytes::new(),
         Some(Ok(b)) => b,
         Some(Err(e)) => {
-            return Err(Problem::new(
-                e.status(),
-                "bad-lock-request",
-                "Bad lock request",
-                format!("body: {}", e.body_text()),
-            )
-            .with("field", "body")
-            .into_response())
+            return Err(Box::new(
+                Problem::new(
+                    e.status(),
+                    "bad-lock-request",
+                    "Bad lock request",
+                    format!("body: {}", e.body_text()),
+                )
+                .with("field", "body")
+                .into_response(),
+            ))
         }
     };
     Ok((name, body))
@@ -170,7 +176,7 @@ fn inputs(name: NameParam, body: Option<BodyParam>) -> Result<(String, Bytes), R
 async fn acquire(State(s): State<LockApiState>, name: NameParam, body: BodyParam) -> Response {
     let (name, body) = match inputs(name, Some(body)) {
         Ok(v) => v,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let parsed = check_name(&name).and_then(|_| {
         let map = parse_object(&body, &["ttl_ms", "wait_ms"])?;
@@ -201,7 +207,7 @@ async fn acquire(State(s): State<LockApiState>, name: NameParam, body: BodyParam
 async fn renew(State(s): State<LockApiState>, name: NameParam, body: BodyParam) -> Response {
     let (name, body) = match inputs(name, Some(body)) {
         Ok(v) => v,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let parsed = check_name(&name).and_then(|_| {
         let map = parse_object(&body, &["lease", "ttl_ms"])?;
@@ -220,7 +226,7 @@ async fn renew(State(s): State<LockApiState>, name: NameParam, body: BodyParam) 
 async fn release(State(s): State<LockApiState>, name: NameParam, body: BodyParam) -> Response {
     let (name, body) = match inputs(name, Some(body)) {
         Ok(v) => v,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     let parsed = check_name(&name).and_then(|_| lease(&parse_object(&body, &["lease"])?));
     let lease = match parsed {
@@ -236,7 +242,7 @@ async fn release(State(s): State<LockApiState>, name: NameParam, body: BodyParam
 async fn status(State(s): State<LockApiState>, name: NameParam) -> Response {
     let (name, _) = match inputs(name, None) {
         Ok(v) => v,
-        Err(r) => return r,
+        Err(r) => return *r,
     };
     match s.locks.status(&name).await {
         Ok(st) => Json(st).into_response(),
@@ -269,6 +275,15 @@ fn lock_error(name: &str, e: LockError, retry_after: Duration) -> Response {
             ),
         )
         .with("name", name)
+        .into_response(),
+        LockError::Expired => Problem::new(
+            StatusCode::CONFLICT,
+            "not-holder",
+            "Not the holder",
+            format!("this lease of the lock '{name}' expired; acquire the lock again"),
+        )
+        .with("name", name)
+        .with("expired", true)
         .into_response(),
         LockError::Unavailable(why) => {
             tracing::warn!(lock = %name, error = %why, "lock backend unavailable; answering 503");

@@ -41,6 +41,10 @@ pub enum LockError {
     /// or it expired or was released).
     #[error("this lease does not hold the lock (it expired, was released, or never held it)")]
     NotHolder,
+    /// Renew or release by the lease that held the lock, after its expiry
+    /// (the backend can tell; otherwise it answers `NotHolder`).
+    #[error("this lease expired")]
+    Expired,
     /// The backend (Redis, the store, too few Redlock nodes) could not
     /// answer; nothing was granted.
     #[error("lock backend unavailable: {0}")]

@@ -221,6 +221,7 @@ impl LockService {
             Err(e) => {
                 self.count(match e {
                     LockError::NotHolder => "renew_refused",
+                    LockError::Expired => "expired",
                     _ => "unavailable",
                 });
                 Err(e)
@@ -236,6 +237,7 @@ impl LockService {
                 self.inner.notifier.notify(name);
             }
             Err(LockError::NotHolder) => self.count("release_refused"),
+            Err(LockError::Expired) => self.count("expired"),
             Err(_) => self.count("unavailable"),
         }
         r

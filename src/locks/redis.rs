@@ -402,9 +402,22 @@ impl RedisLocks {
         for attempt in 0..2 {
             let floor = store.fence_floor(name).await?;
             let started = Instant::now();
-            let fence = match self.acquire_script(name, lease, ttl, floor).await? {
-                Acquired::Held(expires_in) => return Err(LockError::Held { expires_in }),
-                Acquired::Granted(f) => f,
+            let fence = match self.acquire_script(name, lease, ttl, floor).await {
+                Ok(Acquired::Held(expires_in)) => return Err(LockError::Held { expires_in }),
+                Ok(Acquired::Granted(f)) => f,
+                Err(e) => {
+                    // The script may have run and only its answer been lost
+                    // (timeout): take back a grant nobody will see. In the
+                    // background, so the answer keeps its time bound.
+                    let this = self.clone();
+                    let (name, lease) = (name.to_string(), lease.to_string());
+                    tokio::spawn(async move {
+                        if let Err(e) = this.inner.node.release(&name, &lease).await {
+                            tracing::debug!(lock = %name, error = %e, "cannot withdraw a possibly granted lease");
+                        }
+                    });
+                    return Err(e);
+                }
             };
             match store.record_fence(name, fence).await {
                 Ok(true) => {

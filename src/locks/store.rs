@@ -196,7 +196,36 @@ impl StoreLocks {
                 valid_for: ms(valid),
             }),
             Some((Err(e), _)) | Some((_, Err(e))) => Err(LockError::Unavailable(e.to_string())),
-            None => Err(LockError::NotHolder),
+            None => Err(self.refusal(name, lease).await),
+        }
+    }
+
+    /// Why a renew or release by `lease` matched no row: the lease is still
+    /// recorded (so it expired), or it is not (someone else's, or released).
+    async fn refusal(&self, name: &str, lease: &str) -> LockError {
+        let ours: Result<Option<bool>, LockError> = match &self.store {
+            FenceStore::Postgres(s) => {
+                self.bounded(
+                    sqlx::query_scalar("SELECT lease = $2 FROM locks WHERE name = $1")
+                        .bind(name)
+                        .bind(lease)
+                        .fetch_optional(s.pool()),
+                )
+                .await
+            }
+            FenceStore::Sqlite(s) => {
+                self.bounded(
+                    sqlx::query_scalar("SELECT lease = ?2 FROM locks WHERE name = ?1")
+                        .bind(name)
+                        .bind(lease)
+                        .fetch_optional(s.pool()),
+                )
+                .await
+            }
+        };
+        match ours {
+            Ok(Some(true)) => LockError::Expired,
+            _ => LockError::NotHolder,
         }
     }
 
@@ -227,7 +256,7 @@ impl StoreLocks {
         if released {
             Ok(())
         } else {
-            Err(LockError::NotHolder)
+            Err(self.refusal(name, lease).await)
         }
     }
 

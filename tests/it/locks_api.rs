@@ -172,6 +172,22 @@ async fn expiry_ends_the_lease(b: Backend) {
     .await;
     let g2 = granted(s.acquire("doc:e", 5000, 0).await).await;
     assert_eq!(g2["fence"], 2, "the fence survives expiry");
+    let metrics = s
+        .app
+        .http
+        .get(s.app.admin_url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "fencegate_lock_events_total{backend=\"store\",event=\"grant\"} 2",
+        "fencegate_lock_events_total{backend=\"store\",event=\"expired\"} 2",
+    ] {
+        assert!(metrics.contains(line), "missing {line} in\n{metrics}");
+    }
 }
 
 async fn blocking_acquire_wakes_on_release_and_expiry(b: Backend) {
