@@ -34,6 +34,7 @@
 pub mod admin;
 pub mod app;
 pub mod cli;
+pub mod client;
 pub mod config;
 pub mod demo;
 pub mod error;

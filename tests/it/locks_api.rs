@@ -1,4 +1,6 @@
-//! The lock API over HTTP, with `backend = "store"` on SQLite and Postgres.
+//! The lock API over HTTP, on every backend: `store` on SQLite and on
+//! Postgres, `redis` (a private redis-server) and `redlock` (three private
+//! redis-servers); fences always durable in a SQLite store.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -8,20 +10,46 @@ use serde_json::{json, Value};
 
 use crate::support::app::{docs_route, problem, TestApp};
 use crate::support::db::{Backend, TestStore};
+use crate::support::redis::PrivateRedis;
 use crate::support::upstream::Upstream;
 
-macro_rules! on_both_stores {
+/// Which lock backend a test runs on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Locks {
+    Sqlite,
+    Postgres,
+    Redis,
+    Redlock,
+}
+
+impl Locks {
+    fn label(self) -> &'static str {
+        match self {
+            Locks::Sqlite | Locks::Postgres => "store",
+            Locks::Redis => "redis",
+            Locks::Redlock => "redlock",
+        }
+    }
+}
+
+macro_rules! on_every_backend {
     ($($name:ident),* $(,)?) => {
         mod sqlite {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(super::Backend::Sqlite).await })*
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(super::Locks::Sqlite).await })*
         }
         mod postgres {
-            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(super::Backend::Postgres).await })*
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(super::Locks::Postgres).await })*
+        }
+        mod redis {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(super::Locks::Redis).await })*
+        }
+        mod redlock {
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)] async fn $name() { super::$name(super::Locks::Redlock).await })*
         }
     };
 }
 
-on_both_stores!(
+on_every_backend!(
     grant_hold_renew_release,
     expiry_ends_the_lease,
     blocking_acquire_wakes_on_release_and_expiry,
@@ -36,16 +64,50 @@ struct Setup {
     _store: TestStore,
     up: Upstream,
     app: Arc<TestApp>,
+    redis: Vec<PrivateRedis>,
 }
 
-async fn setup(b: Backend) -> Setup {
-    let store = TestStore::new(b).await;
+async fn setup(l: Locks) -> Setup {
+    let store = TestStore::new(if l == Locks::Postgres {
+        Backend::Postgres
+    } else {
+        Backend::Sqlite
+    })
+    .await;
+    let nodes = match l {
+        Locks::Redis => 1,
+        Locks::Redlock => 3,
+        _ => 0,
+    };
+    let redis = tokio::task::spawn_blocking(move || {
+        (0..nodes)
+            .map(|_| PrivateRedis::start())
+            .collect::<Vec<_>>()
+    })
+    .await
+    .unwrap();
     let up = Upstream::start().await;
-    let app = TestApp::spawn(&store.url, &docs_route(&up.url())).await;
+    let mut extra = docs_route(&up.url());
+    match l {
+        Locks::Redis => extra.push_str(&format!(
+            "[locks]\nbackend = \"redis\"\nredis_url = \"{}\"\n",
+            redis[0].url()
+        )),
+        Locks::Redlock => {
+            let urls: Vec<String> = redis.iter().map(|r| format!("\"{}\"", r.url())).collect();
+            extra.push_str(&format!(
+                "[locks]\nbackend = \"redlock\"\nredis_urls = [{}]\n",
+                urls.join(", ")
+            ));
+        }
+        _ => {}
+    }
+    let app = TestApp::spawn(&store.url, &extra).await;
     Setup {
         _store: store,
         up,
         app: Arc::new(app),
+        redis,
     }
 }
 
@@ -85,8 +147,8 @@ async fn granted(resp: reqwest::Response) -> Value {
     v
 }
 
-async fn grant_hold_renew_release(b: Backend) {
-    let s = setup(b).await;
+async fn grant_hold_renew_release(l: Locks) {
+    let s = setup(l).await;
     let g = granted(s.acquire("doc:a", 5000, 0).await).await;
     assert_eq!(g["name"], "doc:a");
     assert_eq!(g["fence"], 1);
@@ -141,10 +203,15 @@ async fn grant_hold_renew_release(b: Backend) {
     problem(s.post("doc:a/release", json!({"lease": lease})).await, 409).await;
     let st = s.status("doc:a").await;
     assert_eq!(st["held"], false);
-    assert_eq!(st["fence"], 1, "the fence survives release");
+    // The fence survives release. (Redlock burns a fence on every attempt,
+    // including the refused one above, so it may show a higher one.)
+    assert!(st["fence"].as_i64().unwrap() >= 1, "{st}");
     assert_eq!(st["expires_in_ms"], Value::Null);
     let g2 = granted(s.acquire("doc:a", 5000, 0).await).await;
-    assert_eq!(g2["fence"], 2);
+    assert!(
+        g2["fence"].as_i64().unwrap() > st["fence"].as_i64().unwrap().max(1),
+        "{g2}"
+    );
     // Never-used names.
     let st = s.status("never-used").await;
     assert_eq!(
@@ -153,8 +220,8 @@ async fn grant_hold_renew_release(b: Backend) {
     );
 }
 
-async fn expiry_ends_the_lease(b: Backend) {
-    let s = setup(b).await;
+async fn expiry_ends_the_lease(l: Locks) {
+    let s = setup(l).await;
     let g = granted(s.acquire("doc:e", 150, 0).await).await;
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert_eq!(s.status("doc:e").await["held"], false);
@@ -171,7 +238,10 @@ async fn expiry_ends_the_lease(b: Backend) {
     )
     .await;
     let g2 = granted(s.acquire("doc:e", 5000, 0).await).await;
-    assert_eq!(g2["fence"], 2, "the fence survives expiry");
+    assert!(
+        g2["fence"].as_i64() > g["fence"].as_i64(),
+        "the fence survives expiry"
+    );
     let metrics = s
         .app
         .http
@@ -182,16 +252,30 @@ async fn expiry_ends_the_lease(b: Backend) {
         .text()
         .await
         .unwrap();
-    for line in [
-        "fencegate_lock_events_total{backend=\"store\",event=\"grant\"} 2",
-        "fencegate_lock_events_total{backend=\"store\",event=\"expired\"} 2",
-    ] {
-        assert!(metrics.contains(line), "missing {line} in\n{metrics}");
+    // The store tells expiry apart (renew and release both counted as
+    // expired); Redis only knows the key is gone.
+    let refusals: &[(&str, u32)] = if l.label() == "store" {
+        &[("expired", 2)]
+    } else {
+        &[("renew_refused", 1), ("release_refused", 1)]
+    };
+    let mut lines = vec![format!(
+        "fencegate_lock_events_total{{backend=\"{}\",event=\"grant\"}} 2",
+        l.label()
+    )];
+    for (event, n) in refusals {
+        lines.push(format!(
+            "fencegate_lock_events_total{{backend=\"{}\",event=\"{event}\"}} {n}",
+            l.label()
+        ));
+    }
+    for line in lines {
+        assert!(metrics.contains(&line), "missing {line} in\n{metrics}");
     }
 }
 
-async fn blocking_acquire_wakes_on_release_and_expiry(b: Backend) {
-    let s = Arc::new(setup(b).await);
+async fn blocking_acquire_wakes_on_release_and_expiry(l: Locks) {
+    let s = Arc::new(setup(l).await);
     // Release wakes the waiter.
     let a = granted(s.acquire("doc:w", 10_000, 0).await).await;
     let waiter = {
@@ -207,7 +291,7 @@ async fn blocking_acquire_wakes_on_release_and_expiry(b: Backend) {
     assert_eq!(r.status(), 204);
     let started = std::time::Instant::now();
     let b_grant = granted(waiter.await.unwrap()).await;
-    assert_eq!(b_grant["fence"], 2);
+    assert!(b_grant["fence"].as_i64() > a["fence"].as_i64());
     // It was woken, not left to its deadline (8 s).
     assert!(
         started.elapsed() < Duration::from_secs(4),
@@ -215,13 +299,13 @@ async fn blocking_acquire_wakes_on_release_and_expiry(b: Backend) {
     );
 
     // Expiry wakes the waiter too (no event is sent for expiry).
-    granted(s.acquire("doc:x", 300, 0).await).await;
+    let first = granted(s.acquire("doc:x", 300, 0).await).await;
     let c = granted(s.acquire("doc:x", 5000, 8000).await).await;
-    assert_eq!(c["fence"], 2);
+    assert!(c["fence"].as_i64() > first["fence"].as_i64());
 }
 
-async fn blocking_acquire_times_out(b: Backend) {
-    let s = setup(b).await;
+async fn blocking_acquire_times_out(l: Locks) {
+    let s = setup(l).await;
     granted(s.acquire("doc:t", 10_000, 0).await).await;
     let started = std::time::Instant::now();
     problem(s.acquire("doc:t", 1000, 300).await, 409).await;
@@ -234,8 +318,8 @@ async fn blocking_acquire_times_out(b: Backend) {
 /// Ten clients loop: acquire (blocking), check nobody else holds it, hold
 /// briefly, release. Fences must be unique and increase in grant order, and
 /// two holders never overlap.
-async fn racing_acquirers_never_overlap(b: Backend) {
-    let s = Arc::new(setup(b).await);
+async fn racing_acquirers_never_overlap(l: Locks) {
+    let s = Arc::new(setup(l).await);
     // One round of 20 simultaneous non-blocking tries: exactly one wins.
     let mut tries = Vec::new();
     for _ in 0..20 {
@@ -282,8 +366,8 @@ async fn racing_acquirers_never_overlap(b: Backend) {
     );
 }
 
-async fn fences_start_above_recorded_tokens(b: Backend) {
-    let s = setup(b).await;
+async fn fences_start_above_recorded_tokens(l: Locks) {
+    let s = setup(l).await;
     assert_eq!(s.app.put("/docs/big", Some("500"), "x").await.status(), 200);
     let g = granted(s.acquire("doc:big", 5000, 0).await).await;
     assert_eq!(
@@ -302,8 +386,8 @@ async fn fences_start_above_recorded_tokens(b: Backend) {
 
 /// The classic scenario: A's lease expires while it is paused, B acquires
 /// and writes, A's late write is refused.
-async fn expired_holder_is_fenced_off_end_to_end(b: Backend) {
-    let s = setup(b).await;
+async fn expired_holder_is_fenced_off_end_to_end(l: Locks) {
+    let s = setup(l).await;
     let a = granted(s.acquire("doc:report", 200, 0).await).await;
     tokio::time::sleep(Duration::from_millis(400)).await; // A's GC pause
     let bg = granted(s.acquire("doc:report", 5000, 0).await).await;
@@ -326,8 +410,8 @@ async fn expired_holder_is_fenced_off_end_to_end(b: Backend) {
     assert_eq!(&applied[0].body[..], b"by B");
 }
 
-async fn bad_bodies_name_the_field(b: Backend) {
-    let s = setup(b).await;
+async fn bad_bodies_name_the_field(l: Locks) {
+    let s = setup(l).await;
     let raw = |path: &'static str, body: &'static str| {
         let app = s.app.clone();
         async move {
@@ -391,4 +475,71 @@ async fn bad_bodies_name_the_field(b: Backend) {
         404,
     )
     .await;
+}
+
+/// Redis down: every lock call answers 503 promptly, /readyz says so, and
+/// nothing is granted; when Redis is back, grants resume with a higher fence.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_is_503_and_recovers() {
+    let mut s = setup(Locks::Redis).await;
+    let g = granted(s.acquire("doc:d", 5000, 0).await).await;
+    let mut node = s.redis.pop().unwrap();
+    let node = tokio::task::spawn_blocking(move || {
+        node.stop();
+        node
+    })
+    .await
+    .unwrap();
+    let started = std::time::Instant::now();
+    let r = s.acquire("doc:d2", 5000, 0).await;
+    assert_eq!(
+        r.headers()
+            .get("retry-after")
+            .map(|v| v.to_str().unwrap().to_string()),
+        Some("1".into())
+    );
+    problem(r, 503).await;
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "503 must come promptly"
+    );
+    problem(
+        s.post("doc:d/renew", json!({"lease": g["lease"], "ttl_ms": 5000}))
+            .await,
+        503,
+    )
+    .await;
+    let ready = s
+        .app
+        .http
+        .get(s.app.admin_url("/readyz"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ready.status(), 503);
+    // Redis comes back empty (it keeps nothing on disk): the fence still grows.
+    let mut node = node;
+    let node = tokio::task::spawn_blocking(move || {
+        node.start_again();
+        node
+    })
+    .await
+    .unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    let g2 = loop {
+        let r = s.acquire("doc:d", 5000, 0).await;
+        if r.status() == 201 {
+            break r.json::<Value>().await.unwrap();
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no recovery after Redis came back"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert!(
+        g2["fence"].as_i64() > g["fence"].as_i64(),
+        "fence went backwards: {g} then {g2}"
+    );
+    drop(node);
 }
