@@ -136,13 +136,16 @@ impl StoreLocks {
                 .map(|r| (r.try_get::<i64, _>(0), r.try_get::<i64, _>(1))),
             FenceStore::Sqlite(s) => self
                 .bounded(
+                    // fetch_all: see SqliteStore::record on commit errors.
                     sqlx::query(&sqlite_acquire())
                         .bind(name)
                         .bind(lease)
                         .bind(ttl_ms)
-                        .fetch_optional(s.pool()),
+                        .fetch_all(s.pool()),
                 )
                 .await?
+                .into_iter()
+                .next()
                 .map(|r| (r.try_get::<i64, _>(0), r.try_get::<i64, _>(1))),
         };
         match row {
@@ -183,9 +186,11 @@ impl StoreLocks {
                         .bind(name)
                         .bind(lease)
                         .bind(ttl_ms)
-                        .fetch_optional(s.pool()),
+                        .fetch_all(s.pool()),
                 )
                 .await?
+                .into_iter()
+                .next()
                 .map(|r| (r.try_get::<i64, _>(0), r.try_get::<i64, _>(1))),
         };
         match row {
@@ -248,9 +253,11 @@ impl StoreLocks {
                     sqlx::query(&sqlite_release())
                         .bind(name)
                         .bind(lease)
-                        .fetch_optional(s.pool()),
+                        .fetch_all(s.pool()),
                 )
                 .await?
+                .into_iter()
+                .next()
                 .is_some(),
         };
         if released {

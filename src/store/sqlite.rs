@@ -57,11 +57,17 @@ impl SqliteStore {
         );
         bounded(self.timeout, async {
             let mut conn = self.pool.acquire().await?;
+            // fetch_all, not fetch_optional: with a row limit sqlx stops
+            // stepping after the first row and resets the statement, which
+            // commits but discards the commit's error. Stepping to the end
+            // reports a failed commit instead of acknowledging it.
             let raised: Option<i64> = sqlx::query_scalar(&upsert)
                 .bind(key)
                 .bind(token)
-                .fetch_optional(&mut *conn)
-                .await?;
+                .fetch_all(&mut *conn)
+                .await?
+                .into_iter()
+                .next();
             match raised {
                 Some(h) => Ok(h),
                 None => {
@@ -85,8 +91,11 @@ impl SqliteStore {
                  RETURNING fence",
             )
             .bind(name)
-            .fetch_one(&self.pool)
-            .await
+            .fetch_all(&self.pool)
+            .await?
+            .into_iter()
+            .next()
+            .ok_or(sqlx::Error::RowNotFound)
         })
         .await
     }
@@ -114,8 +123,10 @@ impl SqliteStore {
             )
             .bind(name)
             .bind(fence)
-            .fetch_optional(&self.pool)
-            .await?;
+            .fetch_all(&self.pool)
+            .await?
+            .into_iter()
+            .next();
             Ok(raised.is_some())
         })
         .await

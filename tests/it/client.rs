@@ -18,7 +18,7 @@ struct Setup {
 }
 
 async fn setup() -> Setup {
-    setup_with(|up| docs_route(up)).await
+    setup_with(docs_route).await
 }
 
 async fn setup_with(extra: impl FnOnce(&str) -> String) -> Setup {
