@@ -102,6 +102,12 @@ pub struct StoreConfig {
     pub timeout: Duration,
     /// The `Retry-After` value sent with 503 answers.
     pub retry_after: Duration,
+    /// `shared` mode: connections holding per-key locks, i.e. fenced writes
+    /// in flight at once on this instance.
+    pub gate_pool_size: u32,
+    /// `shared` mode: how long a write may wait for older tokens' writes on
+    /// other instances (a paused instance holds them) before a 503.
+    pub gate_wait: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -236,6 +242,8 @@ struct RawStore {
     pool_size: u64,
     timeout_ms: u64,
     retry_after_s: u64,
+    gate_pool_size: u64,
+    gate_wait_ms: u64,
 }
 
 impl Default for RawStore {
@@ -246,6 +254,8 @@ impl Default for RawStore {
             pool_size: 16,
             timeout_ms: 2_000,
             retry_after_s: 1,
+            gate_pool_size: 256,
+            gate_wait_ms: 30_000,
         }
     }
 }
@@ -824,11 +834,6 @@ impl Validator<'_> {
                         "store.mode",
                         "\"shared\" needs a Postgres store; a SQLite file serves one instance",
                     );
-                } else {
-                    self.problem(
-                        "store.mode",
-                        "\"shared\" (several instances on one Postgres) is not available in this version; use \"single\"",
-                    );
                 }
                 StoreMode::Shared
             }
@@ -854,6 +859,13 @@ impl Validator<'_> {
                 "store.retry_after_s",
                 raw.retry_after_s,
                 3600,
+            )),
+            gate_pool_size: self.positive("store.gate_pool_size", raw.gate_pool_size, 10_000)
+                as u32,
+            gate_wait: Duration::from_millis(self.positive(
+                "store.gate_wait_ms",
+                raw.gate_wait_ms,
+                3_600_000,
             )),
         }
     }

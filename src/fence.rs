@@ -6,10 +6,24 @@
 //! than a forwarded token is still refused.
 
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use crate::error::{ClientError, GatewayError};
 use crate::gate::{Gate, Permit};
-use crate::store::{FenceStore, StoreError};
+use crate::store::{Entered, FenceStore, KeyLock, StoreError};
+
+/// The right to forward one fenced write; drop it when the upstream has
+/// finished with the write.
+pub struct Admission {
+    /// The in-process gate's permit.
+    _permit: Permit,
+    /// `shared` mode: the key's cross-instance lock (released after the
+    /// permit, by field order).
+    _lock: Option<KeyLock>,
+    /// `shared` mode: other instances assume this write may be in flight
+    /// until this instant if we crash, so the forward must end by then.
+    pub deadline: Option<Instant>,
+}
 
 /// Cheap to clone: a store handle and the shared gate.
 #[derive(Clone)]
@@ -27,8 +41,60 @@ impl Fence {
     }
 
     /// Decides a fenced write of `token` on `key`. On success the returned
-    /// permit must live until the upstream has finished with the write.
-    pub async fn check(&self, key: &str, token: i64) -> Result<Permit, GatewayError> {
+    /// admission must live until the upstream has finished with the write.
+    /// `hold` is how long the forward may take (the route's timeout).
+    pub async fn check(
+        &self,
+        key: &str,
+        token: i64,
+        hold: Duration,
+    ) -> Result<Admission, GatewayError> {
+        if let FenceStore::Postgres(pg) = &self.store {
+            if pg.is_shared() {
+                return self.check_shared(pg, key, token, hold).await;
+            }
+        }
+        let permit = self.check_single(key, token).await?;
+        Ok(Admission {
+            _permit: permit,
+            _lock: None,
+            deadline: None,
+        })
+    }
+
+    /// `shared` mode: Postgres orders writes across instances (advisory
+    /// locks, see migrations/postgres/0003_shared_mode.sql); the in-process
+    /// gate still orders this instance's own writes, and relies on nothing
+    /// another instance could have changed: every admission went through
+    /// Postgres first.
+    async fn check_shared(
+        &self,
+        pg: &crate::store::PgStore,
+        key: &str,
+        token: i64,
+        hold: Duration,
+    ) -> Result<Admission, GatewayError> {
+        let ticket = self.gate.ticket(key);
+        // A little more than the forward's own bound, for the time between
+        // this statement and the forward's start.
+        let marker = hold + Duration::from_secs(1);
+        let entered_at = Instant::now();
+        let lock = match pg.enter(key, token, marker).await? {
+            Entered::Stale(highest) => return Err(stale(key, token, highest)),
+            Entered::Admitted(lock) => lock,
+        };
+        let permit = ticket
+            .admit(token)
+            .await
+            .map_err(|s| stale(key, token, s.highest))?;
+        Ok(Admission {
+            _permit: permit,
+            _lock: Some(lock),
+            deadline: Some(entered_at + hold),
+        })
+    }
+
+    async fn check_single(&self, key: &str, token: i64) -> Result<Permit, GatewayError> {
         let ticket = self.gate.ticket(key);
         let highest = self.store.record(key, token).await?;
         if highest > token {

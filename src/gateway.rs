@@ -21,8 +21,8 @@ use tokio::sync::oneshot;
 
 use crate::config::{Route, TokenKind};
 use crate::error::{ClientError, GatewayError, UpstreamError};
+use crate::fence::Admission;
 use crate::fence::Fence;
-use crate::gate::Permit;
 use crate::jwt::JwtRejection;
 use crate::metrics::{Metrics, RouteLabels};
 use crate::proxy::{self, BodyOutcome, HoldingBody, LimitedBody, UpstreamClient};
@@ -93,7 +93,7 @@ async fn serve(state: GatewayState, req: Request<Body>) -> Result<Response, Gate
                 route: route.name.clone(),
             })
             .inc();
-        return forward(&state, &route, req, peer, None).await;
+        return forward(&state, &route, req, peer, None, None).await;
     }
 
     // Phase: read token.
@@ -181,7 +181,7 @@ async fn fenced_write(
     client: &oneshot::Sender<Result<Response, GatewayError>>,
 ) -> Result<Response, GatewayError> {
     let waited = Instant::now();
-    let permit = match state.fence.check(&key, token).await {
+    let permit = match state.fence.check(&key, token, route.timeout).await {
         Ok(p) => p,
         Err(e) => {
             let outcome = match &e {
@@ -207,7 +207,8 @@ async fn fenced_write(
         return Err(ClientError::BadRequest("client disconnected").into());
     }
     state.metrics.decision(&route.name, "forwarded");
-    forward(state, route, req, peer, Some(permit)).await
+    let deadline = permit.deadline;
+    forward(state, route, req, peer, Some(permit), deadline).await
 }
 
 /// Phase: forward, and build the response.
@@ -216,10 +217,15 @@ async fn forward(
     route: &Arc<Route>,
     req: Request<Body>,
     peer: Option<SocketAddr>,
-    permit: Option<Permit>,
+    permit: Option<Admission>,
+    cap: Option<Instant>,
 ) -> Result<Response, GatewayError> {
     let started = Instant::now();
-    let deadline = started + route.timeout;
+    // In shared mode other instances assume this write is over by `cap`.
+    let deadline = match cap {
+        Some(c) => c.min(started + route.timeout),
+        None => started + route.timeout,
+    };
     let outcome = BodyOutcome::default();
     let (parts, body) = req.into_parts();
     let body = Body::new(LimitedBody::new(
@@ -287,7 +293,7 @@ async fn forward(
 }
 
 /// Keeps a permit until `deadline`, off the request's path.
-fn hold_until(deadline: Instant, permit: Permit) {
+fn hold_until(deadline: Instant, permit: Admission) {
     tokio::spawn(async move {
         tokio::time::sleep_until(deadline.into()).await;
         drop(permit);

@@ -20,7 +20,7 @@ use chrono::{DateTime, Utc};
 
 use crate::config::{StoreBackend, StoreConfig, StoreMode};
 
-pub use postgres::PgStore;
+pub use postgres::{Entered, KeyLock, PgStore};
 pub use sqlite::SqliteStore;
 
 /// Why the store could not answer.

@@ -67,6 +67,9 @@ RETURNING fence";
 #[derive(Clone)]
 pub struct PgStore {
     pool: PgPool,
+    /// `shared` mode: connections that hold the per-key advisory locks for
+    /// the life of a forward, one per fenced write in flight.
+    gate: Option<GatePool>,
     /// Bound on every operation, including waiting for a pooled connection.
     timeout: Duration,
     /// Present in `single` mode: the advisory lock that makes this instance
@@ -77,6 +80,11 @@ pub struct PgStore {
 impl PgStore {
     pub async fn open(cfg: &StoreConfig, single: bool) -> Result<Self, StoreError> {
         let opts = connect_options(&cfg.url, cfg.timeout)?;
+        let gate = if single {
+            None
+        } else {
+            Some(GatePool::new(&opts, cfg))
+        };
         let pool = PgPoolOptions::new()
             .max_connections(cfg.pool_size)
             .acquire_timeout(cfg.timeout)
@@ -93,6 +101,7 @@ impl PgStore {
         };
         Ok(Self {
             pool,
+            gate,
             timeout: cfg.timeout,
             owner,
         })
@@ -168,6 +177,29 @@ impl PgStore {
         .await
     }
 
+    /// Shared mode: admits a fenced write of `token` on `key` across every
+    /// instance (see migrations/postgres/0003_shared_mode.sql). On success
+    /// the returned lock must be held until the write has finished at the
+    /// upstream; `hold` bounds how long a crashed holder's write may be
+    /// assumed in flight.
+    pub async fn enter(
+        &self,
+        key: &str,
+        token: i64,
+        hold: Duration,
+    ) -> Result<Entered, StoreError> {
+        let gate = self
+            .gate
+            .as_ref()
+            .ok_or_else(|| StoreError::Other("enter() needs mode = \"shared\"".into()))?;
+        gate.enter(key, token, hold, self.timeout).await
+    }
+
+    /// True in `shared` mode.
+    pub fn is_shared(&self) -> bool {
+        self.gate.is_some()
+    }
+
     /// The pool, for the lock API's store backend.
     pub fn pool(&self) -> &PgPool {
         &self.pool
@@ -207,6 +239,9 @@ impl PgStore {
     pub async fn close(&self) {
         if let Some(o) = &self.owner {
             o.task.abort();
+        }
+        if let Some(g) = &self.gate {
+            g.pool.close().await;
         }
         self.pool.close().await;
     }
@@ -321,4 +356,144 @@ pub async fn migrate_url(url: &str) -> Result<(), StoreError> {
     MIGRATOR.run(&mut conn).await?;
     conn.close().await?;
     Ok(())
+}
+
+/// What `enter` decided.
+pub enum Entered {
+    /// Admitted; hold the lock until the write has finished upstream.
+    Admitted(KeyLock),
+    /// A higher token is recorded.
+    Stale(i64),
+}
+
+/// The per-key lock connections of `shared` mode.
+///
+/// Session advisory locks belong to a connection, so a write keeps its
+/// connection out of the pool for as long as it is in flight: the pool size
+/// bounds the fenced writes in flight per instance. The connections are ours
+/// (never a transaction pooler's), and a connection whose state we are not
+/// sure of is closed rather than returned, since closing is what releases
+/// its locks.
+#[derive(Clone)]
+struct GatePool {
+    pool: PgPool,
+    /// Longest a write waits for writes of older tokens (on any instance)
+    /// to finish; past it, 503.
+    wait: Duration,
+}
+
+impl GatePool {
+    fn new(opts: &PgConnectOptions, cfg: &StoreConfig) -> Self {
+        let lock_timeout = format!("{}ms", cfg.gate_wait.as_millis());
+        // The waits happen inside Postgres (pg_advisory_lock): bound them
+        // there with lock_timeout, so a wait ends with an error on a healthy
+        // connection instead of a cancelled query on a connection that might
+        // still take the lock later.
+        let opts = opts.clone().application_name("fencegate-gate").options([
+            ("statement_timeout", "0"),
+            ("lock_timeout", lock_timeout.as_str()),
+            ("synchronous_commit", "on"),
+        ]);
+        let pool = PgPoolOptions::new()
+            .max_connections(cfg.gate_pool_size)
+            .acquire_timeout(cfg.timeout)
+            .connect_lazy_with(opts);
+        Self {
+            pool,
+            wait: cfg.gate_wait,
+        }
+    }
+
+    async fn enter(
+        &self,
+        key: &str,
+        token: i64,
+        hold: Duration,
+        timeout: Duration,
+    ) -> Result<Entered, StoreError> {
+        let deadline = tokio::time::Instant::now() + self.wait + timeout;
+        loop {
+            let mut conn = match tokio::time::timeout(timeout, self.pool.acquire()).await {
+                Ok(Ok(c)) => c,
+                Ok(Err(e)) => return Err(e.into()),
+                Err(_) => return Err(StoreError::Timeout(timeout)),
+            };
+            let query = sqlx::query_as::<_, (String, i64, i64)>(
+                "SELECT outcome, highest, wait_ms FROM fencegate_enter($1, $2, $3)",
+            )
+            .bind(key)
+            .bind(token)
+            .bind(hold.as_millis() as i64)
+            .fetch_one(&mut *conn);
+            let answer = match tokio::time::timeout_at(deadline, query).await {
+                Ok(Ok(a)) => a,
+                Ok(Err(e)) => {
+                    // Any error (lock_timeout, a broken connection): this
+                    // session's lock state is unknown, so close it.
+                    conn.close_on_drop();
+                    return Err(e.into());
+                }
+                Err(_) => {
+                    conn.close_on_drop();
+                    return Err(StoreError::Timeout(self.wait + timeout));
+                }
+            };
+            match answer.0.as_str() {
+                "ok" => {
+                    return Ok(Entered::Admitted(KeyLock {
+                        conn: Some(conn),
+                        key: key.to_string(),
+                        token,
+                        timeout,
+                    }))
+                }
+                "stale" => return Ok(Entered::Stale(answer.1)),
+                _ => {
+                    // "wait": writers that never left may still arrive.
+                    drop(conn);
+                    let nap = Duration::from_millis(answer.2.max(1) as u64);
+                    if tokio::time::Instant::now() + nap > deadline {
+                        return Err(StoreError::Timeout(self.wait + timeout));
+                    }
+                    tokio::time::sleep(nap).await;
+                }
+            }
+        }
+    }
+}
+
+/// A key's shared advisory lock, held by a fenced write in flight. Dropping
+/// it leaves (decrements the in-flight marker and unlocks) in the background;
+/// if that fails, the connection is closed, which releases the lock too.
+pub struct KeyLock {
+    conn: Option<sqlx::pool::PoolConnection<sqlx::Postgres>>,
+    key: String,
+    token: i64,
+    timeout: Duration,
+}
+
+impl Drop for KeyLock {
+    fn drop(&mut self) {
+        let Some(mut conn) = self.conn.take() else {
+            return;
+        };
+        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+            conn.close_on_drop();
+            return;
+        };
+        let (key, token, timeout) = (std::mem::take(&mut self.key), self.token, self.timeout);
+        rt.spawn(async move {
+            let left = tokio::time::timeout(
+                timeout,
+                sqlx::query("SELECT fencegate_leave($1, $2)")
+                    .bind(&key)
+                    .bind(token)
+                    .execute(&mut *conn),
+            )
+            .await;
+            if !matches!(left, Ok(Ok(_))) {
+                conn.close_on_drop();
+            }
+        });
+    }
 }

@@ -12,5 +12,6 @@ mod locks_redis;
 mod ordering;
 mod pg_outage;
 mod server_limits;
+mod shared_mode;
 mod support;
 mod upstream_selftest;

@@ -2,6 +2,7 @@
 
 pub mod app;
 pub mod db;
+pub mod holders;
 pub mod pg;
 pub mod process;
 pub mod redis;
