@@ -8,10 +8,6 @@ use crate::support::db::{Backend, TestStore};
 use crate::support::holders::{self, Workload};
 use crate::support::upstream::{Upstream, UpstreamOptions};
 
-fn shared(extra: &str) -> String {
-    format!("{extra}")
-}
-
 async fn gateways(store: &TestStore, up: &Upstream, n: usize) -> Vec<TestApp> {
     let mut apps = Vec::new();
     for _ in 0..n {
@@ -19,7 +15,7 @@ async fn gateways(store: &TestStore, up: &Upstream, n: usize) -> Vec<TestApp> {
             "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
              [store]\nurl = \"{}\"\nmode = \"shared\"\ntimeout_ms = 3000\n{}",
             store.url,
-            shared(&docs_route(&up.url()))
+            docs_route(&up.url())
         );
         let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
         apps.push(TestApp::from_config(config).await.unwrap());
