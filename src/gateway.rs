@@ -50,9 +50,18 @@ pub struct GatewayState {
 /// The traffic listener's handler for every proxied request.
 pub async fn handle(State(state): State<GatewayState>, req: Request<Body>) -> Response {
     let retry_after = state.retry_after;
+    let has_body = declares_body(req.headers());
     match serve(state, req).await {
         Ok(resp) => resp,
         Err(e) => {
+            let mut resp = e.to_problem(retry_after).into_response();
+            if has_body {
+                // The request body may be unread (a refused write is never
+                // read): tell the client this connection ends here, so it
+                // does not send its next request into a closing socket.
+                resp.headers_mut()
+                    .insert(header::CONNECTION, http::HeaderValue::from_static("close"));
+            }
             match &e {
                 GatewayError::Store(err) => {
                     tracing::warn!(error = %err, "fence store unavailable; answering 503")
@@ -60,9 +69,18 @@ pub async fn handle(State(state): State<GatewayState>, req: Request<Body>) -> Re
                 GatewayError::Internal(what) => tracing::error!(what, "internal error"),
                 _ => tracing::debug!(error = %e, "request refused"),
             }
-            e.to_problem(retry_after).into_response()
+            resp
         }
     }
+}
+
+/// Whether a request comes with a body (which a refusal leaves unread).
+fn declares_body(headers: &http::HeaderMap) -> bool {
+    headers.contains_key(header::TRANSFER_ENCODING)
+        || headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.trim() != "0")
 }
 
 async fn serve(state: GatewayState, req: Request<Body>) -> Result<Response, GatewayError> {

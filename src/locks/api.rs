@@ -158,6 +158,8 @@ fn inputs(name: NameParam, body: Option<BodyParam>) -> Result<(String, Bytes), B
         None => Bytes::new(),
         Some(Ok(b)) => b,
         Some(Err(e)) => {
+            // The body was not read to its end: close the connection after
+            // this answer so the client does not reuse it.
             return Err(Box::new(
                 Problem::new(
                     e.status(),
@@ -166,8 +168,9 @@ fn inputs(name: NameParam, body: Option<BodyParam>) -> Result<(String, Bytes), B
                     format!("body: {}", e.body_text()),
                 )
                 .with("field", "body")
+                .header(header::CONNECTION, HeaderValue::from_static("close"))
                 .into_response(),
-            ))
+            ));
         }
     };
     Ok((name, body))

@@ -98,11 +98,21 @@ async fn stale_token_is_409_with_the_highest(b: Backend) {
     assert_eq!(body["resource_key"], "doc:a");
     assert_eq!(body["presented_token"], 33);
     assert_eq!(body["highest_token"], 34);
+    // A refused write's body is never read, so the gateway closes that
+    // connection after answering; the client's next request still works.
+    let big = "x".repeat(256 * 1024);
+    let resp = app.put("/docs/a", Some("33"), &big).await;
+    assert_eq!(resp.headers()["connection"], "close");
+    problem(resp, 409).await;
     // Other keys are independent.
     assert_eq!(app.put("/docs/b", Some("1"), "other").await.status(), 200);
     let applied = up.applied();
     assert_eq!(applied.len(), 2);
     assert_eq!(applied[0].token, Some(34));
+    assert!(
+        applied.iter().all(|a| a.body.len() < 1000),
+        "the refused body was not forwarded"
+    );
     assert_eq!(&applied[0].body[..], b"B");
 }
 

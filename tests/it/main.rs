@@ -2,6 +2,7 @@
 //! upstreams on port 0, real SQLite files and Postgres databases.
 
 mod answer_table;
+mod chaos;
 mod client;
 mod config_errors;
 mod durability;

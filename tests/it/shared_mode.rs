@@ -1,8 +1,6 @@
 //! `[store] mode = "shared"`: several gateways on one Postgres keep the
 //! per-key ordering guarantee between them.
 
-use std::sync::Arc;
-
 use crate::support::app::{docs_route, problem, TestApp};
 use crate::support::db::{Backend, TestStore};
 use crate::support::holders::{self, Workload};
@@ -31,8 +29,8 @@ async fn three_gateways_keep_per_key_order() {
     })
     .await;
     let apps = gateways(&store, &up, 3).await;
-    let targets = Arc::new(apps.iter().map(|a| a.url("")).collect::<Vec<_>>());
-    let out = holders::run(
+    let targets = apps.iter().map(|a| a.url("")).collect::<Vec<_>>();
+    let out = holders::run_fixed(
         targets,
         Workload {
             clients: 24,

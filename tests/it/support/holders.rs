@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicI64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Duration;
 
 use rand::Rng;
@@ -30,9 +30,14 @@ pub struct Workload {
 
 /// `clients` holders; each round a holder takes the next token of a random
 /// document (its "lock"), pauses at random, then writes one to three times
-/// with it through a random gateway of `targets`. Every 409 must name a
-/// higher token.
-pub async fn run(targets: Arc<Vec<String>>, w: Workload) -> Outcome {
+/// with it through a random gateway of `targets` (which may change while it
+/// runs: instances restart on new ports). Every 409 must name a higher token.
+/// Like [`run_dynamic`], over a fixed list.
+pub async fn run_fixed(targets: Vec<String>, w: Workload) -> Outcome {
+    run_dynamic(Arc::new(RwLock::new(targets)), w).await
+}
+
+pub async fn run_dynamic(targets: Arc<RwLock<Vec<String>>>, w: Workload) -> Outcome {
     let counters: Arc<Vec<AtomicI64>> = Arc::new((0..w.docs).map(|_| AtomicI64::new(0)).collect());
     let out = Arc::new(Mutex::new(Outcome::default()));
     let http = reqwest::Client::builder()
@@ -57,8 +62,9 @@ pub async fn run(targets: Arc<Vec<String>>, w: Workload) -> Outcome {
                 tokio::time::sleep(Duration::from_millis(pause)).await;
                 for n in 0..writes {
                     let target = {
+                        let t = targets.read().unwrap();
                         let mut rng = rand::thread_rng();
-                        targets[rng.gen_range(0..targets.len())].clone()
+                        t[rng.gen_range(0..t.len())].clone()
                     };
                     let body = format!("c{client}-r{round}-w{n}-t{token}");
                     let resp = http
