@@ -46,6 +46,8 @@ pub struct Application {
     admin_state: AdminState,
     /// The lock API, when `[locks] enabled`.
     locks: Option<LockApiState>,
+    /// The gate, to check that nothing is in flight before a clean stop.
+    gate: std::sync::Arc<crate::gate::Gate>,
     /// Background tasks (notification listeners) to stop on shutdown.
     tasks: Vec<tokio::task::JoinHandle<()>>,
     limits: Limits,
@@ -62,7 +64,23 @@ impl Application {
         };
         let store = FenceStore::open(&config.store).await?;
         let metrics = Metrics::new();
-        let fence = Fence::new(store.clone());
+        let mut fence = Fence::new(store.clone());
+        if !store.begin_run().await? {
+            // The previous single-mode instance crashed: its forwards may
+            // still reach the upstream until its longest route timeout.
+            let longest = config
+                .routes
+                .iter()
+                .map(|r| r.timeout)
+                .max()
+                .unwrap_or_default();
+            let wait = longest + std::time::Duration::from_secs(1);
+            tracing::warn!(
+                wait_ms = wait.as_millis() as u64,
+                "the previous instance on this store did not stop cleanly; fenced writes wait until its writes can no longer arrive"
+            );
+            fence = fence.with_quarantine(std::time::Instant::now() + wait);
+        }
         let mut tasks = Vec::new();
         let locks = if config.locks.enabled {
             let service = lock_service(&config, &store, &metrics, &mut tasks).await?;
@@ -96,6 +114,7 @@ impl Application {
             gateway,
             admin_state,
             locks,
+            gate: fence.gate.clone(),
             tasks,
             limits: Limits {
                 header_read_timeout: config.server.header_read_timeout,
@@ -169,6 +188,22 @@ impl Application {
         }
         for t in &self.tasks {
             t.abort();
+        }
+        // A clean stop only if no write of ours can still reach an upstream:
+        // forwards that ended abnormally keep their key closed until their
+        // deadline, so wait for the gate to empty (within the grace period).
+        let until = tokio::time::Instant::now() + self.limits.shutdown_grace;
+        while self.gate.tracked_keys() > 0 && tokio::time::Instant::now() < until {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+        if self.gate.tracked_keys() == 0 {
+            if let Err(e) = self.admin_state.store.end_run().await {
+                tracing::warn!(error = %e, "could not record the clean stop; the next start will wait as after a crash");
+            }
+        } else {
+            tracing::warn!(
+                "writes still in flight at exit; the next start will wait as after a crash"
+            );
         }
         self.admin_state.store.close().await;
         tracing::info!("stopped");

@@ -30,6 +30,11 @@ pub struct Admission {
 pub struct Fence {
     pub store: FenceStore,
     pub gate: Arc<Gate>,
+    /// Single mode after a crash of the previous instance: until this
+    /// instant, writes of the crashed instance may still be in flight to the
+    /// upstream (it forwarded them; we cannot know when they end), so no
+    /// fenced write is forwarded before it.
+    quarantine_until: Option<Instant>,
 }
 
 impl Fence {
@@ -37,7 +42,14 @@ impl Fence {
         Self {
             store,
             gate: Gate::new(),
+            quarantine_until: None,
         }
+    }
+
+    /// Holds back fenced writes until `until` (see `quarantine_until`).
+    pub fn with_quarantine(mut self, until: Instant) -> Self {
+        self.quarantine_until = Some(until);
+        self
     }
 
     /// Decides a fenced write of `token` on `key`. On success the returned
@@ -99,6 +111,11 @@ impl Fence {
         let highest = self.store.record(key, token).await?;
         if highest > token {
             return Err(stale(key, token, highest));
+        }
+        if let Some(until) = self.quarantine_until {
+            if Instant::now() < until {
+                tokio::time::sleep_until(until.into()).await;
+            }
         }
         if highest < token {
             return Err(StoreError::Other(format!(

@@ -122,6 +122,26 @@ impl FenceStore {
         }
     }
 
+    /// Single mode: records that an instance runs on this store; returns
+    /// whether the previous one stopped cleanly (false after a crash).
+    /// Shared mode keeps per-write markers instead and always answers true.
+    pub async fn begin_run(&self) -> Result<bool, StoreError> {
+        match self {
+            Self::Postgres(s) if s.is_shared() => Ok(true),
+            Self::Postgres(s) => s.begin_run().await,
+            Self::Sqlite(s) => s.begin_run().await,
+        }
+    }
+
+    /// Single mode: records a clean stop (nothing in flight).
+    pub async fn end_run(&self) -> Result<(), StoreError> {
+        match self {
+            Self::Postgres(s) if s.is_shared() => Ok(()),
+            Self::Postgres(s) => s.end_run().await,
+            Self::Sqlite(s) => s.end_run().await,
+        }
+    }
+
     /// Cheap reachability check for `/readyz`.
     pub async fn ping(&self) -> Result<(), StoreError> {
         match self {

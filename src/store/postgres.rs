@@ -195,6 +195,36 @@ impl PgStore {
         gate.enter(key, token, hold, self.timeout).await
     }
 
+    /// Marks the store as in use by a running single-mode instance; returns
+    /// whether the previous instance stopped cleanly.
+    pub async fn begin_run(&self) -> Result<bool, StoreError> {
+        bounded(self.timeout, async {
+            let was_running: Option<bool> =
+                sqlx::query_scalar("SELECT running FROM gateway_state WHERE id = 1")
+                    .fetch_optional(&self.pool)
+                    .await?;
+            sqlx::query(
+                "INSERT INTO gateway_state (id, running, changed_at) VALUES (1, true, now()) \
+                 ON CONFLICT (id) DO UPDATE SET running = true, changed_at = now()",
+            )
+            .execute(&self.pool)
+            .await?;
+            Ok(was_running != Some(true))
+        })
+        .await
+    }
+
+    /// Marks a clean stop: nothing of ours is in flight any more.
+    pub async fn end_run(&self) -> Result<(), StoreError> {
+        bounded(self.timeout, async {
+            sqlx::query("UPDATE gateway_state SET running = false, changed_at = now() WHERE id = 1")
+                .execute(&self.pool)
+                .await
+                .map(|_| ())
+        })
+        .await
+    }
+
     /// True in `shared` mode.
     pub fn is_shared(&self) -> bool {
         self.gate.is_some()

@@ -132,6 +132,37 @@ impl SqliteStore {
         .await
     }
 
+    /// See `PgStore::begin_run`.
+    pub async fn begin_run(&self) -> Result<bool, StoreError> {
+        bounded(self.timeout, async {
+            let was_running: Option<i64> =
+                sqlx::query_scalar("SELECT running FROM gateway_state WHERE id = 1")
+                    .fetch_optional(&self.pool)
+                    .await?;
+            sqlx::query(&format!(
+                "INSERT INTO gateway_state (id, running, changed_at) VALUES (1, 1, {NOW_MS}) \
+                 ON CONFLICT (id) DO UPDATE SET running = 1, changed_at = excluded.changed_at"
+            ))
+            .fetch_all(&self.pool)
+            .await?;
+            Ok(was_running != Some(1))
+        })
+        .await
+    }
+
+    /// See `PgStore::end_run`.
+    pub async fn end_run(&self) -> Result<(), StoreError> {
+        bounded(self.timeout, async {
+            sqlx::query(&format!(
+                "UPDATE gateway_state SET running = 0, changed_at = {NOW_MS} WHERE id = 1"
+            ))
+            .fetch_all(&self.pool)
+            .await
+            .map(|_| ())
+        })
+        .await
+    }
+
     /// The pool, for the lock API's store backend.
     pub fn pool(&self) -> &SqlitePool {
         &self.pool

@@ -114,3 +114,74 @@ async fn second_single_instance_is_refused(b: Backend) {
     first.stop().await;
     TestApp::spawn(&store.url, &docs_route(&up.url())).await;
 }
+
+#[tokio::test]
+async fn restart_after_crash_waits_for_in_flight_writes_sqlite() {
+    restart_after_crash_waits_for_in_flight_writes(Backend::Sqlite).await
+}
+
+#[tokio::test]
+async fn restart_after_crash_waits_for_in_flight_writes_postgres() {
+    restart_after_crash_waits_for_in_flight_writes(Backend::Postgres).await
+}
+
+/// A single-mode gateway killed while its write (token 5) is still being
+/// applied upstream, restarted at once: a write with token 6 must not reach
+/// the upstream while 5 may still be in flight. After a clean stop, no such
+/// wait.
+async fn restart_after_crash_waits_for_in_flight_writes(b: Backend) {
+    let store = TestStore::new(b).await;
+    let up = Upstream::start().await;
+    let mut routes = docs_route(&up.url());
+    routes.push_str("timeout_ms = 1500\n");
+    let config = config_text(&store.url, &routes);
+    let mut gw = GatewayProcess::start(&config);
+    let url = gw.url("/docs/q");
+    let slow = tokio::spawn(async move {
+        reqwest::Client::new()
+            .put(url)
+            .header("x-fence-token", "5")
+            .header("x-test-delay-ms", "1000")
+            .body("old")
+            .send()
+            .await
+    });
+    for _ in 0..300 {
+        if up.in_flight() == 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        up.in_flight(),
+        1,
+        "the slow write did not reach the upstream"
+    );
+    gw.kill9();
+    let _ = slow.await;
+    let gw = GatewayProcess::start(&config);
+    assert!(gw.log().contains("did not stop cleanly"), "{}", gw.log());
+    let resp = reqwest::Client::new()
+        .put(gw.url("/docs/q"))
+        .header("x-fence-token", "6")
+        .body("new")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let violations = up.violations();
+    assert!(violations.is_empty(), "{violations:?}");
+    let order: Vec<_> = up.applied().iter().map(|a| a.token).collect();
+    assert_eq!(order, vec![Some(5), Some(6)]);
+
+    // A clean stop (SIGTERM) leaves no such wait behind.
+    let mut gw = gw;
+    gw.signal(libc::SIGTERM);
+    let exit =
+        tokio::task::spawn_blocking(move || gw.wait_exit(std::time::Duration::from_secs(10)))
+            .await
+            .unwrap();
+    assert_eq!(exit.and_then(|s| s.code()), Some(0));
+    let gw = GatewayProcess::start(&config);
+    assert!(!gw.log().contains("did not stop cleanly"), "{}", gw.log());
+}
