@@ -161,7 +161,13 @@ impl Application {
         }
         let traffic_router = traffic_router
             .method_not_allowed_fallback(crate::locks::api::method_not_allowed)
-            .layer(tower_http::trace::TraceLayer::new_for_http());
+            .layer(
+                // 5xx answers are the gateway's normal fail-closed answers and
+                // are logged where they arise; not again as errors here.
+                tower_http::trace::TraceLayer::new_for_http().on_failure(
+                    tower_http::trace::DefaultOnFailure::new().level(tracing::Level::DEBUG),
+                ),
+            );
         let admin_router = admin::router(self.admin_state.clone());
         let traffic = tokio::spawn(server::serve(
             self.traffic,

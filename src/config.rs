@@ -254,8 +254,8 @@ impl Default for RawStore {
             pool_size: 16,
             timeout_ms: 2_000,
             retry_after_s: 1,
-            gate_pool_size: 256,
-            gate_wait_ms: 30_000,
+            gate_pool_size: 32,
+            gate_wait_ms: 10_000,
         }
     }
 }

@@ -244,6 +244,16 @@ async fn forward(
         Some(c) => c.min(started + route.timeout),
         None => started + route.timeout,
     };
+    if Instant::now() >= deadline {
+        // Shared mode, after a long stall (a paused process): other
+        // instances already consider this write over, so it must not start.
+        state.metrics.upstream_error(&route.name, "timeout");
+        return Err(UpstreamError::Timeout {
+            route: route.name.clone(),
+            timeout: route.timeout,
+        }
+        .into());
+    }
     let outcome = BodyOutcome::default();
     let (parts, body) = req.into_parts();
     let body = Body::new(LimitedBody::new(
