@@ -8,8 +8,6 @@
 
 use std::time::Duration;
 
-use sqlx::Row;
-
 use super::backend::{Lease, LockError, LockState};
 use crate::store::FenceStore;
 
@@ -115,92 +113,75 @@ impl StoreLocks {
         }
     }
 
+    /// Runs the acquire or renew statement: the lease's `(fence, valid ms)`
+    /// if it matched a row.
+    async fn lease_statement(
+        &self,
+        pg_sql: &str,
+        sqlite_sql: &str,
+        name: &str,
+        lease: &str,
+        ttl: Duration,
+    ) -> Result<Option<(i64, i64)>, LockError> {
+        self.store.check_writer()?;
+        let ttl_ms = ttl.as_millis() as i64;
+        match &self.store {
+            FenceStore::Postgres(s) => {
+                self.bounded(
+                    sqlx::query_as(pg_sql)
+                        .bind(name)
+                        .bind(lease)
+                        .bind(ttl_ms as f64)
+                        .fetch_optional(s.pool()),
+                )
+                .await
+            }
+            // fetch_all: see SqliteStore::record on commit errors.
+            FenceStore::Sqlite(s) => self
+                .bounded(
+                    sqlx::query_as(sqlite_sql)
+                        .bind(name)
+                        .bind(lease)
+                        .bind(ttl_ms)
+                        .fetch_all(s.pool()),
+                )
+                .await
+                .map(|rows| rows.into_iter().next()),
+        }
+    }
+
+    fn lease(name: &str, lease: &str, (fence, valid): (i64, i64)) -> Lease {
+        Lease {
+            name: name.to_string(),
+            lease: lease.to_string(),
+            fence,
+            valid_for: ms(valid),
+        }
+    }
+
     pub async fn try_acquire(
         &self,
         name: &str,
         lease: &str,
         ttl: Duration,
     ) -> Result<Lease, LockError> {
-        self.store.check_writer()?;
-        let ttl_ms = ttl.as_millis() as i64;
-        let row = match &self.store {
-            FenceStore::Postgres(s) => self
-                .bounded(
-                    sqlx::query(PG_ACQUIRE)
-                        .bind(name)
-                        .bind(lease)
-                        .bind(ttl_ms as f64)
-                        .fetch_optional(s.pool()),
-                )
-                .await?
-                .map(|r| (r.try_get::<i64, _>(0), r.try_get::<i64, _>(1))),
-            FenceStore::Sqlite(s) => self
-                .bounded(
-                    // fetch_all: see SqliteStore::record on commit errors.
-                    sqlx::query(&sqlite_acquire())
-                        .bind(name)
-                        .bind(lease)
-                        .bind(ttl_ms)
-                        .fetch_all(s.pool()),
-                )
-                .await?
-                .into_iter()
-                .next()
-                .map(|r| (r.try_get::<i64, _>(0), r.try_get::<i64, _>(1))),
-        };
-        match row {
-            Some((Ok(fence), Ok(valid))) => Ok(Lease {
-                name: name.to_string(),
-                lease: lease.to_string(),
-                fence,
-                valid_for: ms(valid),
+        match self
+            .lease_statement(PG_ACQUIRE, &sqlite_acquire(), name, lease, ttl)
+            .await?
+        {
+            Some(row) => Ok(Self::lease(name, lease, row)),
+            None => Err(LockError::Held {
+                expires_in: self.status(name).await?.expires_in,
             }),
-            Some((Err(e), _)) | Some((_, Err(e))) => Err(LockError::Unavailable(e.to_string())),
-            None => {
-                let state = self.status(name).await?;
-                Err(LockError::Held {
-                    expires_in: state.expires_in,
-                })
-            }
         }
     }
 
     pub async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
-        self.store.check_writer()?;
-        let ttl_ms = ttl.as_millis() as i64;
-        let row = match &self.store {
-            FenceStore::Postgres(s) => {
-                self.bounded(
-                    sqlx::query(PG_RENEW)
-                        .bind(name)
-                        .bind(lease)
-                        .bind(ttl_ms as f64)
-                        .fetch_optional(s.pool()),
-                )
-                .await?
-            }
-            .map(|r| (r.try_get::<i64, _>(0), r.try_get::<i64, _>(1))),
-            FenceStore::Sqlite(s) => self
-                .bounded(
-                    sqlx::query(&sqlite_renew())
-                        .bind(name)
-                        .bind(lease)
-                        .bind(ttl_ms)
-                        .fetch_all(s.pool()),
-                )
-                .await?
-                .into_iter()
-                .next()
-                .map(|r| (r.try_get::<i64, _>(0), r.try_get::<i64, _>(1))),
-        };
-        match row {
-            Some((Ok(fence), Ok(valid))) => Ok(Lease {
-                name: name.to_string(),
-                lease: lease.to_string(),
-                fence,
-                valid_for: ms(valid),
-            }),
-            Some((Err(e), _)) | Some((_, Err(e))) => Err(LockError::Unavailable(e.to_string())),
+        match self
+            .lease_statement(PG_RENEW, &sqlite_renew(), name, lease, ttl)
+            .await?
+        {
+            Some(row) => Ok(Self::lease(name, lease, row)),
             None => Err(self.refusal(name, lease).await),
         }
     }
