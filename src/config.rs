@@ -105,6 +105,8 @@ pub struct StoreConfig {
     /// `shared` mode: connections holding per-key locks, i.e. fenced writes
     /// in flight at once on this instance.
     pub gate_pool_size: u32,
+    /// Idle keys whose durable token is kept in memory (fast paths).
+    pub cache_keys: usize,
     /// `shared` mode: how long a write may wait for older tokens' writes on
     /// other instances (a paused instance holds them) before a 503.
     pub gate_wait: Duration,
@@ -244,6 +246,7 @@ struct RawStore {
     retry_after_s: u64,
     gate_pool_size: u64,
     gate_wait_ms: u64,
+    cache_keys: u64,
 }
 
 impl Default for RawStore {
@@ -256,6 +259,7 @@ impl Default for RawStore {
             retry_after_s: 1,
             gate_pool_size: 32,
             gate_wait_ms: 10_000,
+            cache_keys: 100_000,
         }
     }
 }
@@ -862,6 +866,7 @@ impl Validator<'_> {
             )),
             gate_pool_size: self.positive("store.gate_pool_size", raw.gate_pool_size, 10_000)
                 as u32,
+            cache_keys: raw.cache_keys.min(100_000_000) as usize,
             gate_wait: Duration::from_millis(self.positive(
                 "store.gate_wait_ms",
                 raw.gate_wait_ms,

@@ -39,9 +39,14 @@ pub struct Fence {
 
 impl Fence {
     pub fn new(store: FenceStore) -> Self {
+        Self::with_cache(store, 100_000)
+    }
+
+    /// `cache_keys`: how many idle keys' durable tokens to keep in memory.
+    pub fn with_cache(store: FenceStore, cache_keys: usize) -> Self {
         Self {
             store,
-            gate: Gate::new(),
+            gate: Gate::with_capacity(cache_keys),
             quarantine_until: None,
         }
     }
@@ -87,14 +92,24 @@ impl Fence {
         hold: Duration,
     ) -> Result<Admission, GatewayError> {
         let ticket = self.gate.ticket(key);
+        // Memory fast path, valid across instances: tokens only grow, so one
+        // below a known durable token is stale wherever it came from.
+        let known = ticket.durable();
+        if token < known {
+            return Err(stale(key, token, known));
+        }
         // A little more than the forward's own bound, for the time between
         // this statement and the forward's start.
         let marker = hold + Duration::from_secs(1);
         let entered_at = Instant::now();
         let lock = match pg.enter(key, token, marker).await? {
-            Entered::Stale(highest) => return Err(stale(key, token, highest)),
+            Entered::Stale(highest) => {
+                ticket.note_durable(highest);
+                return Err(stale(key, token, highest));
+            }
             Entered::Admitted(lock) => lock,
         };
+        ticket.note_durable(token);
         let permit = ticket
             .admit(token)
             .await
@@ -108,7 +123,22 @@ impl Fence {
 
     async fn check_single(&self, key: &str, token: i64) -> Result<Permit, GatewayError> {
         let ticket = self.gate.ticket(key);
-        let highest = self.store.record(key, token).await?;
+        // Memory fast paths. Below a known durable token: stale. Equal to
+        // it: already recorded — and in single mode nobody else writes the
+        // store, so it is still the highest. Either way no store round trip.
+        let known = ticket.durable();
+        if token < known {
+            return Err(stale(key, token, known));
+        }
+        let highest = if token == known {
+            // Only while we are provably the single writer.
+            self.store.check_writer()?;
+            known
+        } else {
+            let h = self.store.record(key, token).await?;
+            ticket.note_durable(h);
+            h
+        };
         if highest > token {
             return Err(stale(key, token, highest));
         }

@@ -32,6 +32,15 @@
 //! Concurrency: one `std::sync::Mutex` over a map of slots. Critical sections
 //! are a few comparisons and never await, so a plain mutex beats an async
 //! one; waiting happens on per-waiter oneshot channels outside the lock.
+//!
+//! The slots double as a bounded cache of each key's highest *durable*
+//! token ([`Ticket::durable`]), which lets the fence skip the store: a token
+//! below it is stale (tokens only grow), and in single mode a token equal to
+//! it is already recorded. The value is only ever raised from a store answer
+//! by a request holding a ticket, and idle slots are only evicted when no
+//! ticket references them, so a late, lower answer can never overwrite a
+//! newer one after an eviction. Up to `capacity` idle slots are kept; beyond
+//! that, idle slots are swept out in arbitrary order.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -39,9 +48,17 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use tokio::sync::oneshot;
 
 /// The per-key admission state of one process.
-#[derive(Default)]
 pub struct Gate {
-    slots: Mutex<HashMap<Arc<str>, Slot>>,
+    slots: Mutex<Slots>,
+    /// Idle slots kept as a cache of durable tokens.
+    capacity: usize,
+}
+
+#[derive(Default)]
+struct Slots {
+    map: HashMap<Arc<str>, Slot>,
+    /// Slots with a live ticket or permit (the rest are cached idle).
+    active: usize,
 }
 
 #[derive(Default)]
@@ -55,6 +72,8 @@ struct Slot {
     /// The highest token admitted or waiting. Tokens below it are refused;
     /// every value here was durably recorded before it got here.
     highest: i64,
+    /// The highest token the store has confirmed as recorded (0: unknown).
+    durable: i64,
     /// Higher-token requests waiting for `inflight` to reach zero.
     waiters: Vec<oneshot::Sender<()>>,
 }
@@ -82,10 +101,18 @@ pub struct Stale {
 
 impl Gate {
     pub fn new() -> Arc<Self> {
-        Arc::new(Self::default())
+        Self::with_capacity(100_000)
     }
 
-    fn lock(&self) -> MutexGuard<'_, HashMap<Arc<str>, Slot>> {
+    /// A gate that keeps up to `capacity` idle keys' durable tokens.
+    pub fn with_capacity(capacity: usize) -> Arc<Self> {
+        Arc::new(Self {
+            slots: Mutex::new(Slots::default()),
+            capacity,
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Slots> {
         // A panic while holding this lock would be a bug in the few lines
         // below; the map is still consistent then, so keep serving.
         self.slots.lock().unwrap_or_else(|e| e.into_inner())
@@ -94,11 +121,15 @@ impl Gate {
     /// Registers interest in `key`. Take it before recording the token.
     pub fn ticket(self: &Arc<Self>, key: &str) -> Ticket {
         let mut slots = self.lock();
-        let key: Arc<str> = match slots.get_key_value(key) {
+        let key: Arc<str> = match slots.map.get_key_value(key) {
             Some((k, _)) => k.clone(),
             None => Arc::from(key),
         };
-        slots.entry(key.clone()).or_default().refs += 1;
+        let slot = slots.map.entry(key.clone()).or_default();
+        slot.refs += 1;
+        if slot.refs == 1 {
+            slots.active += 1;
+        }
         Ticket {
             gate: self.clone(),
             key,
@@ -106,14 +137,20 @@ impl Gate {
         }
     }
 
-    /// Keys currently tracked (in flight or waiting); for metrics and tests.
+    /// Keys with requests in flight or waiting; for metrics and shutdown.
     pub fn tracked_keys(&self) -> usize {
-        self.lock().len()
+        self.lock().active
+    }
+
+    /// Keys held in memory, active or cached.
+    pub fn cached_keys(&self) -> usize {
+        self.lock().map.len()
     }
 
     fn release(&self, key: &Arc<str>, inflight: bool) {
-        let mut slots = self.lock();
-        let Some(slot) = slots.get_mut(key) else {
+        let mut guard = self.lock();
+        let slots = &mut *guard;
+        let Some(slot) = slots.map.get_mut(key) else {
             return;
         };
         slot.refs -= 1;
@@ -128,7 +165,20 @@ impl Gate {
             }
         }
         if slot.refs == 0 {
-            slots.remove(key);
+            slots.active -= 1;
+            if slots.map.len() > self.capacity {
+                // Amortized: sweep down to 90% so this runs rarely.
+                let target = self.capacity - self.capacity / 10;
+                let mut excess = slots.map.len().saturating_sub(target);
+                slots.map.retain(|_, s| {
+                    if excess > 0 && s.refs == 0 {
+                        excess -= 1;
+                        false
+                    } else {
+                        true
+                    }
+                });
+            }
         }
     }
 }
@@ -139,6 +189,21 @@ impl Ticket {
         &self.key
     }
 
+    /// The highest token the store is known to have recorded for the key
+    /// (0 when not known). A lower bound on the true highest token.
+    pub fn durable(&self) -> i64 {
+        let slots = self.gate.lock();
+        slots.map.get(&self.key).map(|s| s.durable).unwrap_or(0)
+    }
+
+    /// Remembers a store answer: `highest` is recorded for the key.
+    pub fn note_durable(&self, highest: i64) {
+        let mut slots = self.gate.lock();
+        if let Some(s) = slots.map.get_mut(&self.key) {
+            s.durable = s.durable.max(highest);
+        }
+    }
+
     /// Waits until a write with `token` may go to the upstream. `token` must
     /// have been durably recorded (the store answered with it as highest).
     pub async fn admit(mut self, token: i64) -> Result<Permit, Stale> {
@@ -146,6 +211,7 @@ impl Ticket {
             let wait = {
                 let mut slots = self.gate.lock();
                 let slot = slots
+                    .map
                     .get_mut(&self.key)
                     .expect("a live ticket keeps its slot");
                 slot.highest = slot.highest.max(token);
@@ -213,7 +279,7 @@ mod tests {
         drop(a2);
         let b = waiting.await.unwrap().unwrap();
         drop(b);
-        assert_eq!(gate.tracked_keys(), 0, "slots are forgotten when idle");
+        assert_eq!(gate.tracked_keys(), 0, "no key is active when idle");
     }
 
     #[tokio::test]
@@ -237,5 +303,33 @@ mod tests {
         let _a = gate.ticket("a").admit(5).await.unwrap();
         let _b = gate.ticket("b").admit(1).await.unwrap();
         assert_eq!(gate.tracked_keys(), 2);
+    }
+}
+
+#[cfg(test)]
+mod cache_tests {
+    use super::*;
+
+    #[tokio::test]
+    async fn durable_tokens_are_cached_and_bounded() {
+        let gate = Gate::with_capacity(100);
+        for i in 0..1000 {
+            let t = gate.ticket(&format!("k{i}"));
+            t.note_durable(i + 1);
+        }
+        assert!(gate.cached_keys() <= 100, "{}", gate.cached_keys());
+        assert_eq!(gate.tracked_keys(), 0);
+        // A recent key is likely still cached; any cached value is exact.
+        let t = gate.ticket("k999");
+        assert!(t.durable() == 1000 || t.durable() == 0);
+    }
+
+    #[tokio::test]
+    async fn notes_only_raise() {
+        let gate = Gate::new();
+        let t = gate.ticket("k");
+        t.note_durable(5);
+        t.note_durable(3);
+        assert_eq!(t.durable(), 5);
     }
 }

@@ -387,3 +387,28 @@ async fn sqlite_store_unavailable_is_503_then_recovers() {
     let resp = app.put("/docs/a", Some("2"), "x").await;
     assert_eq!(resp.status(), 200, "recovers by itself");
 }
+
+/// What the gateway can decide from memory needs no store: a token below a
+/// known durable one is stale, and (single mode) the current token is
+/// already recorded. With the store locked, those still answer; a new token
+/// fails closed.
+#[tokio::test]
+async fn memory_fast_paths_need_no_store() {
+    use sqlx::{Connection, SqliteConnection};
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = Upstream::start().await;
+    let app = TestApp::spawn(&store.url, &docs_route(&up.url())).await;
+    assert_eq!(app.put("/docs/a", Some("5"), "first").await.status(), 200);
+    let mut blocker = SqliteConnection::connect(&store.url).await.unwrap();
+    sqlx::query("BEGIN EXCLUSIVE")
+        .execute(&mut blocker)
+        .await
+        .unwrap();
+    let body = problem(app.put("/docs/a", Some("4"), "stale").await, 409).await;
+    assert_eq!(body["highest_token"], 5);
+    assert_eq!(app.put("/docs/a", Some("5"), "again").await.status(), 200);
+    problem(app.put("/docs/a", Some("6"), "new").await, 503).await;
+    sqlx::query("ROLLBACK").execute(&mut blocker).await.unwrap();
+    let bodies: Vec<_> = up.applied().iter().map(|a| a.body.clone()).collect();
+    assert_eq!(bodies, vec!["first", "again"]);
+}
