@@ -10,6 +10,7 @@
 //! recorded but never forwarded only makes older tokens stale sooner, which
 //! is what the newer holder's existence means anyway.
 
+pub mod batch;
 mod postgres;
 mod sqlite;
 

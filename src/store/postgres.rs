@@ -21,23 +21,6 @@ const SINGLE_WRITER_ID: i32 = 1;
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");
 
-/// One statement decides: raise the key's token only to a greater value, and
-/// answer with the highest token either way. The second SELECT covers the
-/// "not raised" case (equal or stale token) in the same round trip.
-const RECORD: &str = "\
-WITH up AS (
-    INSERT INTO fences AS f (resource_key, highest_token, updated_at)
-    VALUES ($1, $2, now())
-    ON CONFLICT (resource_key) DO UPDATE
-        SET highest_token = EXCLUDED.highest_token, updated_at = now()
-        WHERE f.highest_token < EXCLUDED.highest_token
-    RETURNING f.highest_token
-)
-SELECT highest_token FROM up
-UNION ALL
-SELECT highest_token FROM fences
- WHERE resource_key = $1 AND NOT EXISTS (SELECT 1 FROM up)";
-
 /// Next fence for a lock name: above every fence issued for it and above the
 /// highest token recorded for the resource key of the same name.
 const ISSUE_FENCE: &str = "\
@@ -64,9 +47,37 @@ ON CONFLICT (name) DO UPDATE
     WHERE l.fence < EXCLUDED.fence
 RETURNING fence";
 
+/// A batch of decisions in one statement. Keys are deduplicated keeping
+/// the highest token (ON CONFLICT may not touch a row twice) and locked in
+/// key order, so concurrent batches cannot deadlock. Keys the batch did not
+/// raise answer their current token as of the statement's snapshot; the
+/// caller re-reads those whose answer looks lower than requested.
+const RECORD_BATCH: &str = "\
+WITH input AS (
+    SELECT k, max(t) AS t FROM UNNEST($1::text[], $2::bigint[]) AS i(k, t) GROUP BY k
+), up AS (
+    INSERT INTO fences AS f (resource_key, highest_token, updated_at)
+    SELECT k, t, now() FROM input ORDER BY k
+    ON CONFLICT (resource_key) DO UPDATE
+        SET highest_token = EXCLUDED.highest_token, updated_at = now()
+        WHERE f.highest_token < EXCLUDED.highest_token
+    RETURNING f.resource_key, f.highest_token
+)
+SELECT input.k, COALESCE(up.highest_token, f.highest_token)
+  FROM input
+  LEFT JOIN up ON up.resource_key = input.k
+  LEFT JOIN fences f ON f.resource_key = input.k";
+
+/// Largest batch; beyond it, requests wait for the next one.
+const MAX_BATCH: usize = 256;
+/// Batches in flight at once (each holds one pooled connection).
+const BATCHES_IN_FLIGHT: usize = 4;
+
 #[derive(Clone)]
 pub struct PgStore {
     pool: PgPool,
+    /// Group commit for `record` (single mode).
+    batcher: super::batch::Batcher,
     /// `shared` mode: connections that hold the per-key advisory locks for
     /// the life of a forward, one per fenced write in flight.
     gate: Option<GatePool>,
@@ -99,8 +110,16 @@ impl PgStore {
         } else {
             None
         };
+        let batcher = {
+            let pool = pool.clone();
+            super::batch::Batcher::spawn(MAX_BATCH, BATCHES_IN_FLIGHT, cfg.timeout, move |items| {
+                let pool = pool.clone();
+                async move { record_batch(&pool, items).await }
+            })
+        };
         Ok(Self {
             pool,
+            batcher,
             gate,
             timeout: cfg.timeout,
             owner,
@@ -115,32 +134,10 @@ impl PgStore {
         }
     }
 
+    /// One decision, group-committed with concurrent ones (see `batch`).
     pub async fn record(&self, key: &str, token: i64) -> Result<i64, StoreError> {
         self.check_owner()?;
-        let highest: Option<i64> = bounded(self.timeout, async {
-            let first: Option<i64> = sqlx::query_scalar(RECORD)
-                .bind(key)
-                .bind(token)
-                .fetch_optional(&self.pool)
-                .await?;
-            match first {
-                Some(h) if h >= token => Ok(Some(h)),
-                // The statement did not raise the row because a concurrent
-                // decision committed a token >= ours after this statement's
-                // snapshot was taken, so its fallback SELECT saw an older
-                // row (or none). Read again with a fresh snapshot.
-                _ => {
-                    sqlx::query_scalar("SELECT highest_token FROM fences WHERE resource_key = $1")
-                        .bind(key)
-                        .fetch_optional(&self.pool)
-                        .await
-                }
-            }
-        })
-        .await?;
-        highest.ok_or_else(|| {
-            StoreError::Other(format!("fence row for '{key}' vanished during a decision"))
-        })
+        self.batcher.record(key, token).await
     }
 
     pub async fn issue_fence(&self, name: &str) -> Result<i64, StoreError> {
@@ -526,4 +523,40 @@ impl Drop for KeyLock {
             }
         });
     }
+}
+
+/// Runs one batch of decisions and answers each key's highest token.
+async fn record_batch(
+    pool: &PgPool,
+    items: Vec<(String, i64)>,
+) -> Result<super::batch::Answers, StoreError> {
+    let wanted = super::batch::max_per_key(&items);
+    let (keys, tokens): (Vec<&str>, Vec<i64>) = items.iter().map(|(k, t)| (k.as_str(), *t)).unzip();
+    let rows: Vec<(String, Option<i64>)> = sqlx::query_as(RECORD_BATCH)
+        .bind(&keys)
+        .bind(&tokens)
+        .fetch_all(pool)
+        .await?;
+    let mut answers = super::batch::Answers::with_capacity(rows.len());
+    let mut recheck = Vec::new();
+    for (k, h) in rows {
+        match h {
+            // Not raised, and the snapshot predates a concurrent raise (or
+            // insert): read again below.
+            Some(h) if h >= wanted.get(k.as_str()).copied().unwrap_or(i64::MAX) => {
+                answers.insert(k, h);
+            }
+            _ => recheck.push(k),
+        }
+    }
+    if !recheck.is_empty() {
+        let fresh: Vec<(String, i64)> = sqlx::query_as(
+            "SELECT resource_key, highest_token FROM fences WHERE resource_key = ANY($1)",
+        )
+        .bind(&recheck)
+        .fetch_all(pool)
+        .await?;
+        answers.extend(fresh);
+    }
+    Ok(answers)
 }

@@ -28,6 +28,8 @@ const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)
 #[derive(Clone)]
 pub struct SqliteStore {
     pool: SqlitePool,
+    /// Group commit for `record`: one transaction (one fsync) per batch.
+    batcher: super::batch::Batcher,
     timeout: Duration,
     /// An exclusive lock on `<file>.lock`, held for the life of the process,
     /// so a second instance cannot write the same file. Dropped with the last
@@ -40,45 +42,25 @@ impl SqliteStore {
         let owner = lock_file(path)?;
         let pool = pool(path, cfg.timeout).await?;
         MIGRATOR.run(&pool).await?;
+        // One batch at a time: SQLite has one writer (and we one connection).
+        let batcher = {
+            let pool = pool.clone();
+            super::batch::Batcher::spawn(256, 1, cfg.timeout, move |items| {
+                let pool = pool.clone();
+                async move { record_batch(&pool, items).await }
+            })
+        };
         Ok(Self {
             pool,
+            batcher,
             timeout: cfg.timeout,
             _owner: Arc::new(owner),
         })
     }
 
+    /// One decision, group-committed with concurrent ones (see `batch`).
     pub async fn record(&self, key: &str, token: i64) -> Result<i64, StoreError> {
-        let upsert = format!(
-            "INSERT INTO fences (resource_key, highest_token, updated_at) VALUES (?1, ?2, {NOW_MS}) \
-             ON CONFLICT (resource_key) DO UPDATE \
-                SET highest_token = excluded.highest_token, updated_at = excluded.updated_at \
-                WHERE fences.highest_token < excluded.highest_token \
-             RETURNING highest_token"
-        );
-        bounded(self.timeout, async {
-            let mut conn = self.pool.acquire().await?;
-            // fetch_all, not fetch_optional: with a row limit sqlx stops
-            // stepping after the first row and resets the statement, which
-            // commits but discards the commit's error. Stepping to the end
-            // reports a failed commit instead of acknowledging it.
-            let raised: Option<i64> = sqlx::query_scalar(&upsert)
-                .bind(key)
-                .bind(token)
-                .fetch_all(&mut *conn)
-                .await?
-                .into_iter()
-                .next();
-            match raised {
-                Some(h) => Ok(h),
-                None => {
-                    sqlx::query_scalar("SELECT highest_token FROM fences WHERE resource_key = ?1")
-                        .bind(key)
-                        .fetch_one(&mut *conn)
-                        .await
-                }
-            }
-        })
-        .await
+        self.batcher.record(key, token).await
     }
 
     pub async fn issue_fence(&self, name: &str) -> Result<i64, StoreError> {
@@ -256,4 +238,42 @@ pub async fn migrate_path(path: &Path) -> Result<(), StoreError> {
     MIGRATOR.run(&pool).await?;
     pool.close().await;
     Ok(())
+}
+
+/// Runs one batch of decisions in one transaction and answers each key's
+/// highest token. The answers are sent only after the commit (and its
+/// fsync) succeeded.
+async fn record_batch(
+    pool: &SqlitePool,
+    items: Vec<(String, i64)>,
+) -> Result<super::batch::Answers, StoreError> {
+    let upsert = format!(
+        "INSERT INTO fences (resource_key, highest_token, updated_at) VALUES (?1, ?2, {NOW_MS}) \
+         ON CONFLICT (resource_key) DO UPDATE \
+            SET highest_token = excluded.highest_token, updated_at = excluded.updated_at \
+            WHERE fences.highest_token < excluded.highest_token \
+         RETURNING highest_token"
+    );
+    let wanted = super::batch::max_per_key(&items);
+    let mut tx = pool.begin().await?;
+    let mut answers = super::batch::Answers::with_capacity(wanted.len());
+    for (key, token) in wanted {
+        let raised: Option<i64> = sqlx::query_scalar(&upsert)
+            .bind(key)
+            .bind(token)
+            .fetch_optional(&mut *tx)
+            .await?;
+        let highest = match raised {
+            Some(h) => h,
+            None => {
+                sqlx::query_scalar("SELECT highest_token FROM fences WHERE resource_key = ?1")
+                    .bind(key)
+                    .fetch_one(&mut *tx)
+                    .await?
+            }
+        };
+        answers.insert(key.to_string(), highest);
+    }
+    tx.commit().await?;
+    Ok(answers)
 }

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Small helpers for bench/run.sh (Python 3 standard library only).
+
+    util.py ports N                       N free TCP ports on 127.0.0.1, one a line
+    util.py wait-http URL SECONDS [PID]   wait until URL answers 200 (exit 1 on timeout,
+                                          or at once if process PID has died)
+    util.py seed BASE PREFIX N TOKEN      PUT BASE/docs/<PREFIX><n> for n in [0, N) with
+                                          X-Fence-Token: TOKEN; prints the status counts,
+                                          exit 1 unless every answer is 2xx
+    util.py rate WRK_OUT                  half of the wrk run's success throughput
+                                          (2xx/s; 409/s for a run answered 409 only)
+    util.py metric URL NAME               sum of the Prometheus samples of NAME at URL
+    util.py vm PID                        VmRSS and VmHWM of PID in KiB: "RSS HWM"
+"""
+
+import http.client
+import json
+import socket
+import sys
+import threading
+import time
+import urllib.request
+
+
+def ports(n):
+    socks = []
+    for _ in range(n):
+        s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    for s in socks:
+        print(s.getsockname()[1])
+    for s in socks:
+        s.close()
+
+
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("State:"):
+                    return "Z" not in line.split()[1]
+    except OSError:
+        return False
+    return True
+
+
+def wait_http(url, seconds, pid=None):
+    deadline = time.monotonic() + float(seconds)
+    while time.monotonic() < deadline:
+        if pid is not None and not alive(pid):
+            print(f"process {pid} exited while waiting for {url}", file=sys.stderr)
+            return 1
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return 0
+        except Exception:
+            pass
+        time.sleep(0.1)
+    print(f"{url} did not answer 200 within {seconds}s", file=sys.stderr)
+    return 1
+
+
+def seed(base, prefix, n, token):
+    host_port = base.split("://", 1)[1].rstrip("/")
+    host, port = host_port.rsplit(":", 1)
+    n = int(n)
+    nworkers = 16
+    counts = {}
+    lock = threading.Lock()
+
+    def work(w):
+        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        local = {}
+        for i in range(w, n, nworkers):
+            conn.request("PUT", f"/docs/{prefix}{i}", body=b"seed",
+                         headers={"X-Fence-Token": str(token)})
+            r = conn.getresponse()
+            r.read()
+            local[r.status] = local.get(r.status, 0) + 1
+        conn.close()
+        with lock:
+            for k, v in local.items():
+                counts[k] = counts.get(k, 0) + v
+
+    t0 = time.monotonic()
+    threads = [threading.Thread(target=work, args=(w,)) for w in range(nworkers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    dt = time.monotonic() - t0
+    summary = ", ".join(f"{k}: {v}" for k, v in sorted(counts.items()))
+    print(f"seeded {n} keys {prefix}0..{prefix}{n - 1} with token {token} in {dt:.1f}s ({summary})")
+    ok = sum(v for k, v in counts.items() if 200 <= k < 300)
+    return 0 if ok == n else 1
+
+
+def parse_wrk(path):
+    """The BENCHJSON line printed by bench/fenced.lua's done()."""
+    with open(path) as f:
+        for line in f:
+            if line.startswith("BENCHJSON "):
+                return json.loads(line[len("BENCHJSON "):])
+    raise SystemExit(f"{path}: no BENCHJSON line (did wrk run?)")
+
+
+def rate(path):
+    w = parse_wrk(path)
+    secs = w["duration_us"] / 1e6
+    good = w["s2xx"] if w["s2xx"] else w["s409"]
+    print(max(1, int(good / secs / 2)))
+
+
+def metric(url, name):
+    with urllib.request.urlopen(url, timeout=5) as r:
+        text = r.read().decode()
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rsplit(" ", 1)[1])
+    print(int(total))
+
+
+def vm(pid):
+    rss = hwm = 0
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1])
+            elif line.startswith("VmHWM:"):
+                hwm = int(line.split()[1])
+    print(rss, hwm)
+
+
+def main(argv):
+    cmd, args = argv[1], argv[2:]
+    if cmd == "ports":
+        ports(int(args[0]))
+    elif cmd == "wait-http":
+        return wait_http(args[0], args[1], int(args[2]) if len(args) > 2 else None)
+    elif cmd == "seed":
+        return seed(*args)
+    elif cmd == "rate":
+        rate(args[0])
+    elif cmd == "metric":
+        metric(args[0], args[1])
+    elif cmd == "vm":
+        vm(int(args[0]))
+    else:
+        raise SystemExit(f"unknown command {cmd}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
