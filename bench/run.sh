@@ -1,0 +1,392 @@
+#!/usr/bin/env bash
+# fencegate benchmark harness: measures the gateway side by side with nginx and
+# pgbench in ONE run on this machine and reports ratios against targets.
+#
+#   bash bench/run.sh            full run (10 s per scenario, 1,000,000 keys for
+#                                the memory check; a few minutes), writes
+#                                BENCHMARKS.md and bench/throughput.svg
+#   bash bench/run.sh --smoke    ~1 s per scenario, 10,000 keys: proves the harness
+#                                works end to end (for CI); never asserts speed and
+#                                writes nothing into the repo
+#   bash bench/run.sh --smoke --write   smoke run that still writes BENCHMARKS.md
+#
+# Environment: DATABASE_URL-style settings are not read; Postgres is expected
+# on PGHOST:PGPORT (default 127.0.0.1:5432), user PGUSER (default postgres),
+# trust auth. BENCH_KEEP=1 keeps the temp dir (configs, logs, raw outputs).
+# Missing tools (nginx, wrk, pgbench, oha) are installed: apt-get for the first
+# three, `cargo install oha --locked` for oha.
+#
+# A missed target never fails the script; a harness failure (a process that
+# does not start, a scenario whose answers are not what it expects) does.
+set -euo pipefail
+
+MODE=full
+WRITE=auto
+for arg in "$@"; do
+    case "$arg" in
+        --smoke) MODE=smoke ;;
+        --write) WRITE=yes ;;
+        --no-write) WRITE=no ;;
+        -h|--help) sed -n '2,20p' "$0"; exit 0 ;;
+        *) echo "unknown argument: $arg (use --smoke, --write, --no-write)" >&2; exit 2 ;;
+    esac
+done
+if [ "$WRITE" = auto ]; then
+    if [ "$MODE" = full ]; then WRITE=yes; else WRITE=no; fi
+fi
+
+if [ "$MODE" = full ]; then
+    DURATION=10
+    MEM_KEYS=1000000
+else
+    DURATION=1
+    MEM_KEYS=10000
+fi
+THREADS=2
+CONNS=64
+NKEYS=10000
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BENCH="$REPO/bench"
+cd "$REPO"
+
+export PGHOST="${PGHOST:-127.0.0.1}" PGPORT="${PGPORT:-5432}" PGUSER="${PGUSER:-postgres}"
+DB="fg_bench_$$"
+
+log() { printf '[bench %s] %s\n' "$(date +%H:%M:%S)" "$*" >&2; }
+die() { printf '[bench] FATAL: %s\n' "$*" >&2; exit 1; }
+
+# ---------------------------------------------------------------------------
+# Tools
+# ---------------------------------------------------------------------------
+export PATH="$PATH:/usr/sbin:/sbin:${CARGO_HOME:-$HOME/.cargo}/bin"
+
+apt_updated=no
+apt_install() {
+    command -v apt-get >/dev/null 2>&1 || die "need $* but apt-get is not available; install it by hand"
+    if [ "$apt_updated" = no ]; then
+        log "apt-get update"
+        apt-get update -qq >&2
+        apt_updated=yes
+    fi
+    log "apt-get install -y $*"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >&2
+}
+
+command -v nginx >/dev/null 2>&1 || apt_install nginx
+command -v wrk >/dev/null 2>&1 || apt_install wrk
+command -v pgbench >/dev/null 2>&1 || apt_install postgresql-client
+command -v psql >/dev/null 2>&1 || apt_install postgresql-client
+command -v python3 >/dev/null 2>&1 || apt_install python3
+if ! command -v oha >/dev/null 2>&1; then
+    log "oha not found: cargo install oha --locked (takes a few minutes)"
+    cargo install oha --locked >&2
+    hash -r
+fi
+command -v oha >/dev/null 2>&1 || die "oha is not on PATH after cargo install"
+OHA_HELP="$(oha --help 2>&1)"
+if grep -q -- '--rand-regex-url' <<<"$OHA_HELP"; then OHA_RANDOM=yes; else OHA_RANDOM=no; fi
+if grep -q -- '--output-format' <<<"$OHA_HELP"; then OHA_JSON=(--output-format json); else OHA_JSON=(-j); fi
+
+pg_isready -q -h "$PGHOST" -p "$PGPORT" \
+    || die "Postgres is not answering on $PGHOST:$PGPORT (start it first, e.g. as .ci/run does)"
+
+# ---------------------------------------------------------------------------
+# Build
+# ---------------------------------------------------------------------------
+log "cargo build --release"
+cargo build --release >&2
+FG="$REPO/target/release/fencegate"
+[ -x "$FG" ] || die "$FG was not built"
+
+# ---------------------------------------------------------------------------
+# Temp dir, processes, cleanup
+# ---------------------------------------------------------------------------
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/fg-bench.XXXXXX")"
+chmod 755 "$WORK"   # nginx workers run as nobody
+OUT="$WORK/out"
+mkdir -p "$OUT"
+MEMDIR=""
+PIDS=()
+DB_CREATED=no
+
+stop_pid() {
+    local pid=$1 i
+    kill -TERM "$pid" 2>/dev/null || return 0
+    for i in $(seq 1 100); do
+        kill -0 "$pid" 2>/dev/null || break
+        sleep 0.1
+    done
+    kill -KILL "$pid" 2>/dev/null || true
+    wait "$pid" 2>/dev/null || true
+}
+
+cleanup() {
+    local rc=$? pid
+    set +e
+    for pid in "${PIDS[@]}"; do stop_pid "$pid"; done
+    if [ "$DB_CREATED" = yes ]; then
+        psql -qX -d postgres -c "DROP DATABASE IF EXISTS $DB WITH (FORCE)" >/dev/null 2>&1
+    fi
+    [ -n "$MEMDIR" ] && rm -rf "$MEMDIR"
+    if [ "${BENCH_KEEP:-0}" = 1 ]; then
+        log "kept $WORK"
+    else
+        rm -rf "$WORK"
+    fi
+    exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+forget_pid() {
+    local keep=() p
+    for p in "${PIDS[@]}"; do [ "$p" = "$1" ] || keep+=("$p"); done
+    PIDS=("${keep[@]}")
+}
+
+mapfile -t PORTS < <(python3 "$BENCH/util.py" ports 7)
+P_UP=${PORTS[0]} P_NGX=${PORTS[1]} P_FG=${PORTS[2]} P_FGA=${PORTS[3]} P_MEM=${PORTS[4]} P_MEMA=${PORTS[5]}
+
+# ---------------------------------------------------------------------------
+# nginx: (a) upstream, (b) reverse proxy
+# ---------------------------------------------------------------------------
+nginx_conf() { # name, server block
+    local dir="$WORK/$1"
+    mkdir -p "$dir/logs"
+    cat > "$dir/nginx.conf" <<EOF
+worker_processes 2;
+pid $dir/nginx.pid;
+error_log $dir/logs/error.log warn;
+events { worker_connections 4096; }
+http {
+    access_log off;
+    default_type text/plain;
+    keepalive_requests 1000000;
+    client_body_temp_path $dir/client_body;
+    proxy_temp_path $dir/proxy;
+    fastcgi_temp_path $dir/fastcgi;
+    uwsgi_temp_path $dir/uwsgi;
+    scgi_temp_path $dir/scgi;
+$2
+}
+EOF
+}
+
+nginx_conf upstream "    server {
+        listen 127.0.0.1:$P_UP;
+        location / { return 200 \"ok\"; }
+    }"
+nginx_conf proxy "    upstream backend {
+        server 127.0.0.1:$P_UP;
+        keepalive 64;
+        keepalive_requests 1000000;
+    }
+    server {
+        listen 127.0.0.1:$P_NGX;
+        location / {
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection \"\";
+        }
+    }"
+
+start_nginx() {
+    local dir="$WORK/$1" port=$2
+    nginx -t -q -p "$dir" -c "$dir/nginx.conf" 2>"$dir/logs/test.log" \
+        || { cat "$dir/logs/test.log" >&2; die "nginx config $1 does not validate"; }
+    nginx -p "$dir" -c "$dir/nginx.conf" -g 'daemon off;' 2>>"$dir/logs/stderr.log" &
+    PIDS+=($!)
+    python3 "$BENCH/util.py" wait-http "http://127.0.0.1:$port/docs/k1" 20 $! \
+        || { cat "$dir/logs/"*.log >&2; die "nginx $1 did not start"; }
+}
+log "starting nginx upstream on :$P_UP and nginx proxy on :$P_NGX"
+start_nginx upstream "$P_UP"
+start_nginx proxy "$P_NGX"
+
+# ---------------------------------------------------------------------------
+# fencegate on Postgres (c)-(f)
+# ---------------------------------------------------------------------------
+fg_conf() { # file, listen, admin, store url
+    cat > "$1" <<EOF
+# generated by bench/run.sh
+[server]
+listen = "127.0.0.1:$2"
+admin_listen = "127.0.0.1:$3"
+
+[store]
+url = "$4"
+mode = "single"
+
+[locks]
+enabled = false
+
+[[routes]]
+name = "documents"
+path = "/docs/{id}"
+upstream = "http://127.0.0.1:$P_UP"
+key = "doc:{id}"
+EOF
+}
+
+FG_PID=""
+start_fg() { # config, listen port, admin port, log
+    (cd "$WORK" && RUST_LOG="${BENCH_RUST_LOG:-warn}" exec "$FG" serve --config "$1") 2>"$4" &
+    FG_PID=$!
+    PIDS+=("$FG_PID")
+    python3 "$BENCH/util.py" wait-http "http://127.0.0.1:$3/readyz" 60 "$FG_PID" \
+        || { tail -n 30 "$4" >&2; die "fencegate ($1) did not become ready"; }
+    python3 "$BENCH/util.py" wait-http "http://127.0.0.1:$2/docs/k1" 10 "$FG_PID" \
+        || { tail -n 30 "$4" >&2; die "fencegate ($1) does not proxy GET /docs/k1"; }
+}
+
+psql -qX -d postgres -c "CREATE DATABASE $DB" >/dev/null
+DB_CREATED=yes
+fg_conf "$WORK/fg-pg.toml" "$P_FG" "$P_FGA" "postgres://$PGUSER@$PGHOST:$PGPORT/$DB"
+log "starting fencegate on :$P_FG (admin :$P_FGA), Postgres database $DB"
+start_fg "$WORK/fg-pg.toml" "$P_FG" "$P_FGA" "$WORK/fg-pg.log"
+FG_MAIN_PID=$FG_PID
+
+# A quick functional check that the scenarios mean what they say.
+probe() { # method token path -> status
+    python3 - "$P_FG" "$@" <<'EOF'
+import http.client, sys
+port, method, token, path = sys.argv[1:5]
+c = http.client.HTTPConnection("127.0.0.1", int(port), timeout=10)
+h = {"X-Fence-Token": token} if token != "-" else {}
+c.request(method, path, body=b"probe" if method != "GET" else None, headers=h)
+print(c.getresponse().status)
+EOF
+}
+[ "$(probe PUT 5 /docs/probe)" = 200 ] || die "PUT with token 5 was not forwarded (200)"
+[ "$(probe PUT 5 /docs/probe)" = 200 ] || die "PUT re-using token 5 was not forwarded (200)"
+[ "$(probe PUT 4 /docs/probe)" = 409 ] || die "PUT with stale token 4 was not refused (409)"
+[ "$(probe GET - /docs/probe)" = 200 ] || die "GET was not passed through (200)"
+
+log "seeding $NKEYS keys with token 1"
+python3 "$BENCH/util.py" seed "http://127.0.0.1:$P_FG" k "$NKEYS" 1 >&2 \
+    || die "seeding failed (not every PUT answered 2xx)"
+
+# ---------------------------------------------------------------------------
+# Measurements
+# ---------------------------------------------------------------------------
+run_wrk() { # id, port, mode
+    log "($1) wrk -t$THREADS -c$CONNS -d${DURATION}s $3 on :$2"
+    wrk -t"$THREADS" -c"$CONNS" -d"${DURATION}s" --timeout 10s -s "$BENCH/fenced.lua" \
+        "http://127.0.0.1:$2" -- "$3" "$NKEYS" k "$THREADS" > "$OUT/wrk_$1.txt" 2>&1 \
+        || { cat "$OUT/wrk_$1.txt" >&2; die "wrk failed in scenario $1"; }
+    grep '^BENCHJSON' "$OUT/wrk_$1.txt" | sed 's/^BENCHJSON /    /' >&2
+}
+
+# oha: open loop at half the throughput wrk just measured.
+SEEDED_RE='k(0|[1-9][0-9]{0,3})'     # k0..k9999, every one seeded with token 1
+run_oha() { # id, url path or regex path, method, token ("-": none)
+    local id=$1 path=$2 method=$3 token=$4 rate args=()
+    rate=$(python3 "$BENCH/util.py" rate "$OUT/wrk_$id.txt")
+    echo "$rate" > "$OUT/rate_$id.txt"
+    args=(-z "${DURATION}s" -q "$rate" --latency-correction --no-tui -c "$CONNS" "${OHA_JSON[@]}" -m "$method")
+    if [ "$token" != - ]; then args+=(-H "X-Fence-Token: $token" -d written-by-bench); fi
+    if [ "$OHA_RANDOM" = yes ] && [[ "$path" == *'('* || "$path" == *'['* ]]; then
+        args+=(--rand-regex-url "http://127\\.0\\.0\\.1:$P_FG$path")
+        echo "random: $path" > "$OUT/ohaurl_$id.txt"
+    else
+        # No regex URLs: one fixed key (k1 for the seeded-key scenarios).
+        path=$(sed -E 's/\(.*$|\[.*$//' <<<"$path")1
+        args+=("http://127.0.0.1:$P_FG$path")
+        echo "fixed: $path" > "$OUT/ohaurl_$id.txt"
+    fi
+    log "($id) oha ${args[*]}"
+    oha "${args[@]}" > "$OUT/oha_$id.json" 2>"$OUT/oha_$id.err" \
+        || { cat "$OUT/oha_$id.err" >&2; die "oha failed in scenario $id"; }
+}
+
+run_wrk a "$P_UP" get
+run_wrk b "$P_NGX" get
+run_wrk c "$P_FG" get
+run_oha c "/docs/$SEEDED_RE" GET -
+run_wrk d "$P_FG" reuse
+run_oha d "/docs/$SEEDED_RE" PUT 1
+run_wrk e "$P_FG" raise
+# oha sends one header value for the whole run, so here every request goes to a
+# fresh random key with token 1: each request still raises its key's token
+# (from none to 1), a write that changes the recorded token.
+run_oha e '/docs/e[a-z0-9]{16}' PUT 1
+run_wrk f "$P_FG" stale
+run_oha f "/docs/$SEEDED_RE" PUT 0
+
+python3 "$BENCH/util.py" metric "http://127.0.0.1:$P_FGA/metrics" fencegate_decisions_total \
+    > "$OUT/fg_decisions.txt" || true
+log "stopping the Postgres gateway before pgbench"
+stop_pid "$FG_MAIN_PID"
+forget_pid "$FG_MAIN_PID"
+
+# (g) pgbench: the store's statement alone, on its own table in the same database.
+psql -qX -d "$DB" -v ON_ERROR_STOP=1 >/dev/null <<EOF
+CREATE TABLE fences_bench (resource_key text PRIMARY KEY, highest_token bigint NOT NULL);
+INSERT INTO fences_bench SELECT 'k' || n, 1 FROM generate_series(0, $((NKEYS - 1))) AS n;
+VACUUM ANALYZE fences_bench;
+EOF
+log "(g) pgbench -c $CONNS -j $THREADS -T $DURATION -n (synchronous_commit=on)"
+PGOPTIONS="-c synchronous_commit=on" pgbench -h "$PGHOST" -p "$PGPORT" -U "$PGUSER" -n \
+    -c "$CONNS" -j "$THREADS" -T "$DURATION" -D n=0 -D nc="$CONNS" \
+    -f "$BENCH/pgbench_upsert.sql" "$DB" > "$OUT/pgbench_g.txt" 2>&1 \
+    || { cat "$OUT/pgbench_g.txt" >&2; die "pgbench failed"; }
+grep -E '^(tps|number of (transactions|failed))' "$OUT/pgbench_g.txt" | sed 's/^/    /' >&2
+
+# Resident memory after MEM_KEYS distinct keys, on a fresh SQLite-backed gateway.
+# The SQLite file lives on /dev/shm when it is there (the fsyncs are then
+# cheap, which only shortens the run: the number measured is the gateway's
+# own memory, and SQLite's page cache inside it is bounded by its cache_size).
+if [ -d /dev/shm ] && [ -w /dev/shm ]; then
+    MEMDIR="$(mktemp -d /dev/shm/fg-bench-mem.XXXXXX)"
+else
+    MEMDIR="$(mktemp -d "$WORK/mem.XXXXXX")"
+fi
+echo "$MEMDIR" > "$OUT/mem_store_dir.txt"
+fg_conf "$WORK/fg-mem.toml" "$P_MEM" "$P_MEMA" "sqlite://$MEMDIR/fences.db"
+log "memory: fresh fencegate on :$P_MEM with SQLite at $MEMDIR/fences.db"
+start_fg "$WORK/fg-mem.toml" "$P_MEM" "$P_MEMA" "$WORK/fg-mem.log"
+MEM_PID=$FG_PID
+python3 "$BENCH/util.py" vm "$MEM_PID" > "$OUT/mem_before.txt"
+if [ "$OHA_RANDOM" = yes ]; then
+    # 62^20 possible keys: a repeat among 10^6 draws is vanishingly unlikely; the
+    # gateway's forwarded count below is what is reported.
+    log "memory: oha -n $MEM_KEYS PUTs, each to a new random key"
+    oha -n "$MEM_KEYS" -c "$CONNS" --no-tui "${OHA_JSON[@]}" -m PUT -H 'X-Fence-Token: 1' \
+        -d written-by-bench --rand-regex-url "http://127\\.0\\.0\\.1:$P_MEM/docs/m[a-zA-Z0-9]{20}" \
+        > "$OUT/oha_mem.json" 2>"$OUT/oha_mem.err" \
+        || { cat "$OUT/oha_mem.err" >&2; die "oha failed in the memory scenario"; }
+    echo "oha --rand-regex-url, random 20-character keys" > "$OUT/mem_method.txt"
+else
+    die "this oha has no --rand-regex-url; the memory scenario needs it (cargo install oha --locked --force)"
+fi
+sleep 1
+python3 "$BENCH/util.py" vm "$MEM_PID" > "$OUT/mem_after.txt"
+python3 "$BENCH/util.py" metric "http://127.0.0.1:$P_MEMA/metrics" fencegate_decisions_total \
+    > "$OUT/mem_decisions.txt"
+stop_pid "$MEM_PID"
+forget_pid "$MEM_PID"
+
+# ---------------------------------------------------------------------------
+# Report
+# ---------------------------------------------------------------------------
+COMMIT="$(git -C "$REPO" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
+DIRTY="$(git -C "$REPO" status --porcelain -- src tests Cargo.toml Cargo.lock migrations 2>/dev/null | wc -l)"
+CMDLINE="bash bench/run.sh${*:+ $*}"
+REPORT_ARGS=(--out "$OUT" --mode "$MODE" --duration "$DURATION" --threads "$THREADS"
+    --conns "$CONNS" --nkeys "$NKEYS" --mem-keys "$MEM_KEYS" --commit "$COMMIT"
+    --dirty "$DIRTY" --command "$CMDLINE" --oha-random "$OHA_RANDOM"
+    --oha-version "$(oha --version 2>&1 | head -n1)" --wrk-version "$(wrk -v 2>&1 | head -n1)"
+    --nginx-version "$(nginx -v 2>&1 | head -n1)" --pgbench-version "$(pgbench --version | head -n1)"
+    --pg-version "$(psql -qXAt -d postgres -c 'SHOW server_version' 2>/dev/null || echo unknown)")
+if [ "$WRITE" = yes ]; then
+    python3 "$BENCH/chart.py" "$OUT" "$BENCH/throughput.svg"
+    python3 "$BENCH/report.py" "${REPORT_ARGS[@]}" --markdown "$REPO/BENCHMARKS.md"
+    log "wrote BENCHMARKS.md and bench/throughput.svg"
+else
+    # Smoke: prove the chart and the report render, without touching the repo.
+    python3 "$BENCH/chart.py" "$OUT" "$WORK/throughput.svg"
+    python3 "$BENCH/report.py" "${REPORT_ARGS[@]}" --markdown "$WORK/BENCHMARKS.md"
+    log "smoke mode: BENCHMARKS.md not written (pass --write to write it)"
+fi
