@@ -280,19 +280,24 @@ run_wrk() { # id, port, mode
 }
 
 # oha: open loop at half the throughput wrk just measured.
-SEEDED_RE='k(0|[1-9][0-9]{0,3})'     # k0..k9999, every one seeded with token 1
+# Uniform over k1000..k9999, all seeded with token 1. (rand_regex picks an
+# alternation's branch or a repeat count uniformly, so k(0|[1-9][0-9]{0,3})
+# would send half the requests to k0.)
+SEEDED_RE='k[1-9][0-9]{3}'
 run_oha() { # id, url path or regex path, method, token ("-": none)
     local id=$1 path=$2 method=$3 token=$4 rate args=()
     rate=$(python3 "$BENCH/util.py" rate "$OUT/wrk_$id.txt")
     echo "$rate" > "$OUT/rate_$id.txt"
     args=(-z "${DURATION}s" -q "$rate" --latency-correction --no-tui -c "$CONNS" "${OHA_JSON[@]}" -m "$method")
     if [ "$token" != - ]; then args+=(-H "X-Fence-Token: $token" -d written-by-bench); fi
-    if [ "$OHA_RANDOM" = yes ] && [[ "$path" == *'('* || "$path" == *'['* ]]; then
-        args+=(--rand-regex-url "http://127\\.0\\.0\\.1:$P_FG$path")
+    if [ "$OHA_RANDOM" = yes ] && [[ "$path" == *'['* ]]; then
+        # oha's regex URLs take '.' literally (escaping it as '\.' garbles the
+        # URL: check with --dump-urls).
+        args+=(--rand-regex-url "http://127.0.0.1:$P_FG$path")
         echo "random: $path" > "$OUT/ohaurl_$id.txt"
     else
         # No regex URLs: one fixed key (k1 for the seeded-key scenarios).
-        path=$(sed -E 's/\(.*$|\[.*$//' <<<"$path")1
+        path=$(sed -E 's/\[.*$//' <<<"$path")1
         args+=("http://127.0.0.1:$P_FG$path")
         echo "fixed: $path" > "$OUT/ohaurl_$id.txt"
     fi
@@ -354,12 +359,15 @@ if [ "$OHA_RANDOM" = yes ]; then
     # gateway's forwarded count below is what is reported.
     log "memory: oha -n $MEM_KEYS PUTs, each to a new random key"
     oha -n "$MEM_KEYS" -c "$CONNS" --no-tui "${OHA_JSON[@]}" -m PUT -H 'X-Fence-Token: 1' \
-        -d written-by-bench --rand-regex-url "http://127\\.0\\.0\\.1:$P_MEM/docs/m[a-zA-Z0-9]{20}" \
+        -d written-by-bench --rand-regex-url "http://127.0.0.1:$P_MEM/docs/m[a-zA-Z0-9]{20}" \
         > "$OUT/oha_mem.json" 2>"$OUT/oha_mem.err" \
         || { cat "$OUT/oha_mem.err" >&2; die "oha failed in the memory scenario"; }
     echo "oha --rand-regex-url, random 20-character keys" > "$OUT/mem_method.txt"
 else
-    die "this oha has no --rand-regex-url; the memory scenario needs it (cargo install oha --locked --force)"
+    log "memory: this oha has no --rand-regex-url; $MEM_KEYS PUTs from bench/util.py seed (slower)"
+    python3 "$BENCH/util.py" seed "http://127.0.0.1:$P_MEM" m "$MEM_KEYS" 1 >&2 \
+        || die "the memory scenario's PUTs did not all answer 2xx"
+    echo "bench/util.py seed, keys m0..m$((MEM_KEYS - 1))" > "$OUT/mem_method.txt"
 fi
 sleep 1
 python3 "$BENCH/util.py" vm "$MEM_PID" > "$OUT/mem_after.txt"
@@ -380,13 +388,17 @@ REPORT_ARGS=(--out "$OUT" --mode "$MODE" --duration "$DURATION" --threads "$THRE
     --oha-version "$(oha --version 2>&1 | head -n1)" --wrk-version "$(wrk -v 2>&1 | head -n1)"
     --nginx-version "$(nginx -v 2>&1 | head -n1)" --pgbench-version "$(pgbench --version | head -n1)"
     --pg-version "$(psql -qXAt -d postgres -c 'SHOW server_version' 2>/dev/null || echo unknown)")
+echo
+echo "==================== fencegate benchmarks ($MODE run) ===================="
 if [ "$WRITE" = yes ]; then
-    python3 "$BENCH/chart.py" "$OUT" "$BENCH/throughput.svg"
-    python3 "$BENCH/report.py" "${REPORT_ARGS[@]}" --markdown "$REPO/BENCHMARKS.md"
+    python3 "$BENCH/report.py" "${REPORT_ARGS[@]}" --json "$OUT/results.json" \
+        --markdown "$REPO/BENCHMARKS.md" --svg-link bench/throughput.svg
+    python3 "$BENCH/chart.py" "$OUT/results.json" "$BENCH/throughput.svg"
     log "wrote BENCHMARKS.md and bench/throughput.svg"
 else
-    # Smoke: prove the chart and the report render, without touching the repo.
-    python3 "$BENCH/chart.py" "$OUT" "$WORK/throughput.svg"
-    python3 "$BENCH/report.py" "${REPORT_ARGS[@]}" --markdown "$WORK/BENCHMARKS.md"
+    # Smoke: prove the report and the chart render, without touching the repo.
+    python3 "$BENCH/report.py" "${REPORT_ARGS[@]}" --json "$OUT/results.json" \
+        --markdown "$WORK/BENCHMARKS.md" --svg-link throughput.svg
+    python3 "$BENCH/chart.py" "$OUT/results.json" "$WORK/throughput.svg"
     log "smoke mode: BENCHMARKS.md not written (pass --write to write it)"
 fi

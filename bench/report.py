@@ -1,0 +1,399 @@
+#!/usr/bin/env python3
+"""Turn the raw outputs of bench/run.sh into a table, ratios and BENCHMARKS.md.
+
+    report.py --out DIR [meta options] [--json FILE] [--markdown FILE] [--svg-link PATH]
+
+Reads DIR/wrk_*.txt (the BENCHJSON line of bench/fenced.lua), DIR/oha_*.json,
+DIR/pgbench_g.txt and the memory files; prints the table and the ratios to
+stdout; writes the results as JSON (for bench/chart.py) and the markdown
+report when asked. Never fails because a target is missed. Standard library only.
+"""
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import sys
+
+SCENARIOS = [
+    # id, name, system, wrk mode, what req/s counts
+    ("a", "upstream direct GET (nginx)", "nginx", "get"),
+    ("b", "nginx proxy GET", "nginx", "get"),
+    ("c", "fencegate pass-through GET", "fencegate", "get"),
+    ("d", "fenced PUT, current token", "fencegate", "reuse"),
+    ("e", "fenced PUT, raising token", "fencegate", "raise"),
+    ("f", "stale PUT answered 409", "fencegate", "stale"),
+    ("g", "pgbench conditional upsert", "pgbench", None),
+]
+
+TARGETS = [
+    # name, numerator, denominator, minimum, what it means
+    ("c/b", "c", "b", 1.0, "pass-through GET vs nginx proxy"),
+    ("d/c", "d", "c", 0.8, "fenced PUT (current token) vs pass-through GET"),
+    ("e/g", "e", "g", 3.0, "raising PUTs (2xx/s) vs pgbench upsert tps"),
+    ("f/c", "f", "c", 1.0, "stale PUT (409) vs pass-through GET"),
+]
+RSS_TARGET_MIB = 128
+
+
+def read(path, default=None):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return default
+
+
+def wrk(out, sid):
+    text = read(os.path.join(out, f"wrk_{sid}.txt"))
+    if text is None:
+        return None
+    for line in text.splitlines():
+        if line.startswith("BENCHJSON "):
+            return json.loads(line[len("BENCHJSON "):])
+    return None
+
+
+def oha(out, sid):
+    text = read(os.path.join(out, f"oha_{sid}.json"))
+    if not text:
+        return None
+    return json.loads(text)
+
+
+def pgbench(out):
+    text = read(os.path.join(out, "pgbench_g.txt"), "")
+    res = {}
+    m = re.search(r"^tps = ([0-9.]+)", text, re.M)
+    if m:
+        res["tps"] = float(m.group(1))
+    m = re.search(r"number of transactions actually processed: (\d+)", text)
+    if m:
+        res["transactions"] = int(m.group(1))
+    m = re.search(r"number of failed transactions: (\d+)", text)
+    if m:
+        res["failed"] = int(m.group(1))
+    m = re.search(r"latency average = ([0-9.]+) ms", text)
+    if m:
+        res["latency_avg_ms"] = float(m.group(1))
+    return res
+
+
+def machine():
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem_kib = 0
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    mem_kib = int(line.split()[1])
+    except OSError:
+        pass
+    return {
+        "nproc": os.cpu_count(),
+        "cpu": model,
+        "memory_gib": round(mem_kib / 1024 / 1024, 1),
+        "kernel": platform.release(),
+    }
+
+
+def build(a):
+    out = a.out
+    scen = []
+    for sid, name, system, mode in SCENARIOS:
+        s = {"id": sid, "name": name, "system": system, "rps": None, "p50_ms": None,
+             "p99_ms": None, "notes": [], "unit": "req/s"}
+        if sid == "g":
+            pg = pgbench(out)
+            s["pgbench"] = pg
+            s["rps"] = pg.get("tps")
+            s["unit"] = "tps"
+            s["tool"] = f"pgbench -c {a.conns} -j {a.threads} -T {a.duration} -n"
+            if "failed" in pg and pg["failed"]:
+                s["notes"].append(f"{pg['failed']} failed transactions")
+            if "latency_avg_ms" in pg:
+                s["notes"].append(f"closed-loop latency average {pg['latency_avg_ms']:.2f} ms")
+            scen.append(s)
+            continue
+        w = wrk(out, sid)
+        s["wrk"] = w
+        s["tool"] = f"wrk -t{a.threads} -c{a.conns} -d{a.duration}s"
+        if w:
+            secs = w["duration_us"] / 1e6
+            total = w["requests"]
+            if mode == "raise":
+                s["rps"] = w["s2xx"] / secs
+                answered = w["s2xx"] + w["s409"] + w["sother"]
+                share = (w["s409"] / answered) if answered else 0.0
+                s["share_409"] = share
+                s["notes"].append(f"2xx/s; 409 share {share * 100:.2f}% "
+                                  f"({w['s409']} of {answered})")
+            else:
+                s["rps"] = total / secs
+            expect = "s409" if mode == "stale" else "s2xx"
+            unexpected = w["s2xx"] + w["s409"] + w["sother"] - w[expect]
+            if mode == "raise":
+                unexpected = w["sother"]
+            if unexpected:
+                s["notes"].append(f"UNEXPECTED: {unexpected} answers other than "
+                                  f"{'409' if mode == 'stale' else '2xx'}"
+                                  + (f" ({w['sother']} neither 2xx nor 409)" if w["sother"] else ""))
+            errs = sum(w[k] for k in ("err_connect", "err_read", "err_write", "err_timeout"))
+            if errs:
+                s["notes"].append(f"socket errors: connect {w['err_connect']}, read {w['err_read']}, "
+                                  f"write {w['err_write']}, timeout {w['err_timeout']}")
+            s["wrk_p50_ms"] = w["p50_us"] / 1000
+            s["wrk_p99_ms"] = w["p99_us"] / 1000
+        o = oha(out, sid)
+        if o:
+            s["oha_rate"] = int(read(os.path.join(out, f"rate_{sid}.txt"), "0"))
+            p = o.get("latencyPercentiles", {})
+            if p.get("p50") is not None:
+                s["p50_ms"] = p["p50"] * 1000
+                s["p99_ms"] = p["p99"] * 1000
+            s["oha_status"] = o.get("statusCodeDistribution", {})
+            s["oha_errors"] = o.get("errorDistribution", {})
+            s["oha_achieved_rps"] = o.get("summary", {}).get("requestsPerSec")
+            s["oha_url"] = read(os.path.join(out, f"ohaurl_{sid}.txt"), "")
+            codes = ", ".join(f"{k}: {v}" for k, v in sorted(s["oha_status"].items()))
+            s["notes"].append(f"oha at {s['oha_rate']}/s ({s['oha_url']}; {codes})")
+            bad_errors = {k: v for k, v in s["oha_errors"].items() if "deadline" not in k}
+            if bad_errors:
+                s["notes"].append(f"oha errors: {bad_errors}")
+        scen.append(s)
+
+    by_id = {s["id"]: s for s in scen}
+    ratios = []
+    for name, num, den, minimum, meaning in TARGETS:
+        n, d = by_id[num]["rps"], by_id[den]["rps"]
+        value = (n / d) if (n is not None and d) else None
+        ratios.append({"name": name, "value": value, "target": minimum, "meaning": meaning,
+                       "met": (value is not None and value >= minimum)})
+
+    before = read(os.path.join(out, "mem_before.txt"), "0 0").split()
+    after = read(os.path.join(out, "mem_after.txt"), "0 0").split()
+    om = oha(out, "mem") or {}
+    mem = {
+        "keys_requested": a.mem_keys,
+        "forwarded": int(read(os.path.join(out, "mem_decisions.txt"), "0") or 0),
+        "rss_start_mib": int(before[0]) / 1024,
+        "rss_mib": int(after[0]) / 1024,
+        "hwm_mib": int(after[1]) / 1024,
+        "status": om.get("statusCodeDistribution", {}),
+        "errors": om.get("errorDistribution", {}),
+        "rps": om.get("summary", {}).get("requestsPerSec"),
+        "method": read(os.path.join(out, "mem_method.txt"), ""),
+        "store": "SQLite (" + read(os.path.join(out, "mem_store_dir.txt"), "?") + "/fences.db)",
+    }
+    mem["met"] = mem["rss_mib"] <= RSS_TARGET_MIB and mem["rss_mib"] > 0
+
+    now = datetime.datetime.now(datetime.timezone.utc).astimezone()
+    meta = {
+        "date": now.strftime("%Y-%m-%d %H:%M %Z"),
+        "machine": machine(),
+        "commit": a.commit,
+        "dirty": int(a.dirty),
+        "command": a.command,
+        "mode": a.mode,
+        "duration_s": a.duration,
+        "threads": a.threads,
+        "conns": a.conns,
+        "nkeys": a.nkeys,
+        "oha_random": a.oha_random == "yes",
+        "versions": {"wrk": a.wrk_version, "oha": a.oha_version, "nginx": a.nginx_version,
+                     "pgbench": a.pgbench_version, "postgres": a.pg_version},
+        "fg_decisions": read(os.path.join(out, "fg_decisions.txt"), ""),
+    }
+    meta["subtitle"] = (f"{meta['machine']['nproc']} cores, {meta['machine']['cpu']}; commit "
+                        f"{a.commit}{' (+local changes)' if meta['dirty'] else ''}; "
+                        f"{a.mode} run, {a.duration} s per scenario, {a.conns} connections")
+    return {"meta": meta, "scenarios": scen, "ratios": ratios, "memory": mem}
+
+
+def f0(v):
+    return "n/a" if v is None else f"{v:,.0f}"
+
+
+def fms(v):
+    return "-" if v is None else f"{v:.2f} ms"
+
+
+def table_lines(res):
+    lines = ["| scenario | req/s | p50 | p99 | notes |", "| --- | ---: | ---: | ---: | --- |"]
+    for s in res["scenarios"]:
+        rps = f0(s["rps"]) + (" tps" if s["unit"] == "tps" else "")
+        lines.append(f"| ({s['id']}) {s['name']} | {rps} | {fms(s['p50_ms'])} | {fms(s['p99_ms'])} "
+                     f"| {'; '.join(s['notes'])} |")
+    return lines
+
+
+def ratio_lines(res):
+    lines = ["| ratio | value | target | | meaning |", "| --- | ---: | ---: | --- | --- |"]
+    for r in res["ratios"]:
+        v = "n/a" if r["value"] is None else f"{r['value']:.2f}"
+        lines.append(f"| {r['name']} | {v} | ≥ {r['target']:.1f} | "
+                     f"{'met' if r['met'] else 'NOT met'} | {r['meaning']} |")
+    m = res["memory"]
+    lines.append(f"| RSS after {m['forwarded']:,} keys | {m['rss_mib']:.1f} MiB | "
+                 f"≤ {RSS_TARGET_MIB} MiB | {'met' if m['met'] else 'NOT met'} | "
+                 f"resident memory of a fresh gateway ({m['store']}) after one PUT to each of "
+                 f"{m['keys_requested']:,} new keys |")
+    return lines
+
+
+def plain(res):
+    """Fixed-width table for the terminal."""
+    out = []
+    w = max(len(s["name"]) for s in res["scenarios"]) + 4
+    out.append(f"{'scenario':<{w}} {'req/s':>12} {'p50':>10} {'p99':>10}  notes")
+    for s in res["scenarios"]:
+        rps = f0(s["rps"]) + (" tps" if s["unit"] == "tps" else "")
+        p50 = "-" if s["p50_ms"] is None else f"{s['p50_ms']:.2f}ms"
+        p99 = "-" if s["p99_ms"] is None else f"{s['p99_ms']:.2f}ms"
+        out.append(f"{'(' + s['id'] + ') ' + s['name']:<{w}} {rps:>12} {p50:>10} {p99:>10}  "
+                   f"{'; '.join(s['notes'])}")
+    out.append("")
+    out.append(f"{'ratio':<8} {'value':>8} {'target':>10}  result")
+    for r in res["ratios"]:
+        v = "n/a" if r["value"] is None else f"{r['value']:.2f}"
+        out.append(f"{r['name']:<8} {v:>8} {'>= ' + format(r['target'], '.1f'):>10}  "
+                   f"{'met' if r['met'] else 'NOT met'}   ({r['meaning']})")
+    m = res["memory"]
+    out.append(f"{'RSS':<8} {m['rss_mib']:>5.1f}MiB {'<= ' + str(RSS_TARGET_MIB) + 'MiB':>10}  "
+               f"{'met' if m['met'] else 'NOT met'}   (after {m['forwarded']:,} forwarded PUTs to new "
+               f"keys; RSS at start {m['rss_start_mib']:.1f} MiB, peak {m['hwm_mib']:.1f} MiB; {m['store']})")
+    return "\n".join(out)
+
+
+def markdown(res, svg_link):
+    meta = res["meta"]
+    mach = meta["machine"]
+    v = meta["versions"]
+    mem = res["memory"]
+    by = {s["id"]: s for s in res["scenarios"]}
+    dirty = (" — the working tree had uncommitted changes under src/, tests/ or the manifests "
+             "when it was measured" if meta["dirty"] else "")
+    oha_how = ("random keys through `--rand-regex-url`" if meta["oha_random"]
+               else "one fixed key per run (this oha has no `--rand-regex-url`)")
+    e_share = by["e"].get("share_409")
+    lines = [
+        "# Benchmarks",
+        "",
+        "Generated by `bench/run.sh`; do not edit by hand — re-run it. What each scenario "
+        "measures and the caveats are in [bench/README.md](bench/README.md).",
+        "",
+        f"- **Date:** {meta['date']}",
+        f"- **Machine:** {mach['nproc']} cores, {mach['cpu']}, {mach['memory_gib']} GiB memory, "
+        f"Linux {mach['kernel']}",
+        f"- **Commit:** `{meta['commit']}`{dirty}",
+        f"- **Command:** `{meta['command']}` ({meta['mode']} run: {meta['duration_s']} s per scenario, "
+        f"{meta['conns']} connections, {meta['nkeys']:,} keys)",
+        f"- **Tools:** {v['wrk']}; {v['oha']}; {v['nginx']}; {v['pgbench']}; "
+        f"PostgreSQL server {v['postgres']}",
+        "",
+        "Everything ran on the same machine in one run, one scenario after another: load "
+        "generator, nginx, fencegate and Postgres share the 2 cores, so absolute numbers are "
+        "low and noisy; the ratios between scenarios of the same run are what to compare.",
+        "",
+        "## Results",
+        "",
+        "req/s: wrk, closed loop, 64 connections. p50/p99: oha, open loop at about half of "
+        "the req/s measured just before (rate in the notes), with `--latency-correction`; "
+        f"PUT scenarios use {oha_how}.",
+        "",
+    ]
+    lines += table_lines(res)
+    lines += [
+        "",
+        "## Ratios against the targets",
+        "",
+    ]
+    lines += ratio_lines(res)
+    lines += [
+        "",
+        f"A missed target is reported, not failed: `bench/run.sh` exits 0 either way.",
+        "",
+        f"![Throughput per scenario]({svg_link})",
+        "",
+        "## Notes on this run",
+        "",
+        f"- (e) counts only 2xx answers as throughput"
+        + (f"; {e_share * 100:.2f}% of its answers were 409" if e_share is not None else "")
+        + " (a request overtaken on the wire by a newer token for the same key).",
+        "- (e) latency: oha sends the same header on every request, so its open-loop run sends "
+        "token 1 to a fresh random key per request; each request still raises its key's token "
+        "(from none to 1).",
+        f"- (g) is Postgres alone running the single-row conditional upsert "
+        f"(`bench/pgbench_upsert.sql`) with 64 clients and `synchronous_commit=on`, the "
+        f"setting the gateway forces on its own connections; the gateway was stopped while "
+        f"it ran.",
+        f"- Memory: {mem['method']}; {mem['forwarded']:,} writes forwarded "
+        f"(status {mem['status']}); at {f0(mem['rps'])} req/s closed loop; RSS "
+        f"{mem['rss_start_mib']:.1f} MiB after start, {mem['rss_mib']:.1f} MiB after the writes, "
+        f"peak (VmHWM) {mem['hwm_mib']:.1f} MiB. Store: {mem['store']} — it measures the "
+        "gateway's own memory; the store's file is on tmpfs only to keep the run short.",
+        "",
+        "## How to reproduce",
+        "",
+        "```sh",
+        "# Postgres on 127.0.0.1:5432, user postgres, trust auth (what .ci/run starts)",
+        "bash bench/run.sh            # full run, a few minutes; writes BENCHMARKS.md and bench/throughput.svg",
+        "bash bench/run.sh --smoke    # ~1 s per scenario, proves the harness works; writes nothing",
+        "BENCH_KEEP=1 bash bench/run.sh --smoke   # keep the temp dir: configs, logs, raw tool outputs",
+        "```",
+        "",
+        "The script installs what is missing (`apt-get install nginx wrk postgresql-client`, "
+        "`cargo install oha --locked`), builds `cargo build --release`, starts nginx and "
+        "fencegate on free 127.0.0.1 ports in a temp dir, creates and drops the database "
+        "`fg_bench_<pid>`, and cleans everything up on exit. Stop other work on the machine "
+        "first: a parallel build or test run shows up directly in these numbers.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--mode", default="full")
+    p.add_argument("--duration", type=int, default=10)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--conns", type=int, default=64)
+    p.add_argument("--nkeys", type=int, default=10000)
+    p.add_argument("--mem-keys", type=int, default=1000000)
+    p.add_argument("--commit", default="unknown")
+    p.add_argument("--dirty", default="0")
+    p.add_argument("--command", default="bash bench/run.sh")
+    p.add_argument("--oha-random", default="yes")
+    p.add_argument("--oha-version", default="oha")
+    p.add_argument("--wrk-version", default="wrk")
+    p.add_argument("--nginx-version", default="nginx")
+    p.add_argument("--pgbench-version", default="pgbench")
+    p.add_argument("--pg-version", default="unknown")
+    p.add_argument("--json")
+    p.add_argument("--markdown")
+    p.add_argument("--svg-link", default="bench/throughput.svg")
+    a = p.parse_args()
+    res = build(a)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=2)
+    print(plain(res))
+    if a.markdown:
+        with open(a.markdown, "w") as f:
+            f.write(markdown(res, a.svg_link))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+//! Micro-benchmarks of the per-request hot paths that do not touch the
+//! network: token parsing, JWT verification and key templating.
+//!
+//! `cargo bench --bench hot_paths`
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use fencegate::jwt::{JwtKeys, KeySettings, TokensSettings};
+use fencegate::routing::{KeyTemplate, PathPattern};
+
+fn fixture(name: &str) -> std::path::PathBuf {
+    std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/keys")
+        .join(name)
+}
+
+fn token_parsing(c: &mut Criterion) {
+    let mut g = c.benchmark_group("token");
+    g.bench_function("parse 2 digits", |b| {
+        b.iter(|| fencegate::token::parse_integer(black_box(b"34")))
+    });
+    g.bench_function("parse 19 digits", |b| {
+        b.iter(|| fencegate::token::parse_integer(black_box(b"9223372036854775807")))
+    });
+    g.bench_function("reject malformed", |b| {
+        b.iter(|| fencegate::token::parse_integer(black_box(b"12a4")))
+    });
+    g.finish();
+}
+
+fn key_templating(c: &mut Criterion) {
+    let mut g = c.benchmark_group("routing");
+    let simple = PathPattern::parse("/docs/{id}").unwrap();
+    let simple_key = KeyTemplate::parse("doc:{id}", &simple).unwrap();
+    let nested = PathPattern::parse("/t/{tenant}/docs/{id}/{*rest}").unwrap();
+    let nested_key = KeyTemplate::parse("doc:{tenant}:{id}:{rest}", &nested).unwrap();
+    g.bench_function("match + render /docs/{id}", |b| {
+        b.iter(|| {
+            let caps = simple
+                .matches(black_box("/docs/report-2026"))
+                .unwrap()
+                .unwrap();
+            simple_key.render(&caps)
+        })
+    });
+    g.bench_function("match + render nested, percent-encoded", |b| {
+        b.iter(|| {
+            let caps = nested
+                .matches(black_box("/t/acme/docs/%E2%9C%93-42/a/b/c.txt"))
+                .unwrap()
+                .unwrap();
+            nested_key.render(&caps)
+        })
+    });
+    g.bench_function("no match", |b| {
+        b.iter(|| simple.matches(black_box("/other/x/y")).unwrap())
+    });
+    g.finish();
+}
+
+fn keys(
+    alg: &str,
+    private: Option<&str>,
+    public: Option<&str>,
+    secret_env: Option<&str>,
+) -> JwtKeys {
+    let settings = TokensSettings {
+        issuer: "fencegate".into(),
+        signing_kid: Some("k1".into()),
+        leeway: Duration::from_secs(5),
+        keys: vec![KeySettings {
+            kid: "k1".into(),
+            algorithm: alg.into(),
+            private_key_file: private.map(fixture),
+            public_key_file: public.map(fixture),
+            secret_env: secret_env.map(str::to_string),
+        }],
+    };
+    JwtKeys::load(&settings, &|_| {
+        Some("0123456789abcdef0123456789abcdef-bench".into())
+    })
+    .unwrap_or_else(|e| panic!("{e:?}"))
+}
+
+fn jwt_verification(c: &mut Criterion) {
+    let mut g = c.benchmark_group("jwt");
+    let now = chrono::Utc::now().timestamp();
+    for (name, k) in [
+        (
+            "EdDSA",
+            keys("EdDSA", Some("ed25519.pem"), Some("ed25519.pub.pem"), None),
+        ),
+        (
+            "ES256",
+            keys("ES256", Some("p256.pem"), Some("p256.pub.pem"), None),
+        ),
+        ("HS256", keys("HS256", None, None, Some("BENCH_SECRET"))),
+    ] {
+        let token = k.sign("doc:report", 34, now, now + 3600).unwrap();
+        g.bench_function(format!("verify {name}"), |b| {
+            b.iter(|| k.verify(black_box(&token), "doc:report").unwrap())
+        });
+        // Flip one character well inside the signature.
+        let mut forged = token.clone().into_bytes();
+        let i = forged.len() - 10;
+        forged[i] = if forged[i] == b'A' { b'B' } else { b'A' };
+        let forged = String::from_utf8(forged).unwrap();
+        g.bench_function(format!("reject bad signature {name}"), |b| {
+            b.iter(|| k.verify(black_box(&forged), "doc:report").unwrap_err())
+        });
+    }
+    g.finish();
+}
+
+criterion_group!(benches, token_parsing, key_templating, jwt_verification);
+criterion_main!(benches);
