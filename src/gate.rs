@@ -142,6 +142,12 @@ impl Gate {
         self.lock().active
     }
 
+    /// The known durable token of `key` without taking a ticket (0 if not
+    /// known). Only good for refusing lower tokens, which it always may.
+    pub fn peek_durable(&self, key: &str) -> i64 {
+        self.lock().map.get(key).map(|s| s.durable).unwrap_or(0)
+    }
+
     /// Keys held in memory, active or cached.
     pub fn cached_keys(&self) -> usize {
         self.lock().map.len()

@@ -57,8 +57,10 @@ pub async fn handle(State(state): State<GatewayState>, req: Request<Body>) -> Re
             let mut resp = e.to_problem(retry_after).into_response();
             if has_body {
                 // The request body may be unread (a refused write is never
-                // read): tell the client this connection ends here, so it
-                // does not send its next request into a closing socket.
+                // read) and too large for the server to discard from what it
+                // has buffered: it will close the connection, so say so and
+                // the client does not send its next request into a closing
+                // socket. Small bodies are discarded and keep-alive goes on.
                 resp.headers_mut()
                     .insert(header::CONNECTION, http::HeaderValue::from_static("close"));
             }
@@ -74,13 +76,24 @@ pub async fn handle(State(state): State<GatewayState>, req: Request<Body>) -> Re
     }
 }
 
-/// Whether a request comes with a body (which a refusal leaves unread).
+/// Bodies up to this size normally arrive with the request head, and the
+/// server discards them after a refusal without closing the connection.
+const DISCARDABLE_BODY: u64 = 4096;
+
+/// Whether a request's body may be left unread by a refusal: chunked, or
+/// declared larger than what is normally buffered with the head.
 fn declares_body(headers: &http::HeaderMap) -> bool {
-    headers.contains_key(header::TRANSFER_ENCODING)
-        || headers
-            .get(header::CONTENT_LENGTH)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.trim() != "0")
+    if headers.contains_key(header::TRANSFER_ENCODING) {
+        return true;
+    }
+    match headers.get(header::CONTENT_LENGTH) {
+        None => false,
+        Some(v) => v
+            .to_str()
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .is_none_or(|n| n > DISCARDABLE_BODY),
+    }
 }
 
 async fn serve(state: GatewayState, req: Request<Body>) -> Result<Response, GatewayError> {
@@ -122,6 +135,20 @@ async fn serve(state: GatewayState, req: Request<Body>) -> Result<Response, Gate
             return Err(e.into());
         }
     };
+
+    // Phase: check fence, cheapest part first. A token below one already
+    // known durable is stale (tokens only grow): refuse it here, without a
+    // task, a ticket or the store.
+    let known = state.fence.gate.peek_durable(&key);
+    if token < known {
+        state.metrics.decision(&route.name, "stale");
+        return Err(ClientError::StaleToken {
+            key,
+            presented: token,
+            highest: known,
+        }
+        .into());
+    }
 
     // Phases: check fence, forward, respond — detached from the client.
     let (tx, rx) = oneshot::channel();
