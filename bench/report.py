@@ -166,7 +166,10 @@ def build(a):
             s["oha_achieved_rps"] = o.get("summary", {}).get("requestsPerSec")
             s["oha_url"] = read(os.path.join(out, f"ohaurl_{sid}.txt"), "")
             codes = ", ".join(f"{k}: {v}" for k, v in sorted(s["oha_status"].items()))
-            s["notes"].append(f"oha at {s['oha_rate']}/s ({s['oha_url']}; {codes})")
+            ach = s["oha_achieved_rps"]
+            s["notes"].append(f"oha at {s['oha_rate']}/s"
+                              + (f" (achieved {ach:,.0f}/s)" if ach is not None else "")
+                              + f", {s['oha_url']}; {codes}")
             bad_errors = {k: v for k, v in s["oha_errors"].items() if "deadline" not in k}
             if bad_errors:
                 s["notes"].append(f"oha errors: {bad_errors}")
@@ -193,7 +196,7 @@ def build(a):
         "errors": om.get("errorDistribution", {}),
         "rps": om.get("summary", {}).get("requestsPerSec"),
         "method": read(os.path.join(out, "mem_method.txt"), ""),
-        "store": "SQLite (" + read(os.path.join(out, "mem_store_dir.txt"), "?") + "/fences.db)",
+        "store": read(os.path.join(out, "mem_store.txt"), "SQLite"),
     }
     mem["met"] = mem["rss_mib"] <= RSS_TARGET_MIB and mem["rss_mib"] > 0
 
@@ -212,7 +215,8 @@ def build(a):
         "oha_random": a.oha_random == "yes",
         "versions": {"wrk": a.wrk_version, "oha": a.oha_version, "nginx": a.nginx_version,
                      "pgbench": a.pgbench_version, "postgres": a.pg_version},
-        "fg_decisions": read(os.path.join(out, "fg_decisions.txt"), ""),
+        "store_unavailable": int(read(os.path.join(out, "fg_503.txt"), "0") or 0),
+        "loadavg_start": read(os.path.join(out, "loadavg_start.txt"), "?"),
     }
     meta["subtitle"] = (f"{meta['machine']['nproc']} cores, {meta['machine']['cpu']}; commit "
                         f"{a.commit}{' (+local changes)' if meta['dirty'] else ''}; "
@@ -282,7 +286,7 @@ def markdown(res, svg_link):
     mem = res["memory"]
     by = {s["id"]: s for s in res["scenarios"]}
     dirty = (" — the working tree had uncommitted changes under src/, tests/ or the manifests "
-             "when it was measured" if meta["dirty"] else "")
+             "when the gateway was built" if meta["dirty"] else "")
     oha_how = ("random keys through `--rand-regex-url`" if meta["oha_random"]
                else "one fixed key per run (this oha has no `--rand-regex-url`)")
     e_share = by["e"].get("share_409")
@@ -338,10 +342,15 @@ def markdown(res, svg_link):
         f"setting the gateway forces on its own connections; the gateway was stopped while "
         f"it ran.",
         f"- Memory: {mem['method']}; {mem['forwarded']:,} writes forwarded "
-        f"(status {mem['status']}); at {f0(mem['rps'])} req/s closed loop; RSS "
+        f"(answers: {', '.join(f'{k}: {v:,}' for k, v in sorted(mem['status'].items()))}); at {f0(mem['rps'])} req/s closed loop; RSS "
         f"{mem['rss_start_mib']:.1f} MiB after start, {mem['rss_mib']:.1f} MiB after the writes, "
-        f"peak (VmHWM) {mem['hwm_mib']:.1f} MiB. Store: {mem['store']} — it measures the "
-        "gateway's own memory; the store's file is on tmpfs only to keep the run short.",
+        f"peak (VmHWM) {mem['hwm_mib']:.1f} MiB. Store: {mem['store']}; this check measures the "
+        "gateway's own memory (SQLite's page cache inside the process is bounded), and a "
+        "tmpfs file only makes its commits cheaper, so the run is shorter.",
+        f"- Load average (1, 5, 15 min) when the script started, before it built or ran "
+        f"anything: {meta['loadavg_start']}. Well above 0 means other work (a build, a test "
+        "run) was sharing the 2 cores, and may have gone on during the run.",
+        f"- 503 answers (store unavailable) during (c)-(f): {meta['store_unavailable']}.",
         "",
         "## How to reproduce",
         "",
@@ -359,6 +368,12 @@ def markdown(res, svg_link):
         "first: a parallel build or test run shows up directly in these numbers.",
         "",
     ]
+    # Hand-written analysis (reasons for misses, micro-benchmarks, before and
+    # after numbers) lives next to this script and is carried into the report.
+    analysis = os.path.join(os.path.dirname(os.path.abspath(__file__)), "analysis.md")
+    if os.path.exists(analysis):
+        with open(analysis) as f:
+            lines += ["", f.read().rstrip(), ""]
     return "\n".join(lines)
 
 

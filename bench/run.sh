@@ -91,6 +91,10 @@ if grep -q -- '--output-format' <<<"$OHA_HELP"; then OHA_JSON=(--output-format j
 pg_isready -q -h "$PGHOST" -p "$PGPORT" \
     || die "Postgres is not answering on $PGHOST:$PGPORT (start it first, e.g. as .ci/run does)"
 
+# Load on the machine before this script adds any (other builds or tests
+# running alongside skew every number).
+LOADAVG_START="$(cut -d' ' -f1-3 /proc/loadavg)"
+
 # ---------------------------------------------------------------------------
 # Build
 # ---------------------------------------------------------------------------
@@ -98,6 +102,9 @@ log "cargo build --release"
 cargo build --release >&2
 FG="$REPO/target/release/fencegate"
 [ -x "$FG" ] || die "$FG was not built"
+# What the binary was built from (checked now: the tree may change during the run).
+COMMIT="$(git -C "$REPO" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
+DIRTY="$(git -C "$REPO" status --porcelain -- src tests Cargo.toml Cargo.lock migrations 2>/dev/null | wc -l)"
 
 # ---------------------------------------------------------------------------
 # Temp dir, processes, cleanup
@@ -106,6 +113,7 @@ WORK="$(mktemp -d "${TMPDIR:-/tmp}/fg-bench.XXXXXX")"
 chmod 755 "$WORK"   # nginx workers run as nobody
 OUT="$WORK/out"
 mkdir -p "$OUT"
+echo "$LOADAVG_START" > "$OUT/loadavg_start.txt"
 MEMDIR=""
 PIDS=()
 DB_CREATED=no
@@ -306,6 +314,14 @@ run_oha() { # id, url path or regex path, method, token ("-": none)
         || { cat "$OUT/oha_$id.err" >&2; die "oha failed in scenario $id"; }
 }
 
+if [ "$MODE" = full ]; then
+    # Warm-up, not recorded: connection pools, caches, CPU frequency. GET only,
+    # so that no fence moves before the PUT scenarios.
+    for p in "$P_UP" "$P_NGX" "$P_FG"; do
+        wrk -t"$THREADS" -c"$CONNS" -d2s -s "$BENCH/fenced.lua" "http://127.0.0.1:$p" \
+            -- get "$NKEYS" k "$THREADS" >/dev/null 2>&1 || true
+    done
+fi
 run_wrk a "$P_UP" get
 run_wrk b "$P_NGX" get
 run_wrk c "$P_FG" get
@@ -321,7 +337,7 @@ run_wrk f "$P_FG" stale
 run_oha f "/docs/$SEEDED_RE" PUT 0
 
 python3 "$BENCH/util.py" metric "http://127.0.0.1:$P_FGA/metrics" fencegate_decisions_total \
-    > "$OUT/fg_decisions.txt" || true
+    'outcome="store_unavailable"' > "$OUT/fg_503.txt" || true
 log "stopping the Postgres gateway before pgbench"
 stop_pid "$FG_MAIN_PID"
 forget_pid "$FG_MAIN_PID"
@@ -348,7 +364,10 @@ if [ -d /dev/shm ] && [ -w /dev/shm ]; then
 else
     MEMDIR="$(mktemp -d "$WORK/mem.XXXXXX")"
 fi
-echo "$MEMDIR" > "$OUT/mem_store_dir.txt"
+case "$MEMDIR" in
+    /dev/shm/*) echo "SQLite file on /dev/shm (tmpfs)" ;;
+    *) echo "SQLite file in the temp dir" ;;
+esac > "$OUT/mem_store.txt"
 fg_conf "$WORK/fg-mem.toml" "$P_MEM" "$P_MEMA" "sqlite://$MEMDIR/fences.db"
 log "memory: fresh fencegate on :$P_MEM with SQLite at $MEMDIR/fences.db"
 start_fg "$WORK/fg-mem.toml" "$P_MEM" "$P_MEMA" "$WORK/fg-mem.log"
@@ -372,21 +391,21 @@ fi
 sleep 1
 python3 "$BENCH/util.py" vm "$MEM_PID" > "$OUT/mem_after.txt"
 python3 "$BENCH/util.py" metric "http://127.0.0.1:$P_MEMA/metrics" fencegate_decisions_total \
-    > "$OUT/mem_decisions.txt"
+    'outcome="forwarded"' > "$OUT/mem_decisions.txt"
 stop_pid "$MEM_PID"
 forget_pid "$MEM_PID"
 
 # ---------------------------------------------------------------------------
 # Report
 # ---------------------------------------------------------------------------
-COMMIT="$(git -C "$REPO" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
-DIRTY="$(git -C "$REPO" status --porcelain -- src tests Cargo.toml Cargo.lock migrations 2>/dev/null | wc -l)"
 CMDLINE="bash bench/run.sh${*:+ $*}"
 REPORT_ARGS=(--out "$OUT" --mode "$MODE" --duration "$DURATION" --threads "$THREADS"
     --conns "$CONNS" --nkeys "$NKEYS" --mem-keys "$MEM_KEYS" --commit "$COMMIT"
     --dirty "$DIRTY" --command "$CMDLINE" --oha-random "$OHA_RANDOM"
-    --oha-version "$(oha --version 2>&1 | head -n1)" --wrk-version "$(wrk -v 2>&1 | head -n1)"
-    --nginx-version "$(nginx -v 2>&1 | head -n1)" --pgbench-version "$(pgbench --version | head -n1)"
+    --oha-version "$(oha --version 2>&1 | head -n1)"
+    --wrk-version "$(wrk -v 2>&1 | head -n1 | awk '{print $1, $2}')"
+    --nginx-version "$(nginx -v 2>&1 | head -n1 | sed 's/^nginx version: //')"
+    --pgbench-version "$(pgbench --version | head -n1)"
     --pg-version "$(psql -qXAt -d postgres -c 'SHOW server_version' 2>/dev/null || echo unknown)")
 echo
 echo "==================== fencegate benchmarks ($MODE run) ===================="

@@ -9,7 +9,8 @@
                                           exit 1 unless every answer is 2xx
     util.py rate WRK_OUT                  half of the wrk run's success throughput
                                           (2xx/s; 409/s for a run answered 409 only)
-    util.py metric URL NAME               sum of the Prometheus samples of NAME at URL
+    util.py metric URL NAME [MATCH]       sum of the Prometheus samples of NAME at URL
+                                          (only those whose labels contain MATCH)
     util.py vm PID                        VmRSS and VmHWM of PID in KiB: "RSS HWM"
 """
 
@@ -66,7 +67,7 @@ def seed(base, prefix, n, token):
     host_port = base.split("://", 1)[1].rstrip("/")
     host, port = host_port.rsplit(":", 1)
     n = int(n)
-    nworkers = 16
+    nworkers = 64
     counts = {}
     lock = threading.Lock()
 
@@ -113,12 +114,12 @@ def rate(path):
     print(max(1, int(good / secs / 2)))
 
 
-def metric(url, name):
+def metric(url, name, match=""):
     with urllib.request.urlopen(url, timeout=5) as r:
         text = r.read().decode()
     total = 0.0
     for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and match in line:
             total += float(line.rsplit(" ", 1)[1])
     print(int(total))
 
@@ -145,7 +146,7 @@ def main(argv):
     elif cmd == "rate":
         rate(args[0])
     elif cmd == "metric":
-        metric(args[0], args[1])
+        metric(*args)
     elif cmd == "vm":
         vm(int(args[0]))
     else:
