@@ -60,7 +60,6 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
-use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -78,53 +77,9 @@ const MAX_ERROR_BODY: usize = 2048;
 /// always exactly one path segment, whatever `/`, `:`, `?` or `%` it holds.
 const SEGMENT: &AsciiSet = &NON_ALPHANUMERIC.remove(b'-').remove(b'_').remove(b'~');
 
-/// A lease granted by `acquire` or `renew`.
-///
-/// `Debug` shows everything but the lease id, which is a secret.
-#[derive(Clone, Deserialize)]
-pub struct Grant {
-    /// The lock name (also the resource key the token fences).
-    pub name: String,
-    /// Secret lease id: proves ownership for renew and release. Never log it.
-    pub lease: String,
-    /// The fencing token as a number; the same across renewals.
-    pub fence: i64,
-    /// What to send as `X-Fence-Token`: a JWT when the gateway signs tokens
-    /// (it then changes on renewal), else the decimal fence.
-    pub token: String,
-    /// The ttl the lease was granted or renewed for, in milliseconds.
-    pub ttl_ms: u64,
-    /// When the lease ends by the gateway's clock at grant time. For
-    /// information only: compare it with nothing on the client's clock.
-    pub expires_at: DateTime<Utc>,
-}
-
-impl fmt::Debug for Grant {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Grant")
-            .field("name", &self.name)
-            .field("lease", &"<redacted>")
-            .field("fence", &self.fence)
-            .field("token", &self.token)
-            .field("ttl_ms", &self.ttl_ms)
-            .field("expires_at", &self.expires_at)
-            .finish()
-    }
-}
-
-/// What `status` reports about a lock (never the lease id).
-#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
-pub struct Status {
-    /// The lock name.
-    pub name: String,
-    /// Whether a lease currently holds the lock.
-    pub held: bool,
-    /// The fence of the current (or, when free, the last) grant; 0 if the
-    /// lock was never granted.
-    pub fence: i64,
-    /// Time left on the current lease, by the backend's clock.
-    pub expires_in_ms: Option<u64>,
-}
+/// The grant and status types are the server's own, so the two sides cannot
+/// drift apart; `Grant`'s `Debug` redacts the lease id.
+pub use crate::locks::{Grant, Status};
 
 /// What can go wrong in a lock API call.
 #[derive(Debug, thiserror::Error)]

@@ -91,10 +91,9 @@ impl Fence {
         token: i64,
         hold: Duration,
     ) -> Result<Admission, GatewayError> {
-        let ticket = self.gate.ticket(key);
         // Memory fast path, valid across instances: tokens only grow, so one
         // below a known durable token is stale wherever it came from.
-        let known = ticket.durable();
+        let (ticket, known) = self.gate.ticket_and_durable(key);
         if token < known {
             return Err(stale(key, token, known));
         }
@@ -122,11 +121,10 @@ impl Fence {
     }
 
     async fn check_single(&self, key: &str, token: i64) -> Result<Permit, GatewayError> {
-        let ticket = self.gate.ticket(key);
         // Memory fast paths. Below a known durable token: stale. Equal to
         // it: already recorded — and in single mode nobody else writes the
         // store, so it is still the highest. Either way no store round trip.
-        let known = ticket.durable();
+        let (ticket, known) = self.gate.ticket_and_durable(key);
         if token < known {
             return Err(stale(key, token, known));
         }
@@ -142,16 +140,16 @@ impl Fence {
         if highest > token {
             return Err(stale(key, token, highest));
         }
-        if let Some(until) = self.quarantine_until {
-            if Instant::now() < until {
-                tokio::time::sleep_until(until.into()).await;
-            }
-        }
         if highest < token {
             return Err(StoreError::Other(format!(
                 "the store answered {highest} for a decision on {token}"
             ))
             .into());
+        }
+        if let Some(until) = self.quarantine_until {
+            if Instant::now() < until {
+                tokio::time::sleep_until(until.into()).await;
+            }
         }
         ticket
             .admit(token)

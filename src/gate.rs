@@ -120,6 +120,13 @@ impl Gate {
 
     /// Registers interest in `key`. Take it before recording the token.
     pub fn ticket(self: &Arc<Self>, key: &str) -> Ticket {
+        self.ticket_and_durable(key).0
+    }
+
+    /// [`Gate::ticket`], plus the key's known durable token read under the
+    /// same lock (see [`Ticket::durable`]), to save the fast path a second
+    /// trip through the mutex.
+    pub fn ticket_and_durable(self: &Arc<Self>, key: &str) -> (Ticket, i64) {
         let mut slots = self.lock();
         let key: Arc<str> = match slots.map.get_key_value(key) {
             Some((k, _)) => k.clone(),
@@ -127,14 +134,16 @@ impl Gate {
         };
         let slot = slots.map.entry(key.clone()).or_default();
         slot.refs += 1;
+        let durable = slot.durable;
         if slot.refs == 1 {
             slots.active += 1;
         }
-        Ticket {
+        let ticket = Ticket {
             gate: self.clone(),
             key,
             live: true,
-        }
+        };
+        (ticket, durable)
     }
 
     /// Keys with requests in flight or waiting; for metrics and shutdown.

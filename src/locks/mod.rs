@@ -96,8 +96,9 @@ impl Backend {
     }
 }
 
-/// A grant as the API returns it.
-#[derive(Debug, Clone, serde::Serialize)]
+/// A grant as the API returns it (and as `fencegate::client` reads it).
+/// `Debug` shows everything but the lease id, which is a secret.
+#[derive(Clone, serde::Serialize, serde::Deserialize)]
 pub struct Grant {
     pub name: String,
     /// Secret: proves ownership for renew and release.
@@ -112,13 +113,26 @@ pub struct Grant {
     pub expires_at: DateTime<Utc>,
 }
 
-/// What `GET /_fencegate/locks/{name}` shows.
-#[derive(Debug, Clone, serde::Serialize)]
+/// What `GET /_fencegate/locks/{name}` shows (never the lease id).
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Status {
     pub name: String,
     pub held: bool,
     pub fence: i64,
     pub expires_in_ms: Option<u64>,
+}
+
+impl std::fmt::Debug for Grant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Grant")
+            .field("name", &self.name)
+            .field("lease", &"<redacted>")
+            .field("fence", &self.fence)
+            .field("token", &self.token)
+            .field("ttl_ms", &self.ttl_ms)
+            .field("expires_at", &self.expires_at)
+            .finish()
+    }
 }
 
 /// Cheap to clone.
