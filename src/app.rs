@@ -21,6 +21,7 @@ use crate::locks::{Backend, LockLimits, LockService};
 use crate::metrics::Metrics;
 use crate::server::{self, Limits};
 use crate::store::{FenceStore, StoreError};
+use crate::traffic::{OnRuntime, Traffic};
 
 /// Why the gateway could not start.
 #[derive(Debug, thiserror::Error)]
@@ -39,7 +40,8 @@ pub enum StartError {
 
 /// A gateway ready to serve: store open, listeners bound.
 pub struct Application {
-    traffic: TcpListener,
+    /// The traffic listener: one `SO_REUSEPORT` socket per worker thread.
+    traffic: Vec<std::net::TcpListener>,
     admin: TcpListener,
     demo: Option<TcpListener>,
     gateway: GatewayState,
@@ -56,7 +58,14 @@ pub struct Application {
 impl Application {
     pub async fn build(config: Config) -> Result<Self, StartError> {
         // Bind first: a port conflict is the cheapest thing to find out.
-        let traffic = bind("listener", config.server.listen).await?;
+        let traffic =
+            server::bind_shared(config.server.listen, config.server.workers).map_err(|source| {
+                StartError::Bind {
+                    what: "listener",
+                    addr: config.server.listen,
+                    source,
+                }
+            })?;
         let admin = bind("admin listener", config.server.admin_listen).await?;
         let demo = match &config.demo {
             Some(d) => Some(bind("demo backend", d.listen).await?),
@@ -92,9 +101,14 @@ impl Application {
             None
         };
         let gateway = GatewayState {
-            routes: config.routes.iter().cloned().map(Arc::new).collect(),
+            routes: config
+                .routes
+                .iter()
+                .map(|r| Arc::new(gateway::GatedRoute::new(r.clone(), &metrics)))
+                .collect(),
             fence: fence.clone(),
             client: crate::proxy::client(),
+            store_runtime: tokio::runtime::Handle::current(),
             metrics: metrics.clone(),
             max_body_bytes: config.server.max_body_bytes,
             retry_after: config.store.retry_after,
@@ -126,7 +140,7 @@ impl Application {
 
     /// Where proxy traffic is served.
     pub fn traffic_addr(&self) -> SocketAddr {
-        self.traffic
+        self.traffic[0]
             .local_addr()
             .expect("bound listener has an address")
     }
@@ -151,34 +165,48 @@ impl Application {
                 let _ = rx.wait_for(|s| *s).await;
             }
         };
-        // Request spans at DEBUG: free when that level is off, and a
-        // per-request trace when chasing a problem (RUST_LOG=tower_http=debug).
-        let mut traffic_router = Router::new()
+        // The lock API and everything else under the reserved prefix run on
+        // this runtime, where the store's connections live; proxied traffic
+        // runs on the worker threads (see `server`).
+        let mut full = Router::new()
             .fallback(gateway::handle)
-            .with_state(self.gateway.clone());
+            .with_state(Arc::new(self.gateway.clone()));
         if let Some(l) = self.locks.clone() {
-            traffic_router = traffic_router.merge(crate::locks::api::router(l));
+            full = full.merge(crate::locks::api::router(l));
         }
-        let traffic_router = traffic_router
-            .method_not_allowed_fallback(crate::locks::api::method_not_allowed)
-            .layer(
-                // 5xx answers are the gateway's normal fail-closed answers and
-                // are logged where they arise; not again as errors here.
-                tower_http::trace::TraceLayer::new_for_http().on_failure(
-                    tower_http::trace::DefaultOnFailure::new().level(tracing::Level::DEBUG),
-                ),
-            );
+        let full = traced(full.method_not_allowed_fallback(crate::locks::api::method_not_allowed));
+        let services = (0..self.traffic.len())
+            .map(|_| Traffic {
+                // Each worker has its own upstream pool: its connections are
+                // driven by the worker's runtime, next to the requests using
+                // them.
+                gateway: Arc::new(GatewayState {
+                    client: crate::proxy::client(),
+                    ..self.gateway.clone()
+                }),
+                reserved: OnRuntime {
+                    runtime: tokio::runtime::Handle::current(),
+                    router: full.clone(),
+                },
+            })
+            .collect();
+        let gate = self.gate.clone();
+        let workers =
+            match server::Workers::start(self.traffic, services, self.limits, &stopped, move || {
+                settled(gate.clone())
+            }) {
+                Ok(w) => w,
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot start the worker threads");
+                    return;
+                }
+            };
         let admin_router = admin::router(self.admin_state.clone());
-        let traffic = tokio::spawn(server::serve(
-            self.traffic,
-            traffic_router,
-            self.limits,
-            stopped(),
-        ));
         let admin = tokio::spawn(server::serve(
             self.admin,
-            admin_router,
+            server::RouterService(admin_router),
             self.limits,
+            Arc::new(tokio::sync::Semaphore::new(self.limits.max_connections)),
             stopped(),
         ));
         let demo = self
@@ -187,7 +215,7 @@ impl Application {
         shutdown.await;
         tracing::info!("shutting down: no new connections; finishing in-flight requests");
         let _ = stop_tx.send(true);
-        let _ = traffic.await;
+        workers.finished().await;
         let _ = admin.await;
         if let Some(d) = demo {
             let _ = d.await;
@@ -198,10 +226,7 @@ impl Application {
         // A clean stop only if no write of ours can still reach an upstream:
         // forwards that ended abnormally keep their key closed until their
         // deadline, so wait for the gate to empty (within the grace period).
-        let until = tokio::time::Instant::now() + self.limits.shutdown_grace;
-        while self.gate.tracked_keys() > 0 && tokio::time::Instant::now() < until {
-            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-        }
+        let _ = tokio::time::timeout(self.limits.shutdown_grace, settled(self.gate.clone())).await;
         if self.gate.tracked_keys() == 0 {
             if let Err(e) = self.admin_state.store.end_run().await {
                 tracing::warn!(error = %e, "could not record the clean stop; the next start will wait as after a crash");
@@ -270,4 +295,23 @@ async fn bind(what: &'static str, addr: SocketAddr) -> Result<TcpListener, Start
     TcpListener::bind(addr)
         .await
         .map_err(|source| StartError::Bind { what, addr, source })
+}
+
+/// Request spans at DEBUG: free when that level is off, and a per-request
+/// trace when chasing a problem (RUST_LOG=tower_http=debug).
+fn traced(router: Router) -> Router {
+    router.layer(
+        // 5xx answers are the gateway's normal fail-closed answers and are
+        // logged where they arise; not again as errors here.
+        tower_http::trace::TraceLayer::new_for_http()
+            .on_failure(tower_http::trace::DefaultOnFailure::new().level(tracing::Level::DEBUG)),
+    )
+}
+
+/// Resolves once no fenced write holds a key: nothing of ours can still
+/// reach an upstream.
+async fn settled(gate: Arc<crate::gate::Gate>) {
+    while gate.tracked_keys() > 0 {
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
 }

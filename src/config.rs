@@ -87,6 +87,11 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// How long in-flight requests may run after SIGTERM before we exit.
     pub shutdown_grace: Duration,
+    /// Threads serving the traffic listener, each with its own runtime,
+    /// listening socket (`SO_REUSEPORT`) and upstream pool, so a request's
+    /// client and upstream connections are driven by one thread without
+    /// cross-thread wake-ups. Defaults to the number of CPUs.
+    pub workers: usize,
 }
 
 /// `[store]`: the durable record of the highest token per key.
@@ -157,6 +162,8 @@ pub struct Upstream {
     pub authority: http::uri::Authority,
     /// A path prefix prepended to the request path ("" for none).
     pub base_path: String,
+    /// `authority` as the `Host` header sent upstream, built once.
+    pub host: http::HeaderValue,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -221,6 +228,7 @@ struct RawServer {
     header_read_timeout_ms: u64,
     max_connections: u64,
     shutdown_grace_ms: u64,
+    workers: Option<u64>,
 }
 
 impl Default for RawServer {
@@ -232,6 +240,7 @@ impl Default for RawServer {
             header_read_timeout_ms: 10_000,
             max_connections: 4096,
             shutdown_grace_ms: 30_000,
+            workers: None,
         }
     }
 }
@@ -804,6 +813,10 @@ impl Validator<'_> {
                 raw.shutdown_grace_ms,
                 3_600_000,
             )),
+            workers: match raw.workers {
+                Some(n) => self.positive("server.workers", n, 1024) as usize,
+                None => std::thread::available_parallelism().map_or(1, |n| n.get()),
+            },
         }
     }
 
@@ -1016,10 +1029,13 @@ fn parse_upstream(raw: &str) -> Result<Upstream, String> {
         return Err("must not have a query string".into());
     }
     let base_path = uri.path().trim_end_matches('/').to_string();
+    let host = http::HeaderValue::from_str(authority.as_str())
+        .map_err(|_| "has a host that cannot be sent as a Host header".to_string())?;
     Ok(Upstream {
         scheme,
         authority,
         base_path,
+        host,
     })
 }
 

@@ -57,6 +57,12 @@ impl Fence {
         self
     }
 
+    /// Whether a decision uses store connections directly from the calling
+    /// task (shared mode), rather than only through the batcher's channel.
+    pub fn talks_to_store(&self) -> bool {
+        matches!(&self.store, FenceStore::Postgres(pg) if pg.is_shared())
+    }
+
     /// Decides a fenced write of `token` on `key`. On success the returned
     /// admission must live until the upstream has finished with the write.
     /// `hold` is how long the forward may take (the route's timeout).

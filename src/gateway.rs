@@ -24,16 +24,40 @@ use crate::error::{ClientError, GatewayError, UpstreamError};
 use crate::fence::Admission;
 use crate::fence::Fence;
 use crate::jwt::JwtRejection;
-use crate::metrics::{Metrics, RouteLabels};
+use crate::metrics::{Metrics, RouteMetrics};
 use crate::proxy::{self, BodyOutcome, HoldingBody, LimitedBody, UpstreamClient};
 use crate::routing::{self, PathError};
 use crate::token::{self, TokenError};
 
-/// Shared state of the traffic listener: cheap handles only.
+/// A configured route with its metric handles.
+pub struct GatedRoute {
+    pub route: Route,
+    pub metrics: RouteMetrics,
+}
+
+impl GatedRoute {
+    pub fn new(route: Route, metrics: &Metrics) -> Self {
+        Self {
+            metrics: metrics.for_route(&route.name),
+            route,
+        }
+    }
+}
+
+impl std::ops::Deref for GatedRoute {
+    type Target = Route;
+
+    fn deref(&self) -> &Route {
+        &self.route
+    }
+}
+
+/// Shared state of the traffic listener, behind one `Arc`: the router
+/// clones it for every request.
 #[derive(Clone)]
 pub struct GatewayState {
     /// Routes in file order; the first match wins.
-    pub routes: Arc<[Arc<Route>]>,
+    pub routes: Arc<[Arc<GatedRoute>]>,
     /// Store plus gate: the fence decision.
     pub fence: Fence,
     /// Pooled upstream connections, shared by all routes.
@@ -45,13 +69,33 @@ pub struct GatewayState {
     pub retry_after: Duration,
     /// Verifies JWT fence tokens on `token = "jwt"` routes.
     pub jwt: Option<Arc<crate::jwt::JwtKeys>>,
+    /// The runtime that owns the store's connections. Requests are served on
+    /// worker threads with runtimes of their own; a fenced write that talks
+    /// to the store directly (shared mode) runs here instead, and outlives
+    /// the worker. Single mode reaches the store only through the batcher's
+    /// channel, so its writes stay on the worker.
+    pub store_runtime: tokio::runtime::Handle,
 }
 
-/// The traffic listener's handler for every proxied request.
-pub async fn handle(State(state): State<GatewayState>, req: Request<Body>) -> Response {
+/// The gateway as an axum handler (a router's fallback), for requests that
+/// arrive through a router; the peer comes from `ConnectInfo`.
+pub async fn handle(State(state): State<Arc<GatewayState>>, req: Request<Body>) -> Response {
+    let peer = req
+        .extensions()
+        .get::<ConnectInfo<SocketAddr>>()
+        .map(|c| c.0);
+    respond(state, req, peer).await
+}
+
+/// Every proxied request's answer: the upstream's, or a problem document.
+pub async fn respond(
+    state: Arc<GatewayState>,
+    req: Request<Body>,
+    peer: Option<SocketAddr>,
+) -> Response {
     let retry_after = state.retry_after;
     let has_body = declares_body(req.headers());
-    match serve(state, req).await {
+    match serve(state, req, peer).await {
         Ok(resp) => resp,
         Err(e) => {
             let mut resp = e.to_problem(retry_after).into_response();
@@ -96,12 +140,11 @@ fn declares_body(headers: &http::HeaderMap) -> bool {
     }
 }
 
-async fn serve(state: GatewayState, req: Request<Body>) -> Result<Response, GatewayError> {
-    let peer = req
-        .extensions()
-        .get::<ConnectInfo<SocketAddr>>()
-        .map(|c| c.0);
-
+async fn serve(
+    state: Arc<GatewayState>,
+    req: Request<Body>,
+    peer: Option<SocketAddr>,
+) -> Result<Response, GatewayError> {
     // Phase: match route.
     let (route, key) = match_route(&state.routes, req.uri().path())?;
 
@@ -117,13 +160,7 @@ async fn serve(state: GatewayState, req: Request<Body>) -> Result<Response, Gate
             }
             .into());
         }
-        state
-            .metrics
-            .passthrough
-            .get_or_create(&RouteLabels {
-                route: route.name.clone(),
-            })
-            .inc();
+        route.metrics.passthrough();
         return forward(&state, &route, req, peer, None, None).await;
     }
 
@@ -131,7 +168,7 @@ async fn serve(state: GatewayState, req: Request<Body>) -> Result<Response, Gate
     let token = match read_token(&state, &route, &key, req.headers()) {
         Ok(t) => t,
         Err((outcome, e)) => {
-            state.metrics.decision(&route.name, outcome);
+            route.metrics.decision(outcome);
             return Err(e.into());
         }
     };
@@ -141,7 +178,7 @@ async fn serve(state: GatewayState, req: Request<Body>) -> Result<Response, Gate
     // task, a ticket or the store.
     let known = state.fence.gate.peek_durable(&key);
     if token < known {
-        state.metrics.decision(&route.name, "stale");
+        route.metrics.decision("stale");
         return Err(ClientError::StaleToken {
             key,
             presented: token,
@@ -152,10 +189,18 @@ async fn serve(state: GatewayState, req: Request<Body>) -> Result<Response, Gate
 
     // Phases: check fence, forward, respond — detached from the client.
     let (tx, rx) = oneshot::channel();
-    tokio::spawn(async move {
+    let runtime = state
+        .fence
+        .talks_to_store()
+        .then(|| state.store_runtime.clone());
+    let task = async move {
         let result = fenced_write(&state, &route, key, token, req, peer, &tx).await;
         let _ = tx.send(result);
-    });
+    };
+    match runtime {
+        Some(rt) => drop(rt.spawn(task)),
+        None => drop(tokio::spawn(task)),
+    }
     rx.await.unwrap_or(Err(GatewayError::Internal(
         "the fenced write task ended without an answer",
     )))
@@ -218,7 +263,7 @@ fn read_token(
 /// Check the fence, then forward while holding the key's permit.
 async fn fenced_write(
     state: &GatewayState,
-    route: &Arc<Route>,
+    route: &GatedRoute,
     key: String,
     token: i64,
     req: Request<Body>,
@@ -236,7 +281,7 @@ async fn fenced_write(
                     "store_unavailable"
                 }
             };
-            state.metrics.decision(&route.name, outcome);
+            route.metrics.decision(outcome);
             return Err(e);
         }
     };
@@ -248,10 +293,10 @@ async fn fenced_write(
         // The client left while we waited: nobody would see the answer, so
         // do not start a write on its behalf. The token stays recorded,
         // which only ever makes older holders stale sooner.
-        state.metrics.decision(&route.name, "client_gone");
+        route.metrics.decision("client_gone");
         return Err(ClientError::BadRequest("client disconnected").into());
     }
-    state.metrics.decision(&route.name, "forwarded");
+    route.metrics.decision("forwarded");
     let deadline = permit.deadline;
     forward(state, route, req, peer, Some(permit), deadline).await
 }
@@ -259,7 +304,7 @@ async fn fenced_write(
 /// Phase: forward, and build the response.
 async fn forward(
     state: &GatewayState,
-    route: &Arc<Route>,
+    route: &GatedRoute,
     req: Request<Body>,
     peer: Option<SocketAddr>,
     permit: Option<Admission>,
@@ -274,7 +319,7 @@ async fn forward(
     if Instant::now() >= deadline {
         // Shared mode, after a long stall (a paused process): other
         // instances already consider this write over, so it must not start.
-        state.metrics.upstream_error(&route.name, "timeout");
+        route.metrics.upstream_error("timeout");
         return Err(UpstreamError::Timeout {
             route: route.name.clone(),
             timeout: route.timeout,
@@ -295,9 +340,7 @@ async fn forward(
     let sent = tokio::time::timeout_at(deadline.into(), state.client.request(upstream_req)).await;
     match sent {
         Ok(Ok(resp)) => {
-            state
-                .metrics
-                .upstream_latency(&route.name, started.elapsed());
+            route.metrics.upstream_latency(started.elapsed());
             let (mut parts, body) = resp.into_parts();
             proxy::strip_hop_by_hop(&mut parts.headers);
             let body = match permit {
@@ -317,7 +360,7 @@ async fn forward(
                 }
             }
             if outcome.too_large() {
-                state.metrics.decision(&route.name, "too_large");
+                route.metrics.decision("too_large");
                 return Err(ClientError::BodyTooLarge {
                     limit: state.max_body_bytes,
                 }
@@ -328,7 +371,7 @@ async fn forward(
                     ClientError::BadRequest("the client broke off the request body").into(),
                 );
             }
-            state.metrics.upstream_error(&route.name, "unreachable");
+            route.metrics.upstream_error("unreachable");
             tracing::warn!(route = %route.name, error = %e, "upstream request failed");
             Err(UpstreamError::Unreachable {
                 route: route.name.clone(),
@@ -337,7 +380,7 @@ async fn forward(
             .into())
         }
         Err(_) => {
-            state.metrics.upstream_error(&route.name, "timeout");
+            route.metrics.upstream_error("timeout");
             Err(UpstreamError::Timeout {
                 route: route.name.clone(),
                 timeout: route.timeout,
@@ -356,10 +399,14 @@ fn hold_until(deadline: Instant, permit: Admission) {
 }
 
 /// Phase: find the first route whose pattern matches, and its resource key.
-fn match_route(routes: &[Arc<Route>], path: &str) -> Result<(Arc<Route>, String), GatewayError> {
-    if path == crate::config::RESERVED_PREFIX
-        || path.starts_with(&format!("{}/", crate::config::RESERVED_PREFIX))
-    {
+fn match_route(
+    routes: &[Arc<GatedRoute>],
+    path: &str,
+) -> Result<(Arc<GatedRoute>, String), GatewayError> {
+    let reserved = path
+        .strip_prefix(crate::config::RESERVED_PREFIX)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'));
+    if reserved {
         return Err(ClientError::NoRoute {
             path: path.to_string(),
         }

@@ -15,7 +15,10 @@
 //! A request's path through the code, top to bottom:
 //!
 //! * [`server`]: the accept loop (header-read timeout, connection limit,
-//!   graceful shutdown) shared by the traffic and admin listeners.
+//!   graceful shutdown) shared by the traffic and admin listeners, and the
+//!   traffic listener's worker threads (one runtime and socket per CPU).
+//! * [`traffic`]: a worker's service: proxied requests in place, the
+//!   reserved prefix (lock API) on the store's runtime.
 //! * [`gateway`]: the phases of one request: match route → check framing →
 //!   read token → check fence → forward → respond.
 //! * [`routing`]: path patterns and resource-key templates.
@@ -49,3 +52,4 @@ pub mod routing;
 pub mod server;
 pub mod store;
 pub mod token;
+pub mod traffic;

@@ -38,19 +38,24 @@ pub fn client() -> UpstreamClient {
 }
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1) plus `Proxy-Connection`, which old
-/// clients still send. `Expect` is answered by our own server side.
-const HOP_BY_HOP: [&str; 10] = [
-    "connection",
-    "keep-alive",
-    "proxy-connection",
-    "te",
-    "trailer",
-    "transfer-encoding",
-    "upgrade",
-    "proxy-authenticate",
-    "proxy-authorization",
-    "expect",
+/// clients still send. `Expect` is answered by our own server side. Typed
+/// names: a `&str` name would be parsed again on every lookup.
+const HOP_BY_HOP: [HeaderName; 10] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::EXPECT,
 ];
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
 /// Removes hop-by-hop headers, including every header `Connection` names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
@@ -64,7 +69,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for name in named {
         headers.remove(name);
     }
-    for name in HOP_BY_HOP {
+    for name in &HOP_BY_HOP {
         headers.remove(name);
     }
 }
@@ -77,37 +82,36 @@ pub fn upstream_request(
     upstream: &Upstream,
     peer: Option<SocketAddr>,
 ) -> Result<Request<Body>, http::Error> {
-    let path_and_query = req
-        .uri()
-        .path_and_query()
-        .map(|pq| pq.as_str())
-        .unwrap_or("/");
-    let uri = Uri::builder()
-        .scheme(upstream.scheme.clone())
-        .authority(upstream.authority.clone())
-        .path_and_query(format!("{}{}", upstream.base_path, path_and_query))
-        .build()?;
-    *req.uri_mut() = uri;
+    let path_and_query = match req.uri().path_and_query() {
+        // The common case shares the client's bytes instead of copying them.
+        Some(pq) if upstream.base_path.is_empty() => pq.clone(),
+        pq => {
+            let pq = pq.map(|pq| pq.as_str()).unwrap_or("/");
+            format!("{}{}", upstream.base_path, pq).try_into()?
+        }
+    };
+    let mut uri = http::uri::Parts::default();
+    uri.scheme = Some(upstream.scheme.clone());
+    uri.authority = Some(upstream.authority.clone());
+    uri.path_and_query = Some(path_and_query);
+    *req.uri_mut() = Uri::from_parts(uri)?;
     *req.version_mut() = http::Version::HTTP_11;
     let headers = req.headers_mut();
     strip_hop_by_hop(headers);
-    if let Some(host) = headers.remove(header::HOST) {
-        headers.insert("x-forwarded-host", host);
-    }
-    if let Ok(v) = HeaderValue::from_str(upstream.authority.as_str()) {
-        headers.insert(header::HOST, v);
+    if let Some(host) = headers.insert(header::HOST, upstream.host.clone()) {
+        headers.insert(X_FORWARDED_HOST, host);
     }
     if let Some(peer) = peer {
         let ip = peer.ip().to_string();
-        let value = match headers.get("x-forwarded-for").and_then(|v| v.to_str().ok()) {
+        let value = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
             Some(prev) if !prev.trim().is_empty() => format!("{prev}, {ip}"),
             _ => ip,
         };
         if let Ok(v) = HeaderValue::from_str(&value) {
-            headers.insert("x-forwarded-for", v);
+            headers.insert(X_FORWARDED_FOR, v);
         }
     }
-    headers.insert("x-forwarded-proto", HeaderValue::from_static("http"));
+    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
     Ok(req)
 }
 

@@ -472,6 +472,7 @@ impl GatePool {
                         key: key.to_string(),
                         token,
                         timeout,
+                        runtime: tokio::runtime::Handle::try_current().ok(),
                     }))
                 }
                 "stale" => return Ok(Entered::Stale(answer.1)),
@@ -497,6 +498,10 @@ pub struct KeyLock {
     key: String,
     token: i64,
     timeout: Duration,
+    /// The runtime the connection was taken on, where it must be used again:
+    /// the lock is often dropped on a worker thread (with the relayed
+    /// response body), whose runtime may end before the leave has run.
+    runtime: Option<tokio::runtime::Handle>,
 }
 
 impl Drop for KeyLock {
@@ -504,7 +509,7 @@ impl Drop for KeyLock {
         let Some(mut conn) = self.conn.take() else {
             return;
         };
-        let Ok(rt) = tokio::runtime::Handle::try_current() else {
+        let Some(rt) = self.runtime.take() else {
             conn.close_on_drop();
             return;
         };

@@ -18,6 +18,7 @@ fn check_config_lists_every_problem() {
 listen = "not-an-address"
 admin_listen = "127.0.0.1:9090"
 colour = "blue"
+workers = 0
 
 [store]
 url = "mysql://db"
@@ -48,6 +49,7 @@ methods = ["put"]
     for needle in [
         "server.listen: 'not-an-address' is not a socket address",
         "server.colour: unknown key",
+        "server.workers: must be between 1 and 1024, got 0",
         "store.url: 'mysql://db' is neither",
         "store.mode: 'sometimes' is not a mode",
         "routes[0].key: 'doc:{doc_id}' uses capture '{doc_id}', which the route's path does not define (it defines: {id})",

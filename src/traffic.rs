@@ -1,0 +1,101 @@
+//! The traffic listener's service on a worker thread.
+//!
+//! Proxied requests are answered right there, by `gateway::respond`: no
+//! router, no extensions, no per-request span. Everything under the reserved
+//! prefix (the lock API, and the 404s around it) is handed to the full axum
+//! router on the store's runtime, where the store's connections live.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::ConnectInfo;
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+use http::Request;
+use hyper::body::Incoming;
+use tower::ServiceExt;
+
+use crate::config::RESERVED_PREFIX;
+use crate::error::GatewayError;
+use crate::gateway::{self, GatewayState};
+use crate::server::MakeService;
+
+type BoxFuture = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send + 'static>>;
+
+/// One worker's traffic service.
+#[derive(Clone)]
+pub struct Traffic {
+    /// The gateway, with this worker's upstream pool.
+    pub gateway: Arc<GatewayState>,
+    /// Where reserved paths go.
+    pub reserved: OnRuntime,
+}
+
+impl MakeService for Traffic {
+    type Service = Connection;
+
+    fn make(&self, peer: SocketAddr) -> Connection {
+        Connection {
+            traffic: self.clone(),
+            peer,
+        }
+    }
+}
+
+/// The service of one client connection.
+pub struct Connection {
+    traffic: Traffic,
+    peer: SocketAddr,
+}
+
+impl hyper::service::Service<Request<Incoming>> for Connection {
+    type Response = Response;
+    type Error = Infallible;
+    type Future = BoxFuture;
+
+    fn call(&self, req: Request<Incoming>) -> BoxFuture {
+        let req = req.map(Body::new);
+        if is_reserved(req.uri().path()) {
+            let mut req = req;
+            req.extensions_mut()
+                .insert(ConnectInfo::<SocketAddr>(self.peer));
+            return self.traffic.reserved.call(req);
+        }
+        let (gateway, peer) = (self.traffic.gateway.clone(), self.peer);
+        Box::pin(async move { Ok(gateway::respond(gateway, req, Some(peer)).await) })
+    }
+}
+
+fn is_reserved(path: &str) -> bool {
+    path.strip_prefix(RESERVED_PREFIX)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+}
+
+/// Serves requests with `router` on another runtime: the one the store's
+/// connections belong to.
+#[derive(Clone)]
+pub struct OnRuntime {
+    pub runtime: tokio::runtime::Handle,
+    pub router: Router,
+}
+
+impl OnRuntime {
+    fn call(&self, req: Request<Body>) -> BoxFuture {
+        let task = self.runtime.spawn(self.router.clone().oneshot(req));
+        Box::pin(async move {
+            Ok(match task.await {
+                Ok(Ok(resp)) => resp,
+                Ok(Err(never)) => match never {},
+                // Only if that runtime is shutting down.
+                Err(_) => GatewayError::Internal("the request's task ended early")
+                    .to_problem(Duration::from_secs(1))
+                    .into_response(),
+            })
+        })
+    }
+}
