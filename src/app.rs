@@ -40,8 +40,7 @@ pub enum StartError {
 
 /// A gateway ready to serve: store open, listeners bound.
 pub struct Application {
-    /// The traffic listener: one `SO_REUSEPORT` socket per worker thread.
-    traffic: Vec<std::net::TcpListener>,
+    traffic: TcpListener,
     admin: TcpListener,
     demo: Option<TcpListener>,
     gateway: GatewayState,
@@ -53,19 +52,14 @@ pub struct Application {
     /// Background tasks (notification listeners) to stop on shutdown.
     tasks: Vec<tokio::task::JoinHandle<()>>,
     limits: Limits,
+    /// `[server] workers`: threads serving the traffic listener.
+    workers: usize,
 }
 
 impl Application {
     pub async fn build(config: Config) -> Result<Self, StartError> {
         // Bind first: a port conflict is the cheapest thing to find out.
-        let traffic =
-            server::bind_shared(config.server.listen, config.server.workers).map_err(|source| {
-                StartError::Bind {
-                    what: "listener",
-                    addr: config.server.listen,
-                    source,
-                }
-            })?;
+        let traffic = bind("listener", config.server.listen).await?;
         let admin = bind("admin listener", config.server.admin_listen).await?;
         let demo = match &config.demo {
             Some(d) => Some(bind("demo backend", d.listen).await?),
@@ -130,6 +124,7 @@ impl Application {
             locks,
             gate: fence.gate.clone(),
             tasks,
+            workers: config.server.workers,
             limits: Limits {
                 header_read_timeout: config.server.header_read_timeout,
                 max_connections: config.server.max_connections,
@@ -140,7 +135,7 @@ impl Application {
 
     /// Where proxy traffic is served.
     pub fn traffic_addr(&self) -> SocketAddr {
-        self.traffic[0]
+        self.traffic
             .local_addr()
             .expect("bound listener has an address")
     }
@@ -175,7 +170,7 @@ impl Application {
             full = full.merge(crate::locks::api::router(l));
         }
         let full = traced(full.method_not_allowed_fallback(crate::locks::api::method_not_allowed));
-        let services = (0..self.traffic.len())
+        let services = (0..self.workers)
             .map(|_| Traffic {
                 // Each worker has its own upstream pool: its connections are
                 // driven by the worker's runtime, next to the requests using
@@ -191,22 +186,24 @@ impl Application {
             })
             .collect();
         let gate = self.gate.clone();
-        let workers =
-            match server::Workers::start(self.traffic, services, self.limits, &stopped, move || {
-                settled(gate.clone())
-            }) {
-                Ok(w) => w,
-                Err(e) => {
-                    tracing::error!(error = %e, "cannot start the worker threads");
-                    return;
-                }
-            };
+        let workers = match server::Workers::start(
+            self.traffic,
+            services,
+            self.limits,
+            stopped(),
+            move || settled(gate.clone()),
+        ) {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot start the worker threads");
+                return;
+            }
+        };
         let admin_router = admin::router(self.admin_state.clone());
         let admin = tokio::spawn(server::serve(
             self.admin,
             server::RouterService(admin_router),
             self.limits,
-            Arc::new(tokio::sync::Semaphore::new(self.limits.max_connections)),
             stopped(),
         ));
         let demo = self

@@ -149,9 +149,14 @@ async fn serve(
     let (route, key) = match_route(&state.routes, req.uri().path())?;
 
     // Phase: framing and size, before anything touches the store.
-    check_framing(&req, state.max_body_bytes)?;
-
     let fenced = route.fenced_methods.contains(req.method());
+    if let Err(e) = check_framing(&req, state.max_body_bytes) {
+        if fenced && matches!(e, GatewayError::Client(ClientError::BodyTooLarge { .. })) {
+            route.metrics.decision("too_large");
+        }
+        return Err(e);
+    }
+
     if !fenced {
         if !is_safe(req.method()) {
             return Err(ClientError::MethodNotAllowed {
@@ -360,7 +365,8 @@ async fn forward(
                 }
             }
             if outcome.too_large() {
-                route.metrics.decision("too_large");
+                // Already counted as `forwarded`: the upstream saw the start
+                // of the body before it was cut off.
                 return Err(ClientError::BodyTooLarge {
                     limit: state.max_body_bytes,
                 }

@@ -6,13 +6,16 @@
 //! exhausting memory or file descriptors), and a bounded graceful shutdown.
 //!
 //! The traffic listener runs on [`Workers`]: one thread per CPU, each with a
-//! current-thread runtime and its own `SO_REUSEPORT` socket on the same
-//! address. The kernel spreads connections over the sockets, and everything a
-//! proxied request does (parse, forward on a pooled upstream connection,
-//! relay the answer) happens on the thread that accepted it. On one shared
-//! multi-thread runtime the client side and the upstream side of a request
-//! usually land on different threads, and the cross-thread wake-ups (futex,
-//! IPIs) cost more than the proxying itself; see BENCHMARKS.md.
+//! current-thread runtime. One acceptor takes connections (within the
+//! connection limit) and hands them round-robin to the workers; from then on
+//! everything a connection's requests do (parse, forward on the worker's
+//! pooled upstream connections, relay the answer) happens on that worker's
+//! thread. On one shared multi-thread runtime the client side and the
+//! upstream side of a request usually land on different threads, and the
+//! cross-thread wake-ups (futex, IPIs) cost more than the proxying itself;
+//! see BENCHMARKS.md. Handing off accepted connections, rather than giving
+//! each worker its own `SO_REUSEPORT` socket, keeps the connection limit
+//! exact and spreads even a handful of connections evenly.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -25,8 +28,8 @@ use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::{TcpListener, TcpSocket};
-use tokio::sync::{oneshot, Semaphore};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tower::ServiceExt;
 
 /// Limits applied to every connection of one listener.
@@ -85,16 +88,30 @@ impl hyper::service::Service<http::Request<Incoming>> for RouterConnection {
 }
 
 /// Serves `service` on `listener` until `shutdown` resolves, then lets
-/// in-flight requests finish for up to `limits.shutdown_grace`. `slots` is
-/// the connection limit, shared by the listeners it covers.
+/// in-flight requests finish for up to `limits.shutdown_grace`.
 pub async fn serve(
     listener: TcpListener,
     service: impl MakeService,
     limits: Limits,
-    slots: Arc<Semaphore>,
     shutdown: impl Future<Output = ()>,
 ) {
     let graceful = GracefulShutdown::new();
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    accept(listener, slots, shutdown, |stream, peer, permit| {
+        connection(stream, peer, &service, limits, &graceful, permit);
+    })
+    .await;
+    drain(graceful, limits).await;
+}
+
+/// Accepts connections until `shutdown` resolves, each with a slot of
+/// `slots`, and gives them to `take`.
+async fn accept(
+    listener: TcpListener,
+    slots: Arc<Semaphore>,
+    shutdown: impl Future<Output = ()>,
+    mut take: impl FnMut(TcpStream, SocketAddr, OwnedSemaphorePermit),
+) {
     tokio::pin!(shutdown);
     loop {
         // Take a connection slot before accepting, so that at the limit new
@@ -120,20 +137,36 @@ pub async fn serve(
             _ = &mut shutdown => break,
         };
         let _ = stream.set_nodelay(true);
-        let conn = http1::Builder::new()
-            .timer(TokioTimer::new())
-            .header_read_timeout(limits.header_read_timeout)
-            .keep_alive(true)
-            .serve_connection(TokioIo::new(stream), service.make(peer));
-        let conn = graceful.watch(conn);
-        tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                tracing::debug!(error = %e, %peer, "connection ended with an error");
-            }
-            drop(permit);
-        });
+        take(stream, peer, permit);
     }
-    drop(listener);
+}
+
+/// Serves one connection in a task of the current runtime; its slot is
+/// freed when it ends.
+fn connection(
+    stream: TcpStream,
+    peer: SocketAddr,
+    service: &impl MakeService,
+    limits: Limits,
+    graceful: &GracefulShutdown,
+    permit: OwnedSemaphorePermit,
+) {
+    let conn = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout)
+        .keep_alive(true)
+        .serve_connection(TokioIo::new(stream), service.make(peer));
+    let conn = graceful.watch(conn);
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, %peer, "connection ended with an error");
+        }
+        drop(permit);
+    });
+}
+
+/// Lets open connections finish their requests, for up to the grace period.
+async fn drain(graceful: GracefulShutdown, limits: Limits) {
     tokio::select! {
         _ = graceful.shutdown() => {}
         _ = tokio::time::sleep(limits.shutdown_grace) => {
@@ -142,79 +175,97 @@ pub async fn serve(
     }
 }
 
-/// Binds `n` listening sockets on one address with `SO_REUSEPORT`, so that
-/// each worker thread accepts on its own socket. With port 0 the first
-/// socket picks the port and the others join it.
-pub fn bind_shared(addr: SocketAddr, n: usize) -> std::io::Result<Vec<std::net::TcpListener>> {
-    let mut bound = Vec::with_capacity(n);
-    let mut at = addr;
-    for _ in 0..n.max(1) {
-        let socket = match at {
-            SocketAddr::V4(_) => TcpSocket::new_v4()?,
-            SocketAddr::V6(_) => TcpSocket::new_v6()?,
-        };
-        socket.set_reuseaddr(true)?;
-        socket.set_reuseport(true)?;
-        socket.bind(at)?;
-        let listener = socket.listen(1024)?.into_std()?;
-        at = listener.local_addr()?;
-        bound.push(listener);
-    }
-    Ok(bound)
-}
+/// An accepted connection on its way to a worker.
+type HandOff = (std::net::TcpStream, SocketAddr, OwnedSemaphorePermit);
 
 /// The traffic listener's worker threads; see the module docs.
 pub struct Workers {
+    /// The acceptor, on the runtime that started the workers.
+    acceptor: tokio::task::JoinHandle<()>,
     /// One per thread: completes when that thread has finished serving and
     /// its in-flight writes are done (or the grace period ran out).
     done: Vec<oneshot::Receiver<()>>,
 }
 
 impl Workers {
-    /// Starts one thread per listener. `services[i]` serves `listeners[i]`
-    /// (each carries its own upstream pool, used from its thread).
-    /// When `shutdown` resolves, each thread stops accepting, drains its
-    /// connections, and then keeps its runtime alive until `settled`
-    /// resolves or the grace period ends: a fenced write it runs must not be
-    /// cut off halfway by the runtime going away.
-    pub fn start<M: MakeService, S, D>(
-        listeners: Vec<std::net::TcpListener>,
+    /// Starts one thread per service, and an acceptor task on the current
+    /// runtime that hands them `listener`'s connections in turn. When
+    /// `shutdown` resolves the acceptor stops; each thread then drains its
+    /// connections and keeps its runtime alive until `settled` resolves or
+    /// the grace period ends: a fenced write it runs must not be cut off
+    /// halfway by the runtime going away.
+    pub fn start<M: MakeService, D>(
+        listener: TcpListener,
         services: Vec<M>,
         limits: Limits,
-        shutdown: impl Fn() -> S,
+        shutdown: impl Future<Output = ()> + Send + 'static,
         settled: impl Fn() -> D,
     ) -> std::io::Result<Self>
     where
-        S: Future<Output = ()> + Send + 'static,
         D: Future<Output = ()> + Send + 'static,
     {
-        let slots = Arc::new(Semaphore::new(limits.max_connections));
-        let mut done = Vec::with_capacity(listeners.len());
-        for (i, (listener, service)) in listeners.into_iter().zip(services).enumerate() {
+        let mut handoffs = Vec::with_capacity(services.len());
+        let mut done = Vec::with_capacity(services.len());
+        for (i, service) in services.into_iter().enumerate() {
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
+            let (give, mut take) = mpsc::unbounded_channel::<HandOff>();
             let (tx, rx) = oneshot::channel();
-            let (slots, stop, settle) = (slots.clone(), shutdown(), settled());
+            let settle = settled();
             std::thread::Builder::new()
                 .name(format!("fencegate-worker-{i}"))
                 .spawn(move || {
                     runtime.block_on(async move {
-                        match TcpListener::from_std(listener) {
-                            Ok(l) => serve(l, service, limits, slots, stop).await,
-                            Err(e) => tracing::error!(error = %e, "worker cannot listen"),
+                        let graceful = GracefulShutdown::new();
+                        // Ends when the acceptor stops (shutdown).
+                        while let Some((stream, peer, permit)) = take.recv().await {
+                            // Registers the socket with this thread's runtime.
+                            match TcpStream::from_std(stream) {
+                                Ok(s) => connection(s, peer, &service, limits, &graceful, permit),
+                                Err(e) => {
+                                    tracing::warn!(error = %e, "worker cannot take a connection")
+                                }
+                            }
                         }
+                        drain(graceful, limits).await;
                         let _ = tokio::time::timeout(limits.shutdown_grace, settle).await;
                     });
                     let _ = tx.send(());
                 })?;
+            handoffs.push(give);
             done.push(rx);
         }
-        Ok(Self { done })
+        let slots = Arc::new(Semaphore::new(limits.max_connections));
+        let mut next = 0;
+        let acceptor = tokio::spawn(accept(
+            listener,
+            slots,
+            shutdown,
+            move |stream, peer, permit| {
+                let Ok(stream) = stream.into_std() else {
+                    return;
+                };
+                // A worker whose thread died is skipped; its slot comes back
+                // with the dropped permit.
+                let mut handoff = (stream, peer, permit);
+                for _ in 0..handoffs.len() {
+                    let worker = &handoffs[next];
+                    next = (next + 1) % handoffs.len();
+                    match worker.send(handoff) {
+                        Ok(()) => return,
+                        Err(mpsc::error::SendError(back)) => handoff = back,
+                    }
+                }
+                tracing::error!("no worker thread is running; connection dropped");
+            },
+        ));
+        Ok(Self { acceptor, done })
     }
 
-    /// Waits until every worker thread has finished.
+    /// Waits until the acceptor and every worker thread have finished.
     pub async fn finished(self) {
+        let _ = self.acceptor.await;
         for d in self.done {
             let _ = d.await;
         }

@@ -139,6 +139,23 @@ async fn oversized_bodies_are_413() {
             .status(),
         200
     );
+    // Each fenced write is one decision: the declared-too-large one is
+    // `too_large`; the chunked one had been forwarded when it was cut off.
+    let metrics = app
+        .http
+        .get(app.admin_url("/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "fencegate_decisions_total{route=\"docs\",outcome=\"too_large\"} 1",
+        "fencegate_decisions_total{route=\"docs\",outcome=\"forwarded\"} 2",
+    ] {
+        assert!(metrics.contains(line), "missing {line} in\n{metrics}");
+    }
 }
 
 /// Content-Length together with Transfer-Encoding (RFC 9112 §6.1): the

@@ -1,0 +1,134 @@
+#!/usr/bin/env bash
+# Where the pass-through path spends its CPU, next to nginx doing the same job.
+#
+#   bash bench/profile.sh [BINARY]
+#
+# Starts an nginx upstream (`return 200`), an nginx reverse proxy and
+# fencegate (SQLite store: pass-through GETs never touch it) on free
+# 127.0.0.1 ports, then:
+#
+#   1. CPU per request: wrk -t1 -c64 against the nginx proxy and fencegate,
+#      alternated twice; for each run, the proxy process's CPU time (user +
+#      system, from /proc) divided by the requests served. CPU per request is
+#      steadier than req/s on a shared machine: it does not depend on how
+#      the cores were divided among wrk, nginx and fencegate.
+#   2. A CPU profile of fencegate under the same load: `perf record -e
+#      cpu-clock -g` (software clock: works in VMs without PMU access),
+#      reported as the kernel/user split and the top user-space symbols.
+#
+# BINARY defaults to a release build with line tables (built into
+# target/profile-build), so perf can name inlined frames. Needs perf
+# (Debian: linux-perf), nginx and wrk. Raw outputs stay in the printed
+# temp dir.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+export PATH="$PATH:/usr/sbin:/sbin"
+for tool in perf nginx wrk python3; do
+    command -v "$tool" >/dev/null 2>&1 || { echo "profile.sh: $tool is not installed" >&2; exit 1; }
+done
+
+BIN="${1:-}"
+if [ -z "$BIN" ]; then
+    echo "building release with line tables into target/profile-build" >&2
+    (cd "$REPO" && CARGO_PROFILE_RELEASE_DEBUG=line-tables-only \
+        cargo build --release --target-dir target/profile-build >&2)
+    BIN="$REPO/target/profile-build/release/fencegate"
+fi
+
+W="$(mktemp -d "${TMPDIR:-/tmp}/fg-profile.XXXXXX")"
+chmod 755 "$W"   # nginx workers run as nobody
+mapfile -t PORTS < <(python3 "$REPO/bench/util.py" ports 4)
+P_UP=${PORTS[0]} P_NGX=${PORTS[1]} P_FG=${PORTS[2]} P_ADM=${PORTS[3]}
+PIDS=()
+cleanup() {
+    for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
+    wait 2>/dev/null || true
+}
+trap cleanup EXIT
+
+nginx_conf() { # dir, server block
+    mkdir -p "$W/$1/logs"
+    cat > "$W/$1/nginx.conf" <<EOF
+worker_processes 2;
+pid $W/$1/nginx.pid;
+error_log $W/$1/logs/error.log warn;
+events { worker_connections 4096; }
+http {
+    access_log off;
+    keepalive_requests 1000000;
+    client_body_temp_path $W/$1/cb; proxy_temp_path $W/$1/p;
+    fastcgi_temp_path $W/$1/f; uwsgi_temp_path $W/$1/u; scgi_temp_path $W/$1/s;
+$2
+}
+EOF
+}
+nginx_conf up "server { listen 127.0.0.1:$P_UP; location / { return 200 \"ok\"; } }"
+nginx_conf px "upstream backend { server 127.0.0.1:$P_UP; keepalive 64; keepalive_requests 1000000; }
+server { listen 127.0.0.1:$P_NGX; location / {
+    proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection \"\"; } }"
+cat > "$W/fencegate.toml" <<EOF
+[server]
+listen = "127.0.0.1:$P_FG"
+admin_listen = "127.0.0.1:$P_ADM"
+[store]
+url = "sqlite://$W/fences.db"
+[[routes]]
+name = "documents"
+path = "/docs/{id}"
+upstream = "http://127.0.0.1:$P_UP"
+key = "doc:{id}"
+EOF
+
+nginx -p "$W/up" -c "$W/up/nginx.conf" -g 'daemon off;' & PIDS+=($!); NGX_UP=$!
+nginx -p "$W/px" -c "$W/px/nginx.conf" -g 'daemon off;' & PIDS+=($!); NGX_PX=$!
+RUST_LOG=warn "$BIN" serve --config "$W/fencegate.toml" 2>"$W/fencegate.log" & PIDS+=($!); FG=$!
+for p in "$P_UP" "$P_NGX" "$P_FG"; do
+    python3 "$REPO/bench/util.py" wait-http "http://127.0.0.1:$p/docs/k1" 20 \
+        || { cat "$W"/*/logs/*.log "$W/fencegate.log" >&2; exit 1; }
+done
+
+ticks() { # CPU clock ticks (user + system) of a process and its children
+    local t=0 p f
+    for p in $1 $(pgrep -P "$1" || true); do
+        read -r -a f < "/proc/$p/stat"
+        t=$((t + f[13] + f[14]))
+    done
+    echo "$t"
+}
+HZ=$(getconf CLK_TCK)
+
+echo "CPU per request, wrk -t1 -c64 -d5s GET (one line per run)"
+printf '%-22s %10s %14s\n' proxy req/s "CPU us/req"
+for round in 1 2; do
+    for pair in "nginx-proxy:$P_NGX:$NGX_PX" "fencegate:$P_FG:$FG"; do
+        IFS=: read -r name port pid <<<"$pair"
+        before=$(ticks "$pid")
+        wrk -t1 -c64 -d5s "http://127.0.0.1:$port/docs/k1" > "$W/wrk_${name}_$round.txt"
+        after=$(ticks "$pid")
+        python3 - "$W/wrk_${name}_$round.txt" "$name" "$((after - before))" "$HZ" <<'EOF'
+import re, sys
+text = open(sys.argv[1]).read()
+reqs = int(re.search(r"(\d+) requests in", text).group(1))
+rps = float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1))
+us = int(sys.argv[3]) / int(sys.argv[4]) * 1e6 / reqs
+print(f"{sys.argv[2]:<22} {rps:>10,.0f} {us:>14.1f}")
+EOF
+    done
+done
+
+echo
+echo "perf record -e cpu-clock -g on fencegate, 8 s under wrk -t1 -c64"
+wrk -t1 -c64 -d12s "http://127.0.0.1:$P_FG/docs/k1" > /dev/null &
+WRK=$!
+sleep 2
+perf record -q -e cpu-clock -F 2000 -g -p "$FG" -o "$W/perf.data" -- sleep 8 2>/dev/null
+wait "$WRK"
+perf report -i "$W/perf.data" --no-children --sort dso --stdio -g none 2>/dev/null \
+    | grep '%' | head -5
+echo
+echo "top user-space symbols (self time)"
+perf report -i "$W/perf.data" --no-children --sort sym --stdio -g none 2>/dev/null \
+    | grep '%' | grep -v '\[k\]' | head -25 | cut -c1-150
+echo
+echo "raw outputs: $W (perf report -i $W/perf.data)"
