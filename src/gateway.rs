@@ -146,7 +146,7 @@ async fn serve(
     peer: Option<SocketAddr>,
 ) -> Result<Response, GatewayError> {
     // Phase: match route.
-    let (route, key) = match_route(&state.routes, req.uri().path())?;
+    let (route, captures) = match_route(&state.routes, req.uri().path())?;
 
     // Phase: framing and size, before anything touches the store.
     let fenced = route.fenced_methods.contains(req.method());
@@ -169,7 +169,8 @@ async fn serve(
         return forward(&state, &route, req, peer, None, None).await;
     }
 
-    // Phase: read token.
+    // Phase: read token. Only fenced writes need the resource key.
+    let key = route.key.render(&captures);
     let token = match read_token(&state, &route, &key, req.headers()) {
         Ok(t) => t,
         Err((outcome, e)) => {
@@ -331,13 +332,13 @@ async fn forward(
         }
         .into());
     }
-    let outcome = BodyOutcome::default();
     let (parts, body) = req.into_parts();
-    let body = Body::new(LimitedBody::new(
-        body,
-        state.max_body_bytes,
-        outcome.clone(),
-    ));
+    // No body (a GET, or Content-Length: 0): nothing to limit or watch.
+    let outcome = (!http_body::Body::is_end_stream(&body)).then(BodyOutcome::default);
+    let body = match &outcome {
+        None => Body::empty(),
+        Some(o) => Body::new(LimitedBody::new(body, state.max_body_bytes, o.clone())),
+    };
     let upstream_req =
         proxy::upstream_request(Request::from_parts(parts, body), &route.upstream, peer)
             .map_err(|_| ClientError::BadRequest("the request cannot be forwarded as given"))?;
@@ -364,7 +365,7 @@ async fn forward(
                     hold_until(deadline, p);
                 }
             }
-            if outcome.too_large() {
+            if outcome.as_ref().is_some_and(BodyOutcome::too_large) {
                 // Already counted as `forwarded`: the upstream saw the start
                 // of the body before it was cut off.
                 return Err(ClientError::BodyTooLarge {
@@ -372,7 +373,7 @@ async fn forward(
                 }
                 .into());
             }
-            if outcome.client_failed() {
+            if outcome.as_ref().is_some_and(BodyOutcome::client_failed) {
                 return Err(
                     ClientError::BadRequest("the client broke off the request body").into(),
                 );
@@ -408,7 +409,7 @@ fn hold_until(deadline: Instant, permit: Admission) {
 fn match_route(
     routes: &[Arc<GatedRoute>],
     path: &str,
-) -> Result<(Arc<GatedRoute>, String), GatewayError> {
+) -> Result<(Arc<GatedRoute>, routing::Captures), GatewayError> {
     let reserved = path
         .strip_prefix(crate::config::RESERVED_PREFIX)
         .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'));
@@ -426,10 +427,7 @@ fn match_route(
     }
     for route in routes.iter() {
         match route.pattern.matches(path) {
-            Ok(Some(captures)) => {
-                let key = route.key.render(&captures);
-                return Ok((route.clone(), key));
-            }
+            Ok(Some(captures)) => return Ok((route.clone(), captures)),
             Ok(None) => continue,
             Err(PathError::NotUtf8) => {
                 return Err(ClientError::BadPath("a path segment does not decode to UTF-8").into())

@@ -2,6 +2,7 @@
 //! body wrappers that enforce the size limit and keep the gate's permit alive
 //! for exactly as long as the exchange lasts.
 
+use std::fmt::Write as _;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -102,12 +103,16 @@ pub fn upstream_request(
         headers.insert(X_FORWARDED_HOST, host);
     }
     if let Some(peer) = peer {
-        let ip = peer.ip().to_string();
-        let value = match headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
-            Some(prev) if !prev.trim().is_empty() => format!("{prev}, {ip}"),
-            _ => ip,
-        };
-        if let Ok(v) = HeaderValue::from_str(&value) {
+        // One buffer, handed to the header without another copy.
+        let mut value = String::with_capacity(48);
+        if let Some(prev) = headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
+            if !prev.trim().is_empty() {
+                value.push_str(prev);
+                value.push_str(", ");
+            }
+        }
+        let _ = write!(value, "{}", peer.ip());
+        if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(value)) {
             headers.insert(X_FORWARDED_FOR, v);
         }
     }
