@@ -124,6 +124,7 @@ WRK=$!
 sleep 2
 perf record -q -e cpu-clock -F 2000 -g -p "$FG" -o "$W/perf.data" -- sleep 8 2>/dev/null
 wait "$WRK"
+set +o pipefail   # head closes the pipes early
 perf report -i "$W/perf.data" --no-children --sort dso --stdio -g none 2>/dev/null \
     | grep '%' | head -5
 echo

@@ -100,7 +100,7 @@ impl Fence {
         // Memory fast path, valid across instances: tokens only grow, so one
         // below a known durable token is stale wherever it came from.
         let (ticket, known) = self.gate.ticket_and_durable(key);
-        if token < known {
+        if let Some(known) = known.filter(|k| token < *k) {
             return Err(stale(key, token, known));
         }
         // A little more than the forward's own bound, for the time between
@@ -131,13 +131,13 @@ impl Fence {
         // it: already recorded — and in single mode nobody else writes the
         // store, so it is still the highest. Either way no store round trip.
         let (ticket, known) = self.gate.ticket_and_durable(key);
-        if token < known {
+        if let Some(known) = known.filter(|k| token < *k) {
             return Err(stale(key, token, known));
         }
-        let highest = if token == known {
+        let highest = if known == Some(token) {
             // Only while we are provably the single writer.
             self.store.check_writer()?;
-            known
+            token
         } else {
             let h = self.store.record(key, token).await?;
             ticket.note_durable(h);

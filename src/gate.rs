@@ -72,8 +72,10 @@ struct Slot {
     /// The highest token admitted or waiting. Tokens below it are refused;
     /// every value here was durably recorded before it got here.
     highest: i64,
-    /// The highest token the store has confirmed as recorded (0: unknown).
-    durable: i64,
+    /// The highest token the store has confirmed as recorded; `None` when
+    /// not known. Not 0: 0 is a valid token, and an unknown key's token
+    /// taken for 0 would let a stale 0 through as "already recorded".
+    durable: Option<i64>,
     /// Higher-token requests waiting for `inflight` to reach zero.
     waiters: Vec<oneshot::Sender<()>>,
 }
@@ -126,7 +128,7 @@ impl Gate {
     /// [`Gate::ticket`], plus the key's known durable token read under the
     /// same lock (see [`Ticket::durable`]), to save the fast path a second
     /// trip through the mutex.
-    pub fn ticket_and_durable(self: &Arc<Self>, key: &str) -> (Ticket, i64) {
+    pub fn ticket_and_durable(self: &Arc<Self>, key: &str) -> (Ticket, Option<i64>) {
         let mut slots = self.lock();
         let key: Arc<str> = match slots.map.get_key_value(key) {
             Some((k, _)) => k.clone(),
@@ -151,10 +153,10 @@ impl Gate {
         self.lock().active
     }
 
-    /// The known durable token of `key` without taking a ticket (0 if not
-    /// known). Only good for refusing lower tokens, which it always may.
-    pub fn peek_durable(&self, key: &str) -> i64 {
-        self.lock().map.get(key).map(|s| s.durable).unwrap_or(0)
+    /// The known durable token of `key` without taking a ticket. Only good
+    /// for refusing lower tokens, which it always may.
+    pub fn peek_durable(&self, key: &str) -> Option<i64> {
+        self.lock().map.get(key).and_then(|s| s.durable)
     }
 
     /// Keys held in memory, active or cached.
@@ -204,18 +206,18 @@ impl Ticket {
         &self.key
     }
 
-    /// The highest token the store is known to have recorded for the key
-    /// (0 when not known). A lower bound on the true highest token.
-    pub fn durable(&self) -> i64 {
+    /// The highest token the store is known to have recorded for the key, if
+    /// known. A lower bound on the true highest token.
+    pub fn durable(&self) -> Option<i64> {
         let slots = self.gate.lock();
-        slots.map.get(&self.key).map(|s| s.durable).unwrap_or(0)
+        slots.map.get(&self.key).and_then(|s| s.durable)
     }
 
     /// Remembers a store answer: `highest` is recorded for the key.
     pub fn note_durable(&self, highest: i64) {
         let mut slots = self.gate.lock();
         if let Some(s) = slots.map.get_mut(&self.key) {
-            s.durable = s.durable.max(highest);
+            s.durable = Some(s.durable.map_or(highest, |d| d.max(highest)));
         }
     }
 
@@ -336,15 +338,27 @@ mod cache_tests {
         assert_eq!(gate.tracked_keys(), 0);
         // A recent key is likely still cached; any cached value is exact.
         let t = gate.ticket("k999");
-        assert!(t.durable() == 1000 || t.durable() == 0);
+        assert!(matches!(t.durable(), Some(1000) | None));
     }
 
     #[tokio::test]
     async fn notes_only_raise() {
         let gate = Gate::new();
         let t = gate.ticket("k");
+        assert_eq!(t.durable(), None, "unknown is not 0");
         t.note_durable(5);
         t.note_durable(3);
-        assert_eq!(t.durable(), 5);
+        assert_eq!(t.durable(), Some(5));
+        t.note_durable(0);
+        assert_eq!(gate.peek_durable("k"), Some(5));
+        assert_eq!(gate.peek_durable("other"), None);
+    }
+
+    #[tokio::test]
+    async fn a_recorded_zero_is_known() {
+        let gate = Gate::new();
+        let t = gate.ticket("k");
+        t.note_durable(0);
+        assert_eq!(t.durable(), Some(0));
     }
 }

@@ -182,8 +182,7 @@ async fn serve(
     // Phase: check fence, cheapest part first. A token below one already
     // known durable is stale (tokens only grow): refuse it here, without a
     // task, a ticket or the store.
-    let known = state.fence.gate.peek_durable(&key);
-    if token < known {
+    if let Some(known) = state.fence.gate.peek_durable(&key).filter(|k| token < *k) {
         route.metrics.decision("stale");
         return Err(ClientError::StaleToken {
             key,

@@ -27,6 +27,7 @@ on_both_stores!(
     upstream_unreachable_is_502,
     upstream_timeout_is_504,
     admin_shows_fences,
+    stale_zero_is_refused_once_its_key_left_the_cache,
 );
 
 async fn setup(b: Backend) -> (TestStore, Upstream, TestApp) {
@@ -411,4 +412,39 @@ async fn memory_fast_paths_need_no_store() {
     sqlx::query("ROLLBACK").execute(&mut blocker).await.unwrap();
     let bodies: Vec<_> = up.applied().iter().map(|a| a.body.clone()).collect();
     assert_eq!(bodies, vec!["first", "again"]);
+}
+
+/// Token 0 is a valid token. A key whose durable token is not in the
+/// in-memory cache (a restart, or an eviction) must not be taken as "known
+/// to be 0": a stale 0 would then pass as the current token and be forwarded
+/// without asking the store.
+async fn stale_zero_is_refused_once_its_key_left_the_cache(b: Backend) {
+    let store = TestStore::new(b).await;
+    let up = Upstream::start().await;
+    let text = format!("cache_keys = 1\n{}", docs_route(&up.url()));
+    let app = TestApp::spawn(&store.url, &text).await;
+    assert_eq!(app.put("/docs/a", Some("5"), "five").await.status(), 200);
+    app.stop().await;
+    // A new process: nothing cached.
+    let app = TestApp::spawn(&store.url, &text).await;
+    let body = problem(app.put("/docs/a", Some("0"), "stale").await, 409).await;
+    assert_eq!(body["presented_token"], 0);
+    assert_eq!(body["highest_token"], 5);
+    // Evicted: with room for one idle key, 'b' goes as others come and go.
+    assert_eq!(app.put("/docs/b", Some("3"), "three").await.status(), 200);
+    for i in 0..40 {
+        let path = format!("/docs/other{i}");
+        assert_eq!(app.put(&path, Some("1"), "x").await.status(), 200);
+    }
+    problem(app.put("/docs/b", Some("0"), "stale").await, 409).await;
+    // The first zero on a new key is current, and a second one equal to it.
+    assert_eq!(app.put("/docs/z", Some("0"), "z").await.status(), 200);
+    assert_eq!(app.put("/docs/z", Some("0"), "z2").await.status(), 200);
+    for (path, token) in [("/docs/a", 5), ("/docs/b", 3)] {
+        let applied = up.applied_on(path);
+        assert!(
+            applied.iter().all(|a| a.token == Some(token)),
+            "a stale write reached the upstream: {applied:?}"
+        );
+    }
 }
