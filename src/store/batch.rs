@@ -16,6 +16,9 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::thread::ThreadId;
+
+use tokio::runtime::Handle;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use super::StoreError;
@@ -23,10 +26,14 @@ use super::StoreError;
 /// The answers of one batch: each key's highest token after the batch.
 pub type Answers = HashMap<String, i64>;
 
+type Reply = oneshot::Sender<Result<i64, String>>;
+
 struct Item {
     key: String,
     token: i64,
-    reply: oneshot::Sender<Result<i64, String>>,
+    reply: Reply,
+    /// The requester's thread and runtime, to deliver answers in bulk.
+    home: Option<(ThreadId, Handle)>,
 }
 
 /// A handle on a running batcher; cheap to clone.
@@ -66,6 +73,8 @@ impl Batcher {
                 tokio::spawn(async move {
                     let pairs = items.iter().map(|i| (i.key.clone(), i.token)).collect();
                     let result = tokio::time::timeout(timeout, run(pairs)).await;
+                    let mut homes: HashMap<ThreadId, (Handle, Vec<(Reply, Answer)>)> =
+                        HashMap::new();
                     for item in items {
                         let answer = match &result {
                             Ok(Ok(answers)) => answers
@@ -75,8 +84,15 @@ impl Batcher {
                             Ok(Err(e)) => Err(e.to_string()),
                             Err(_) => Err(format!("no answer within {timeout:?}")),
                         };
-                        let _ = item.reply.send(answer);
+                        match item.home {
+                            Some((thread, rt)) => {
+                                let home = homes.entry(thread).or_insert_with(|| (rt, Vec::new()));
+                                home.1.push((item.reply, answer));
+                            }
+                            None => drop(item.reply.send(answer)),
+                        }
                     }
+                    deliver(homes);
                     drop(slot);
                 });
             }
@@ -92,6 +108,9 @@ impl Batcher {
             key: key.to_string(),
             token,
             reply,
+            home: Handle::try_current()
+                .ok()
+                .map(|rt| (std::thread::current().id(), rt)),
         };
         let wait = async {
             self.tx
@@ -107,6 +126,31 @@ impl Batcher {
             Ok(r) => r,
             Err(_) => Err(StoreError::Timeout(self.timeout)),
         }
+    }
+}
+
+type Answer = Result<i64, String>;
+
+/// Sends a batch's answers. Waking a task on another thread's runtime costs
+/// a syscall (the runtime's eventfd) per wake-up; a worker thread usually
+/// has many requests in one batch, so its answers go to it together, as one
+/// task that then wakes each request locally.
+fn deliver(homes: HashMap<ThreadId, (Handle, Vec<(Reply, Answer)>)>) {
+    for (_, (rt, replies)) in homes {
+        if replies.len() == 1 {
+            for (reply, answer) in replies {
+                let _ = reply.send(answer);
+            }
+            continue;
+        }
+        // If that runtime is shutting down the task may never run: its
+        // requests then see the batcher drop them and answer 503, which is
+        // safe (their fences are recorded; nothing was forwarded).
+        drop(rt.spawn(async move {
+            for (reply, answer) in replies {
+                let _ = reply.send(answer);
+            }
+        }));
     }
 }
 
