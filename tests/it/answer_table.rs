@@ -265,15 +265,7 @@ async fn admin_shows_fences(b: Backend) {
         .await
         .unwrap();
     assert_eq!(health.status(), 200);
-    let metrics = app
-        .http
-        .get(app.admin_url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = app.metrics().await;
     assert!(
         metrics.contains("fencegate_decisions_total{route=\"docs\",outcome=\"forwarded\"} 1"),
         "{metrics}"

@@ -141,15 +141,7 @@ async fn oversized_bodies_are_413() {
     );
     // Each fenced write is one decision: the declared-too-large one is
     // `too_large`; the chunked one had been forwarded when it was cut off.
-    let metrics = app
-        .http
-        .get(app.admin_url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = app.metrics().await;
     for line in [
         "fencegate_decisions_total{route=\"docs\",outcome=\"too_large\"} 1",
         "fencegate_decisions_total{route=\"docs\",outcome=\"forwarded\"} 2",

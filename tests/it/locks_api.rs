@@ -242,16 +242,7 @@ async fn expiry_ends_the_lease(l: Locks) {
         g2["fence"].as_i64() > g["fence"].as_i64(),
         "the fence survives expiry"
     );
-    let metrics = s
-        .app
-        .http
-        .get(s.app.admin_url("/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = s.app.metrics().await;
     // The store tells expiry apart (renew and release both counted as
     // expired); Redis only knows the key is gone.
     let refusals: &[(&str, u32)] = if l.label() == "store" {

@@ -7,11 +7,21 @@ use crate::support::holders::{self, Workload};
 use crate::support::upstream::{Upstream, UpstreamOptions};
 
 async fn gateways(store: &TestStore, up: &Upstream, n: usize) -> Vec<TestApp> {
+    gateways_with(store, up, n, "").await
+}
+
+/// `n` shared-mode gateways; `store_extra` is added to their `[store]`.
+async fn gateways_with(
+    store: &TestStore,
+    up: &Upstream,
+    n: usize,
+    store_extra: &str,
+) -> Vec<TestApp> {
     let mut apps = Vec::new();
     for _ in 0..n {
         let text = format!(
             "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-             [store]\nurl = \"{}\"\nmode = \"shared\"\ntimeout_ms = 3000\n{}",
+             [store]\nurl = \"{}\"\nmode = \"shared\"\ntimeout_ms = 3000\n{store_extra}\n{}",
             store.url,
             docs_route(&up.url())
         );
@@ -61,4 +71,56 @@ async fn shared_instances_see_each_others_tokens() {
     assert_eq!(apps[1].put("/docs/a", Some("34"), "B2").await.status(), 200);
     assert_eq!(apps[1].put("/docs/a", Some("35"), "C").await.status(), 200);
     problem(apps[0].put("/docs/a", Some("34"), "B3").await, 409).await;
+}
+
+/// A client that gives up while its write waits inside `fencegate_enter`
+/// (another instance holds the key for an older token): its write is never
+/// started, and the key's cross-instance lock is not leaked — a newer token
+/// gets through at once instead of waiting out `gate_wait_ms`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_gone_while_waiting_in_postgres_leaks_no_lock() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let apps = gateways_with(&store, &up, 2, "gate_wait_ms = 3000").await;
+    // Instance 0 forwards token 5 slowly, holding the key.
+    let slow = {
+        let (http, url) = (apps[0].http.clone(), apps[0].url("/docs/w"));
+        tokio::spawn(async move {
+            http.put(url)
+                .header("x-fence-token", "5")
+                .header("x-test-delay-ms", "1500")
+                .body("five")
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+        })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    // Token 6 on instance 1 waits for it inside Postgres; its client gives up.
+    let gave_up = apps[1]
+        .http
+        .put(apps[1].url("/docs/w"))
+        .header("x-fence-token", "6")
+        .body("six")
+        .timeout(std::time::Duration::from_millis(300))
+        .send()
+        .await;
+    assert!(
+        gave_up.is_err(),
+        "token 6 was answered while 5 held the key"
+    );
+    assert_eq!(slow.await.unwrap().unwrap(), 200);
+    // Token 7 is let in, not held up by a lock token 6 left behind (that
+    // would be a 503 after gate_wait_ms).
+    let status = apps[0].put("/docs/w", Some("7"), "seven").await.status();
+    assert_eq!(status, 200);
+    let tokens: Vec<_> = up.applied_on("/docs/w").iter().map(|a| a.token).collect();
+    assert_eq!(
+        tokens,
+        vec![Some(5), Some(7)],
+        "token 6 must never be applied"
+    );
+    let metrics = apps[1].metrics().await;
+    let line = "fencegate_decisions_total{route=\"docs\",outcome=\"client_gone\"} 1";
+    assert!(metrics.contains(line), "missing {line} in\n{metrics}");
 }

@@ -79,6 +79,15 @@ impl TestApp {
         format!("http://{}{}", self.admin, path)
     }
 
+    /// The admin listener's Prometheus text.
+    pub async fn metrics(&self) -> String {
+        let resp = self.http.get(self.admin_url("/metrics")).send().await;
+        resp.expect("admin answered")
+            .text()
+            .await
+            .expect("metrics text")
+    }
+
     /// A fenced PUT with an optional raw token header value.
     pub async fn put(&self, path: &str, token: Option<&str>, body: &str) -> reqwest::Response {
         let mut req = self.http.put(self.url(path)).body(body.to_string());
