@@ -73,6 +73,21 @@ async fn shared_instances_see_each_others_tokens() {
     problem(apps[0].put("/docs/a", Some("34"), "B3").await, 409).await;
 }
 
+/// Sends token 5 to `path` through `app`, applied by the upstream after
+/// 1.5 s, so that the key is held meanwhile; returns once the write is in
+/// flight. The task answers the write's status.
+async fn hold_key(app: &TestApp, path: &str) -> tokio::task::JoinHandle<reqwest::Result<u16>> {
+    let req = app
+        .http
+        .put(app.url(path))
+        .header("x-fence-token", "5")
+        .header("x-test-delay-ms", "1500")
+        .body("five");
+    let task = tokio::spawn(async move { req.send().await.map(|r| r.status().as_u16()) });
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    task
+}
+
 /// A client that gives up while its write waits inside `fencegate_enter`
 /// (another instance holds the key for an older token): its write is never
 /// started, and the key's cross-instance lock is not leaked — a newer token
@@ -83,19 +98,7 @@ async fn client_gone_while_waiting_in_postgres_leaks_no_lock() {
     let up = Upstream::start().await;
     let apps = gateways_with(&store, &up, 2, "gate_wait_ms = 3000").await;
     // Instance 0 forwards token 5 slowly, holding the key.
-    let slow = {
-        let (http, url) = (apps[0].http.clone(), apps[0].url("/docs/w"));
-        tokio::spawn(async move {
-            http.put(url)
-                .header("x-fence-token", "5")
-                .header("x-test-delay-ms", "1500")
-                .body("five")
-                .send()
-                .await
-                .map(|r| r.status().as_u16())
-        })
-    };
-    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let slow = hold_key(&apps[0], "/docs/w").await;
     // Token 6 on instance 1 waits for it inside Postgres; its client gives up.
     let gave_up = apps[1]
         .http
@@ -123,4 +126,32 @@ async fn client_gone_while_waiting_in_postgres_leaks_no_lock() {
     let metrics = apps[1].metrics().await;
     let line = "fencegate_decisions_total{route=\"docs\",outcome=\"client_gone\"} 1";
     assert!(metrics.contains(line), "missing {line} in\n{metrics}");
+}
+
+/// A write that waits inside Postgres longer than `gate_wait_ms` (another
+/// instance holds the key for a slow older write) is answered 503 with
+/// `Retry-After`, is never forwarded, and leaves nothing behind: its gate
+/// connection, whose lock state is unknown after the `lock_timeout` error,
+/// is closed rather than pooled, and later writes on the key go through.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lock_wait_past_gate_wait_is_503_and_leaves_nothing_behind() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let apps = gateways_with(&store, &up, 2, "gate_wait_ms = 300").await;
+    let slow = hold_key(&apps[0], "/docs/t").await;
+    let resp = apps[1].put("/docs/t", Some("6"), "six").await;
+    assert!(resp.headers().contains_key("retry-after"), "{resp:?}");
+    // Postgres's lock_timeout: the gateway's own bound on the statement
+    // (gate_wait_ms + timeout_ms = 3.3 s) is longer than the slow write.
+    problem(resp, 503).await;
+    assert_eq!(slow.await.unwrap().unwrap(), 200);
+    // Both instances go on serving the key, and the client's retry of 6
+    // is the one that lands.
+    assert_eq!(apps[1].put("/docs/t", Some("6"), "six").await.status(), 200);
+    assert_eq!(
+        apps[0].put("/docs/t", Some("7"), "seven").await.status(),
+        200
+    );
+    let tokens: Vec<_> = up.applied_on("/docs/t").iter().map(|a| a.token).collect();
+    assert_eq!(tokens, vec![Some(5), Some(6), Some(7)]);
 }
