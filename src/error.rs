@@ -203,6 +203,19 @@ impl GatewayError {
                     Problem::new(StatusCode::BAD_REQUEST, "bad-request", "Bad request", *why)
                 }
             },
+            GatewayError::Store(crate::store::StoreError::KeyBusy(waited)) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "key-busy",
+                "Resource key busy",
+                format!(
+                    "an older write to this resource key is still in flight on another instance; waited {} ms (gate_wait_ms); nothing was forwarded",
+                    waited.as_millis()
+                ),
+            )
+            .header(
+                header::RETRY_AFTER,
+                HeaderValue::from(retry_after.as_secs().max(1)),
+            ),
             GatewayError::Store(_) => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-unavailable",

@@ -109,6 +109,9 @@ pub async fn respond(
                     .insert(header::CONNECTION, http::HeaderValue::from_static("close"));
             }
             match &e {
+                GatewayError::Store(err @ crate::store::StoreError::KeyBusy(_)) => {
+                    tracing::info!(error = %err, "resource key busy; answering 503")
+                }
                 GatewayError::Store(err) => {
                     tracing::warn!(error = %err, "fence store unavailable; answering 503")
                 }
@@ -281,6 +284,7 @@ async fn fenced_write(
         Err(e) => {
             let outcome = match &e {
                 GatewayError::Client(ClientError::StaleToken { .. }) => "stale",
+                GatewayError::Store(crate::store::StoreError::KeyBusy(_)) => "key_busy",
                 _ => {
                     state.metrics.store_error("record");
                     "store_unavailable"

@@ -43,7 +43,8 @@ type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 #[derive(Clone)]
 pub struct Metrics {
     /// Fence decisions by route and outcome (`forwarded`, `stale`,
-    /// `missing_token`, `malformed_token`, `store_unavailable`, ...).
+    /// `missing_token`, `malformed_token`, `store_unavailable`, `key_busy`,
+    /// ...).
     pub decisions: Family<DecisionLabels, Counter>,
     /// Requests forwarded without a check (safe methods).
     pub passthrough: Family<RouteLabels, Counter>,

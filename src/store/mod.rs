@@ -35,6 +35,11 @@ pub enum StoreError {
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("this instance does not hold the store's single-writer lock")]
     NotOwner,
+    /// Shared mode: another instance's older write kept the key's lock
+    /// longer than `gate_wait_ms` (Postgres's `lock_timeout`). The store
+    /// itself is fine.
+    #[error("the key stayed locked by an older write for more than {0:?} (gate_wait_ms)")]
+    KeyBusy(Duration),
     #[error("{0}")]
     Other(String),
 }

@@ -472,7 +472,15 @@ impl GatePool {
                     // Any error (lock_timeout, a broken connection): this
                     // session's lock state is unknown, so close it.
                     conn.close_on_drop();
-                    return Err(e.into());
+                    let lock_timeout = e
+                        .as_database_error()
+                        .and_then(|d| d.code())
+                        .is_some_and(|c| c == "55P03");
+                    return Err(if lock_timeout {
+                        StoreError::KeyBusy(self.wait)
+                    } else {
+                        e.into()
+                    });
                 }
                 Err(_) => {
                     conn.close_on_drop();

@@ -143,7 +143,12 @@ async fn lock_wait_past_gate_wait_is_503_and_leaves_nothing_behind() {
     assert!(resp.headers().contains_key("retry-after"), "{resp:?}");
     // Postgres's lock_timeout: the gateway's own bound on the statement
     // (gate_wait_ms + timeout_ms = 3.3 s) is longer than the slow write.
-    problem(resp, 503).await;
+    let body = problem(resp, 503).await;
+    assert_eq!(body["type"], "urn:fencegate:problem:key-busy", "{body}");
+    assert!(
+        body["detail"].as_str().unwrap().contains("300 ms"),
+        "{body}"
+    );
     assert_eq!(slow.await.unwrap().unwrap(), 200);
     // Both instances go on serving the key, and the client's retry of 6
     // is the one that lands.
@@ -154,4 +159,7 @@ async fn lock_wait_past_gate_wait_is_503_and_leaves_nothing_behind() {
     );
     let tokens: Vec<_> = up.applied_on("/docs/t").iter().map(|a| a.token).collect();
     assert_eq!(tokens, vec![Some(5), Some(6), Some(7)]);
+    let line = "fencegate_decisions_total{route=\"docs\",outcome=\"key_busy\"} 1";
+    let metrics = apps[1].metrics().await;
+    assert!(metrics.contains(line), "missing {line} in\n{metrics}");
 }
