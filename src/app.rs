@@ -36,6 +36,8 @@ pub enum StartError {
     Store(#[from] StoreError),
     #[error("lock backend: {0}")]
     Locks(#[from] crate::locks::LockError),
+    #[error("cannot start the traffic worker threads: {0}")]
+    Workers(std::io::Error),
 }
 
 /// A gateway ready to serve: store open, listeners bound.
@@ -152,7 +154,12 @@ impl Application {
 
     /// Serves until `shutdown` resolves, then drains in-flight requests for
     /// up to the configured grace period and closes the store.
-    pub async fn run(self, shutdown: impl Future<Output = ()> + Send + 'static) {
+    /// Fails only if the worker threads cannot be started (then nothing was
+    /// served).
+    pub async fn run(
+        self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> Result<(), StartError> {
         let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
         let stopped = move || {
             let mut rx = stop_rx.clone();
@@ -195,8 +202,11 @@ impl Application {
         ) {
             Ok(w) => w,
             Err(e) => {
-                tracing::error!(error = %e, "cannot start the worker threads");
-                return;
+                for t in &self.tasks {
+                    t.abort();
+                }
+                self.admin_state.store.close().await;
+                return Err(StartError::Workers(e));
             }
         };
         let admin_router = admin::router(self.admin_state.clone());
@@ -235,6 +245,7 @@ impl Application {
         }
         self.admin_state.store.close().await;
         tracing::info!("stopped");
+        Ok(())
     }
 }
 

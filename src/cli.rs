@@ -117,8 +117,13 @@ async fn serve(path: PathBuf) -> ExitCode {
         store = %store_url,
         "listening"
     );
-    app.run(shutdown_signal()).await;
-    ExitCode::SUCCESS
+    match app.run(shutdown_signal()).await {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("fencegate: not starting: {e}");
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// Resolves on Ctrl-C or SIGTERM.

@@ -26,6 +26,12 @@ pub const ENV_PREFIX: &str = "FENCEGATE__";
 /// Where gateway-owned paths live; routes may not use them.
 pub const RESERVED_PREFIX: &str = "/_fencegate";
 
+/// Whether `path` is the gateway's own (`/_fencegate` or below it).
+pub fn is_reserved(path: &str) -> bool {
+    path.strip_prefix(RESERVED_PREFIX)
+        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
+}
+
 /// A validated configuration.
 #[derive(Debug, Clone)]
 pub struct Config {
@@ -911,7 +917,7 @@ impl Validator<'_> {
             let pattern = if path.is_empty() {
                 self.problem(at("path"), "missing: every route needs a path pattern");
                 None
-            } else if path == RESERVED_PREFIX || path.starts_with(&format!("{RESERVED_PREFIX}/")) {
+            } else if is_reserved(&path) {
                 self.problem(
                     at("path"),
                     format!(

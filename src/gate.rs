@@ -160,6 +160,7 @@ impl Gate {
     }
 
     /// Keys held in memory, active or cached.
+    #[cfg(test)]
     pub fn cached_keys(&self) -> usize {
         self.lock().map.len()
     }
@@ -207,7 +208,9 @@ impl Ticket {
     }
 
     /// The highest token the store is known to have recorded for the key, if
-    /// known. A lower bound on the true highest token.
+    /// known. A lower bound on the true highest token. (The fence reads it
+    /// with the ticket, in [`Gate::ticket_and_durable`].)
+    #[cfg(test)]
     pub fn durable(&self) -> Option<i64> {
         let slots = self.gate.lock();
         slots.map.get(&self.key).and_then(|s| s.durable)

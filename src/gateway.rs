@@ -413,10 +413,7 @@ fn match_route(
     routes: &[Arc<GatedRoute>],
     path: &str,
 ) -> Result<(Arc<GatedRoute>, routing::Captures), GatewayError> {
-    let reserved = path
-        .strip_prefix(crate::config::RESERVED_PREFIX)
-        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'));
-    if reserved {
+    if crate::config::is_reserved(path) {
         return Err(ClientError::NoRoute {
             path: path.to_string(),
         }

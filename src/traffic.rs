@@ -20,7 +20,7 @@ use http::Request;
 use hyper::body::Incoming;
 use tower::ServiceExt;
 
-use crate::config::RESERVED_PREFIX;
+use crate::config::is_reserved;
 use crate::error::GatewayError;
 use crate::gateway::{self, GatewayState};
 use crate::server::MakeService;
@@ -69,11 +69,6 @@ impl hyper::service::Service<Request<Incoming>> for Connection {
         let (gateway, peer) = (self.traffic.gateway.clone(), self.peer);
         Box::pin(async move { Ok(gateway::respond(gateway, req, Some(peer)).await) })
     }
-}
-
-fn is_reserved(path: &str) -> bool {
-    path.strip_prefix(RESERVED_PREFIX)
-        .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'))
 }
 
 /// Serves requests with `router` on another runtime: the one the store's

@@ -4,8 +4,9 @@
 //! A request hands its `(key, token)` to the batcher and waits for the
 //! answer. The batcher takes whatever has queued up (at most `max_batch`),
 //! runs it as one statement while the next requests queue, and fans the
-//! per-key answers back out. With `concurrency` batches in flight at once,
-//! a lone request never waits for others: it runs as a batch of one.
+//! per-key answers back out. A request arriving while no batch is in flight
+//! runs at once as a batch of one; one arriving while `concurrency` batches
+//! are committing waits for a slot and goes with the next batch.
 //!
 //! Nothing about durability changes: a batch's answers are sent only after
 //! its statement has committed (synchronous_commit stays on; SQLite commits
@@ -14,9 +15,8 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::Arc;
-use std::time::Duration;
-
 use std::thread::ThreadId;
+use std::time::Duration;
 
 use tokio::runtime::Handle;
 use tokio::sync::{mpsc, oneshot, Semaphore};

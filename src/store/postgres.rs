@@ -141,16 +141,10 @@ impl PgStore {
         self.check_owner()?;
         match &self.batcher {
             Some(b) => b.record(key, token).await,
-            None => {
-                let batch = record_batch(&self.pool, vec![(key.to_string(), token)]);
-                let answers = tokio::time::timeout(self.timeout, batch)
-                    .await
-                    .map_err(|_| StoreError::Timeout(self.timeout))??;
-                answers
-                    .get(key)
-                    .copied()
-                    .ok_or_else(|| StoreError::Other("the store did not answer for the key".into()))
-            }
+            // Shared mode decides in `enter`, with the key's lock held.
+            None => Err(StoreError::Other(
+                "record is for single mode; shared mode decides in enter".into(),
+            )),
         }
     }
 

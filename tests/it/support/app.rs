@@ -56,9 +56,12 @@ impl TestApp {
         let addr = app.traffic_addr();
         let admin = app.admin_addr();
         let (tx, rx) = oneshot::channel::<()>();
-        let task = tokio::spawn(app.run(async move {
-            let _ = rx.await;
-        }));
+        let task = tokio::spawn(async move {
+            let ran = app.run(async move {
+                let _ = rx.await;
+            });
+            ran.await.expect("the gateway's worker threads start");
+        });
         Ok(TestApp {
             addr,
             admin,
