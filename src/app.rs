@@ -69,7 +69,7 @@ impl Application {
         };
         let store = FenceStore::open(&config.store).await?;
         let metrics = Metrics::new();
-        let mut fence = Fence::with_cache(store.clone(), config.store.cache_keys);
+        let mut fence = Fence::new(store.clone(), config.store.cache_keys);
         if !store.begin_run().await? {
             // The previous single-mode instance crashed: its forwards may
             // still reach the upstream until its longest route timeout.

@@ -1,19 +1,20 @@
 //! The fence decision: the durable store and the in-process gate together.
 //!
 //! Order matters (see `gate` for the full argument): take a ticket on the
-//! key, record the token durably, then wait at the gate. The token is durable
-//! before the write is forwarded, so after a crash or restart anything lower
-//! than a forwarded token is still refused.
+//! key ([`Fence::arrive`]), record the token durably, then wait at the gate
+//! ([`Fence::check`]). The token is durable before the write is forwarded,
+//! so after a crash or restart anything lower than a forwarded token is
+//! still refused.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{ClientError, GatewayError};
-use crate::gate::{Gate, Permit};
+use crate::gate::{Arrival, Gate, Permit};
 use crate::store::{Entered, FenceStore, KeyLock, StoreError};
 
-/// The right to forward one fenced write; drop it when the upstream has
-/// finished with the write.
+/// The right to forward one fenced write; drop it when the upstream is done
+/// with the write (see `exchange`).
 pub struct Admission {
     /// The in-process gate's permit.
     _permit: Permit,
@@ -38,15 +39,14 @@ pub struct Fence {
 }
 
 impl Fence {
-    pub fn new(store: FenceStore) -> Self {
-        Self::with_cache(store, 100_000)
-    }
-
     /// `cache_keys`: how many idle keys' durable tokens to keep in memory.
-    pub fn with_cache(store: FenceStore, cache_keys: usize) -> Self {
+    pub fn new(store: FenceStore, cache_keys: usize) -> Self {
+        // Single mode: nothing else writes the store, so a settled cached
+        // token is exact. Shared mode: other instances raise tokens.
+        let exact = !store.is_shared();
         Self {
+            gate: Gate::new(cache_keys, exact, store.late_commit_bound()),
             store,
-            gate: Gate::with_capacity(cache_keys),
             quarantine_until: None,
         }
     }
@@ -60,24 +60,35 @@ impl Fence {
     /// Whether a decision uses store connections directly from the calling
     /// task (shared mode), rather than only through the batcher's channel.
     pub fn talks_to_store(&self) -> bool {
-        matches!(&self.store, FenceStore::Postgres(pg) if pg.is_shared())
+        self.store.is_shared()
     }
 
-    /// Decides a fenced write of `token` on `key`. On success the returned
-    /// admission must live until the upstream has finished with the write.
-    /// `hold` is how long the forward may take (the route's timeout).
+    /// The first, memory-only step of a decision: takes the key's ticket and
+    /// refuses a token below the key's known durable token, without a store
+    /// call or a task. Cheap enough for the request's own task.
+    pub fn arrive(&self, key: &str, token: i64) -> Result<Arrival, GatewayError> {
+        self.gate
+            .arrive(key, token)
+            .map_err(|s| stale(key, token, s.highest))
+    }
+
+    /// Decides a fenced write of `token` that [`Fence::arrive`] let through.
+    /// On success the returned admission must live until the upstream is
+    /// done with the write. `hold` is how long the forward may take (the
+    /// route's timeout).
     pub async fn check(
         &self,
         key: &str,
+        arrival: Arrival,
         token: i64,
         hold: Duration,
     ) -> Result<Admission, GatewayError> {
         if let FenceStore::Postgres(pg) = &self.store {
             if pg.is_shared() {
-                return self.check_shared(pg, key, token, hold).await;
+                return self.check_shared(pg, key, arrival, token, hold).await;
             }
         }
-        let permit = self.check_single(key, token).await?;
+        let permit = self.check_single(key, arrival, token).await?;
         Ok(Admission {
             _permit: permit,
             _lock: None,
@@ -94,27 +105,31 @@ impl Fence {
         &self,
         pg: &crate::store::PgStore,
         key: &str,
+        arrival: Arrival,
         token: i64,
         hold: Duration,
     ) -> Result<Admission, GatewayError> {
-        // Memory fast path, valid across instances: tokens only grow, so one
-        // below a known durable token is stale wherever it came from.
-        let (ticket, known) = self.gate.ticket_and_durable(key);
-        if let Some(known) = known.filter(|k| token < *k) {
-            return Err(stale(key, token, known));
-        }
+        // The shared gate is not exact: every write goes to Postgres.
+        let (Arrival::Record(mut ticket) | Arrival::Recorded(mut ticket)) = arrival;
         // A little more than the forward's own bound, for the time between
         // this statement and the forward's start.
         let marker = hold + Duration::from_secs(1);
         let entered_at = Instant::now();
-        let lock = match pg.enter(key, token, marker).await? {
-            Entered::Stale(highest) => {
-                ticket.note_durable(highest);
+        let entered = pg.enter(key, token, marker).await;
+        let lock = match entered {
+            Ok(Entered::Stale(highest)) => {
+                ticket.settle(Some(highest));
                 return Err(stale(key, token, highest));
             }
-            Entered::Admitted(lock) => lock,
+            Ok(Entered::Admitted(lock)) => {
+                ticket.settle(Some(token));
+                lock
+            }
+            Err(e) => {
+                ticket.settle(None);
+                return Err(e.into());
+            }
         };
-        ticket.note_durable(token);
         let permit = ticket
             .admit(token)
             .await
@@ -126,32 +141,39 @@ impl Fence {
         })
     }
 
-    async fn check_single(&self, key: &str, token: i64) -> Result<Permit, GatewayError> {
-        // Memory fast paths. Below a known durable token: stale. Equal to
-        // it: already recorded — and in single mode nobody else writes the
-        // store, so it is still the highest. Either way no store round trip.
-        let (ticket, known) = self.gate.ticket_and_durable(key);
-        if let Some(known) = known.filter(|k| token < *k) {
-            return Err(stale(key, token, known));
-        }
-        let highest = if known == Some(token) {
-            // Only while we are provably the single writer.
-            self.store.check_writer()?;
-            token
-        } else {
-            let h = self.store.record(key, token).await?;
-            ticket.note_durable(h);
-            h
+    async fn check_single(
+        &self,
+        key: &str,
+        arrival: Arrival,
+        token: i64,
+    ) -> Result<Permit, GatewayError> {
+        let ticket = match arrival {
+            // Equal to the key's settled durable token: already recorded,
+            // and still the highest — but only while we are provably the
+            // store's single writer.
+            Arrival::Recorded(ticket) => {
+                self.store.check_writer()?;
+                ticket
+            }
+            Arrival::Record(mut ticket) => {
+                let answer = self.store.record(key, token).await;
+                // An error leaves the outcome unknown: the statement may
+                // still commit, and the gate stops trusting its cache for
+                // the key until it no longer can.
+                ticket.settle(answer.as_ref().ok().copied());
+                let highest = answer?;
+                if highest > token {
+                    return Err(stale(key, token, highest));
+                }
+                if highest < token {
+                    return Err(StoreError::Other(format!(
+                        "the store answered {highest} for a decision on {token}"
+                    ))
+                    .into());
+                }
+                ticket
+            }
         };
-        if highest > token {
-            return Err(stale(key, token, highest));
-        }
-        if highest < token {
-            return Err(StoreError::Other(format!(
-                "the store answered {highest} for a decision on {token}"
-            ))
-            .into());
-        }
         if let Some(until) = self.quarantine_until {
             if Instant::now() < until {
                 tokio::time::sleep_until(until.into()).await;

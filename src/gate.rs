@@ -15,10 +15,13 @@
 //!
 //! The protocol around it, per request:
 //!
-//! 1. [`Gate::ticket`]: register interest in the key;
-//! 2. record the token in the store (durable, conditional upsert);
+//! 1. [`Gate::arrive`]: register interest in the key (a [`Ticket`]), and
+//!    refuse or admit from memory when memory suffices (see below);
+//! 2. record the token in the store (durable, conditional upsert), and
+//!    [`Ticket::settle`] with the store's answer;
 //! 3. [`Ticket::admit`]: wait for the gate, get a [`Permit`];
-//! 4. forward; drop the permit when the upstream has finished.
+//! 4. forward; drop the permit when the upstream is done with the write
+//!    (see `exchange`).
 //!
 //! Why the ticket comes *before* the store write: a key's slot is forgotten
 //! when nothing references it, to keep memory flat. If a request could sit
@@ -34,16 +37,29 @@
 //! one; waiting happens on per-waiter oneshot channels outside the lock.
 //!
 //! The slots double as a bounded cache of each key's highest *durable*
-//! token ([`Ticket::durable`]), which lets the fence skip the store: a token
-//! below it is stale (tokens only grow), and in single mode a token equal to
-//! it is already recorded. The value is only ever raised from a store answer
-//! by a request holding a ticket, and idle slots are only evicted when no
-//! ticket references them, so a late, lower answer can never overwrite a
-//! newer one after an eviction. Up to `capacity` idle slots are kept; beyond
-//! that, idle slots are swept out in arbitrary order.
+//! token, which lets the fence skip the store ([`Gate::arrive`]):
+//!
+//! * a token below it is stale, in every mode: the cached value is a lower
+//!   bound on the store's (it is only ever raised from a store answer, by a
+//!   request holding a ticket, and tokens in the store only grow);
+//! * in single mode (`exact`), a token equal to it is already recorded and
+//!   still the highest, because nothing else writes the store — but only
+//!   while the cached value is *exactly* the store's. It is not while a store
+//!   call on the key is in flight (it may have committed a higher token whose
+//!   answer has not arrived yet), nor for `unsettled_for` after a store call
+//!   on the key ended without a known outcome: a statement that timed out on
+//!   our side may still commit on the store's, later. In both cases the
+//!   request goes to the store, which is always right.
+//!
+//! Idle slots are only evicted when no ticket references them and no
+//! unknown outcome is pending on them, so neither a late, lower answer nor a
+//! forgotten "unsettled" mark can make the cache run ahead of the store. Up
+//! to `capacity` idle slots are kept; beyond that, idle slots are swept out
+//! in arbitrary order.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
@@ -52,6 +68,15 @@ pub struct Gate {
     slots: Mutex<Slots>,
     /// Idle slots kept as a cache of durable tokens.
     capacity: usize,
+    /// Single mode: this process is the store's only writer, so a settled
+    /// cached token is exactly the store's and equal tokens may be admitted
+    /// from memory. Shared mode: other instances raise tokens too, and the
+    /// cache is only a lower bound.
+    exact: bool,
+    /// How long a key stays unsettled after a store call on it ended without
+    /// a known outcome: longer than such a call can still commit on the
+    /// store's side (see `unsettled_until`).
+    unsettled_for: Duration,
 }
 
 #[derive(Default)]
@@ -76,8 +101,38 @@ struct Slot {
     /// not known. Not 0: 0 is a valid token, and an unknown key's token
     /// taken for 0 would let a stale 0 through as "already recorded".
     durable: Option<i64>,
+    /// Store calls on this key in flight. While one is, the store may hold a
+    /// higher token than `durable` already (committed, answer on its way).
+    recording: usize,
+    /// A store call on this key ended without a known outcome (a timeout, a
+    /// cancelled batch, a broken connection): until this instant it may still
+    /// commit, so `durable` is only a lower bound. The slot is not evicted
+    /// before then, or the mark would be forgotten.
+    unsettled_until: Option<Instant>,
     /// Higher-token requests waiting for `inflight` to reach zero.
     waiters: Vec<oneshot::Sender<()>>,
+}
+
+impl Slot {
+    /// Whether `durable` is exactly the store's highest token right now.
+    fn settled(&self, now: Instant) -> bool {
+        self.recording == 0 && self.unsettled_until.is_none_or(|u| u <= now)
+    }
+
+    fn evictable(&self, now: Instant) -> bool {
+        self.refs == 0 && self.unsettled_until.is_none_or(|u| u <= now)
+    }
+}
+
+/// A fenced write memory did not refuse ([`Gate::arrive`]).
+pub enum Arrival {
+    /// Single mode: equal to the key's settled durable token, so already
+    /// recorded and still the highest. No store call is needed.
+    Recorded(Ticket),
+    /// The store must decide. The ticket counts as a store call in flight
+    /// until [`Ticket::settle`] (or its drop, which counts as an unknown
+    /// outcome).
+    Record(Ticket),
 }
 
 /// Interest in a key, taken before the store write.
@@ -87,6 +142,8 @@ pub struct Ticket {
     /// Moved into the permit on admission; a ticket that is dropped without
     /// being admitted releases its reference.
     live: bool,
+    /// A store call for this ticket is in flight (see [`Arrival::Record`]).
+    recording: bool,
 }
 
 /// The right to have one write in flight for a key with a token.
@@ -102,15 +159,15 @@ pub struct Stale {
 }
 
 impl Gate {
-    pub fn new() -> Arc<Self> {
-        Self::with_capacity(100_000)
-    }
-
-    /// A gate that keeps up to `capacity` idle keys' durable tokens.
-    pub fn with_capacity(capacity: usize) -> Arc<Self> {
+    /// A gate that keeps up to `capacity` idle keys' durable tokens; `exact`
+    /// in single mode (see the field); `unsettled_for` as long as a store
+    /// call that timed out may still commit.
+    pub fn new(capacity: usize, exact: bool, unsettled_for: Duration) -> Arc<Self> {
         Arc::new(Self {
             slots: Mutex::new(Slots::default()),
             capacity,
+            exact,
+            unsettled_for,
         })
     }
 
@@ -120,23 +177,29 @@ impl Gate {
         self.slots.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Registers interest in `key`. Take it before recording the token.
-    pub fn ticket(self: &Arc<Self>, key: &str) -> Ticket {
-        self.ticket_and_durable(key).0
-    }
-
-    /// [`Gate::ticket`], plus the key's known durable token read under the
-    /// same lock (see [`Ticket::durable`]), to save the fast path a second
-    /// trip through the mutex.
-    pub fn ticket_and_durable(self: &Arc<Self>, key: &str) -> (Ticket, Option<i64>) {
+    /// Registers a fenced write of `token` on `key` and decides what memory
+    /// can, in one pass through the lock: `Err` when the token is below the
+    /// key's known durable token (stale wherever it came from). Take it
+    /// before recording the token: see the module docs for why the ticket
+    /// must come first.
+    pub fn arrive(self: &Arc<Self>, key: &str, token: i64) -> Result<Arrival, Stale> {
         let mut slots = self.lock();
+        if let Some(slot) = slots.map.get(key) {
+            if let Some(highest) = slot.durable.filter(|d| token < *d) {
+                // Refused without a reference: nothing to release.
+                return Err(Stale { highest });
+            }
+        }
         let key: Arc<str> = match slots.map.get_key_value(key) {
             Some((k, _)) => k.clone(),
             None => Arc::from(key),
         };
         let slot = slots.map.entry(key.clone()).or_default();
         slot.refs += 1;
-        let durable = slot.durable;
+        let recorded = self.exact && slot.durable == Some(token) && slot.settled(Instant::now());
+        if !recorded {
+            slot.recording += 1;
+        }
         if slot.refs == 1 {
             slots.active += 1;
         }
@@ -144,19 +207,18 @@ impl Gate {
             gate: self.clone(),
             key,
             live: true,
+            recording: !recorded,
         };
-        (ticket, durable)
+        Ok(if recorded {
+            Arrival::Recorded(ticket)
+        } else {
+            Arrival::Record(ticket)
+        })
     }
 
     /// Keys with requests in flight or waiting; for metrics and shutdown.
     pub fn tracked_keys(&self) -> usize {
         self.lock().active
-    }
-
-    /// The known durable token of `key` without taking a ticket. Only good
-    /// for refusing lower tokens, which it always may.
-    pub fn peek_durable(&self, key: &str) -> Option<i64> {
-        self.lock().map.get(key).and_then(|s| s.durable)
     }
 
     /// Keys held in memory, active or cached.
@@ -165,12 +227,23 @@ impl Gate {
         self.lock().map.len()
     }
 
-    fn release(&self, key: &Arc<str>, inflight: bool) {
+    /// The known durable token of `key`, for tests.
+    #[cfg(test)]
+    fn durable(&self, key: &str) -> Option<i64> {
+        self.lock().map.get(key).and_then(|s| s.durable)
+    }
+
+    fn release(&self, key: &Arc<str>, inflight: bool, recording: bool) {
         let mut guard = self.lock();
         let slots = &mut *guard;
         let Some(slot) = slots.map.get_mut(key) else {
             return;
         };
+        if recording {
+            // Dropped while its store call was in flight: outcome unknown.
+            slot.recording -= 1;
+            slot.unsettled_until = Some(Instant::now() + self.unsettled_for);
+        }
         slot.refs -= 1;
         if inflight {
             slot.inflight -= 1;
@@ -186,10 +259,11 @@ impl Gate {
             slots.active -= 1;
             if slots.map.len() > self.capacity {
                 // Amortized: sweep down to 90% so this runs rarely.
+                let now = Instant::now();
                 let target = self.capacity - self.capacity / 10;
                 let mut excess = slots.map.len().saturating_sub(target);
                 slots.map.retain(|_, s| {
-                    if excess > 0 && s.refs == 0 {
+                    if excess > 0 && s.evictable(now) {
                         excess -= 1;
                         false
                     } else {
@@ -207,26 +281,29 @@ impl Ticket {
         &self.key
     }
 
-    /// The highest token the store is known to have recorded for the key, if
-    /// known. A lower bound on the true highest token. (The fence reads it
-    /// with the ticket, in [`Gate::ticket_and_durable`].)
-    #[cfg(test)]
-    pub fn durable(&self) -> Option<i64> {
-        let slots = self.gate.lock();
-        slots.map.get(&self.key).and_then(|s| s.durable)
-    }
-
-    /// Remembers a store answer: `highest` is recorded for the key.
-    pub fn note_durable(&self, highest: i64) {
+    /// Ends this ticket's store call: `Some(highest)` when the store answered
+    /// that `highest` is recorded for the key, `None` when the outcome is
+    /// unknown (the call may still commit later). A ticket that needed no
+    /// store call ignores this.
+    pub fn settle(&mut self, answer: Option<i64>) {
+        if !self.recording {
+            return;
+        }
+        self.recording = false;
         let mut slots = self.gate.lock();
         if let Some(s) = slots.map.get_mut(&self.key) {
-            s.durable = Some(s.durable.map_or(highest, |d| d.max(highest)));
+            s.recording -= 1;
+            match answer {
+                Some(highest) => s.durable = Some(s.durable.map_or(highest, |d| d.max(highest))),
+                None => s.unsettled_until = Some(Instant::now() + self.gate.unsettled_for),
+            }
         }
     }
 
     /// Waits until a write with `token` may go to the upstream. `token` must
     /// have been durably recorded (the store answered with it as highest).
     pub async fn admit(mut self, token: i64) -> Result<Permit, Stale> {
+        debug_assert!(!self.recording, "settle the store call before admission");
         loop {
             let wait = {
                 let mut slots = self.gate.lock();
@@ -263,36 +340,48 @@ impl Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         if self.live {
-            self.gate.release(&self.key, false);
+            self.gate.release(&self.key, false, self.recording);
         }
     }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.gate.release(&self.key, true);
+        self.gate.release(&self.key, true, false);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::time::Duration;
+
+    fn gate() -> Arc<Gate> {
+        Gate::new(100, true, Duration::from_secs(30))
+    }
+
+    /// A ticket for a write the store has recorded (its answer: `token`).
+    fn recorded(gate: &Arc<Gate>, key: &str, token: i64) -> Ticket {
+        match gate.arrive(key, token) {
+            Ok(Arrival::Record(mut t)) => {
+                t.settle(Some(token));
+                t
+            }
+            Ok(Arrival::Recorded(t)) => t,
+            Err(Stale { highest }) => panic!("{token} refused below {highest}"),
+        }
+    }
 
     #[tokio::test]
     async fn equal_tokens_share_higher_waits_lower_refused() {
-        let gate = Gate::new();
-        let a1 = gate.ticket("k").admit(33).await.unwrap();
-        let a2 = gate.ticket("k").admit(33).await.unwrap();
-        let b = gate.ticket("k");
+        let gate = gate();
+        let a1 = recorded(&gate, "k", 33).admit(33).await.unwrap();
+        let a2 = recorded(&gate, "k", 33).admit(33).await.unwrap();
+        let b = recorded(&gate, "k", 34);
         let waiting = tokio::spawn(b.admit(34));
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!waiting.is_finished(), "34 must wait for 33 to drain");
-        // 33 is now lower than the waiting 34: refused.
-        assert_eq!(
-            gate.ticket("k").admit(33).await.err(),
-            Some(Stale { highest: 34 })
-        );
+        // 33 is now lower than the recorded 34: refused from memory.
+        assert!(matches!(gate.arrive("k", 33), Err(Stale { highest: 34 })));
         drop(a1);
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!waiting.is_finished());
@@ -304,11 +393,23 @@ mod tests {
 
     #[tokio::test]
     async fn highest_waiter_wins() {
-        let gate = Gate::new();
-        let a = gate.ticket("k").admit(1).await.unwrap();
-        let w2 = tokio::spawn(gate.ticket("k").admit(2));
+        let gate = gate();
+        let a = recorded(&gate, "k", 1).admit(1).await.unwrap();
+        // Tokens recorded but not yet cached as durable: the gate itself
+        // orders them.
+        let mut t2 = match gate.arrive("k", 2) {
+            Ok(Arrival::Record(t)) => t,
+            _ => panic!("2 needs the store"),
+        };
+        let mut t3 = match gate.arrive("k", 3) {
+            Ok(Arrival::Record(t)) => t,
+            _ => panic!("3 needs the store"),
+        };
+        t2.settle(Some(2));
+        let w2 = tokio::spawn(t2.admit(2));
         tokio::time::sleep(Duration::from_millis(10)).await;
-        let w3 = tokio::spawn(gate.ticket("k").admit(3));
+        t3.settle(Some(3));
+        let w3 = tokio::spawn(t3.admit(3));
         tokio::time::sleep(Duration::from_millis(10)).await;
         drop(a);
         assert_eq!(w2.await.unwrap().err(), Some(Stale { highest: 3 }));
@@ -319,9 +420,9 @@ mod tests {
 
     #[tokio::test]
     async fn keys_are_independent() {
-        let gate = Gate::new();
-        let _a = gate.ticket("a").admit(5).await.unwrap();
-        let _b = gate.ticket("b").admit(1).await.unwrap();
+        let gate = gate();
+        let _a = recorded(&gate, "a", 5).admit(5).await.unwrap();
+        let _b = recorded(&gate, "b", 1).admit(1).await.unwrap();
         assert_eq!(gate.tracked_keys(), 2);
     }
 }
@@ -330,38 +431,93 @@ mod tests {
 mod cache_tests {
     use super::*;
 
+    const UNSETTLED: Duration = Duration::from_millis(200);
+
+    fn record(gate: &Arc<Gate>, key: &str, token: i64) -> Ticket {
+        match gate.arrive(key, token) {
+            Ok(Arrival::Record(t)) => t,
+            Ok(Arrival::Recorded(_)) => panic!("{token} on {key} admitted from memory"),
+            Err(Stale { highest }) => panic!("{token} refused below {highest}"),
+        }
+    }
+
     #[tokio::test]
     async fn durable_tokens_are_cached_and_bounded() {
-        let gate = Gate::with_capacity(100);
+        let gate = Gate::new(100, true, UNSETTLED);
         for i in 0..1000 {
-            let t = gate.ticket(&format!("k{i}"));
-            t.note_durable(i + 1);
+            record(&gate, &format!("k{i}"), i + 1).settle(Some(i + 1));
         }
         assert!(gate.cached_keys() <= 100, "{}", gate.cached_keys());
         assert_eq!(gate.tracked_keys(), 0);
         // A recent key is likely still cached; any cached value is exact.
-        let t = gate.ticket("k999");
-        assert!(matches!(t.durable(), Some(1000) | None));
+        assert!(matches!(gate.durable("k999"), Some(1000) | None));
     }
 
     #[tokio::test]
-    async fn notes_only_raise() {
-        let gate = Gate::new();
-        let t = gate.ticket("k");
-        assert_eq!(t.durable(), None, "unknown is not 0");
-        t.note_durable(5);
-        t.note_durable(3);
-        assert_eq!(t.durable(), Some(5));
-        t.note_durable(0);
-        assert_eq!(gate.peek_durable("k"), Some(5));
-        assert_eq!(gate.peek_durable("other"), None);
+    async fn answers_only_raise_and_unknown_is_not_zero() {
+        let gate = Gate::new(100, true, UNSETTLED);
+        assert!(
+            matches!(gate.arrive("fresh", 0), Ok(Arrival::Record(_))),
+            "unknown is not 0"
+        );
+        let mut six = record(&gate, "k", 6);
+        record(&gate, "k", 5).settle(Some(5));
+        // A late answer, lower than one already noted, changes nothing.
+        six.settle(Some(3));
+        assert_eq!(gate.durable("k"), Some(5));
+        assert!(matches!(gate.arrive("k", 0), Err(Stale { highest: 5 })));
+        assert!(matches!(gate.arrive("k", 5), Ok(Arrival::Recorded(_))));
+        assert_eq!(gate.durable("other"), None);
     }
 
     #[tokio::test]
     async fn a_recorded_zero_is_known() {
-        let gate = Gate::new();
-        let t = gate.ticket("k");
-        t.note_durable(0);
-        assert_eq!(t.durable(), Some(0));
+        let gate = Gate::new(100, true, UNSETTLED);
+        record(&gate, "k", 0).settle(Some(0));
+        assert!(matches!(gate.arrive("k", 0), Ok(Arrival::Recorded(_))));
+    }
+
+    /// The store may hold a higher token than the cache while a store call
+    /// is in flight: equal tokens then go to the store too.
+    #[tokio::test]
+    async fn no_equal_fast_path_while_a_store_call_is_in_flight() {
+        let gate = Gate::new(100, true, UNSETTLED);
+        record(&gate, "k", 5).settle(Some(5));
+        let mut seven = record(&gate, "k", 7);
+        let mut five = record(&gate, "k", 5);
+        seven.settle(Some(7));
+        five.settle(Some(7));
+        assert!(matches!(gate.arrive("k", 5), Err(Stale { highest: 7 })));
+        assert!(matches!(gate.arrive("k", 7), Ok(Arrival::Recorded(_))));
+    }
+
+    /// A store call whose outcome is unknown may commit later: until the
+    /// unsettled period is over, equal tokens go to the store — also after
+    /// the key's slot would otherwise have been evicted.
+    #[tokio::test]
+    async fn unknown_outcome_unsettles_the_key() {
+        let gate = Gate::new(2, true, UNSETTLED);
+        record(&gate, "k", 5).settle(Some(5));
+        record(&gate, "k", 7).settle(None);
+        assert!(matches!(gate.arrive("k", 5), Ok(Arrival::Record(_))));
+        // Dropping a ticket mid-call counts as unknown too.
+        drop(record(&gate, "j", 1));
+        for i in 0..50 {
+            record(&gate, &format!("x{i}"), 1).settle(Some(1));
+        }
+        assert!(gate.lock().map.contains_key("k"), "unsettled keys stay");
+        assert!(gate.lock().map.contains_key("j"), "unsettled keys stay");
+        assert!(matches!(gate.arrive("k", 5), Ok(Arrival::Record(_))));
+        tokio::time::sleep(UNSETTLED + Duration::from_millis(20)).await;
+        assert!(matches!(gate.arrive("k", 5), Ok(Arrival::Recorded(_))));
+    }
+
+    /// Shared mode: other instances raise tokens, so equal is never enough.
+    #[tokio::test]
+    async fn shared_mode_never_admits_from_memory() {
+        let gate = Gate::new(100, false, UNSETTLED);
+        record(&gate, "k", 5).settle(Some(5));
+        assert!(matches!(gate.arrive("k", 5), Ok(Arrival::Record(_))));
+        assert!(matches!(gate.arrive("k", 4), Err(Stale { highest: 5 })));
     }
 }

@@ -5,9 +5,9 @@
 //!
 //! Non-fenced (safe) methods skip the token and fence phases. Fenced writes
 //! run their fence check and forward in a spawned task: once a write has
-//! started its way to the upstream it must run to its end even if the client
-//! disconnects, because the gate may not open for a newer token while the
-//! upstream could still be applying this one.
+//! started its way to the upstream it must not be cut off halfway by the
+//! client leaving, and its key stays closed to other tokens until the
+//! upstream is done with it (see `exchange`).
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -21,8 +21,9 @@ use tokio::sync::oneshot;
 
 use crate::config::{Route, TokenKind};
 use crate::error::{ClientError, GatewayError, UpstreamError};
-use crate::fence::Admission;
-use crate::fence::Fence;
+use crate::exchange::Exchange;
+use crate::fence::{Admission, Fence};
+use crate::gate::Arrival;
 use crate::jwt::JwtRejection;
 use crate::metrics::{Metrics, RouteMetrics};
 use crate::proxy::{self, BodyOutcome, HoldingBody, LimitedBody, UpstreamClient};
@@ -184,16 +185,15 @@ async fn serve(
 
     // Phase: check fence, cheapest part first. A token below one already
     // known durable is stale (tokens only grow): refuse it here, without a
-    // task, a ticket or the store.
-    if let Some(known) = state.fence.gate.peek_durable(&key).filter(|k| token < *k) {
-        route.metrics.decision("stale");
-        return Err(ClientError::StaleToken {
-            key,
-            presented: token,
-            highest: known,
+    // task or the store. Otherwise the key's ticket is taken here, before
+    // the task, in the same pass through the gate.
+    let arrival = match state.fence.arrive(&key, token) {
+        Ok(a) => a,
+        Err(e) => {
+            route.metrics.decision("stale");
+            return Err(e);
         }
-        .into());
-    }
+    };
 
     // Phases: check fence, forward, respond — detached from the client.
     let (tx, rx) = oneshot::channel();
@@ -202,7 +202,7 @@ async fn serve(
         .talks_to_store()
         .then(|| state.store_runtime.clone());
     let task = async move {
-        let result = fenced_write(&state, &route, key, token, req, peer, &tx).await;
+        let result = fenced_write(&state, &route, key, arrival, token, req, peer, &tx).await;
         let _ = tx.send(result);
     };
     match runtime {
@@ -269,17 +269,19 @@ fn read_token(
 }
 
 /// Check the fence, then forward while holding the key's permit.
+#[allow(clippy::too_many_arguments)]
 async fn fenced_write(
     state: &GatewayState,
     route: &GatedRoute,
     key: String,
+    arrival: Arrival,
     token: i64,
     req: Request<Body>,
     peer: Option<SocketAddr>,
     client: &oneshot::Sender<Result<Response, GatewayError>>,
 ) -> Result<Response, GatewayError> {
     let waited = Instant::now();
-    let permit = match state.fence.check(&key, token, route.timeout).await {
+    let permit = match state.fence.check(&key, arrival, token, route.timeout).await {
         Ok(p) => p,
         Err(e) => {
             let outcome = match &e {
@@ -337,10 +339,20 @@ async fn forward(
     }
     let (parts, body) = req.into_parts();
     // No body (a GET, or Content-Length: 0): nothing to limit or watch.
-    let outcome = (!http_body::Body::is_end_stream(&body)).then(BodyOutcome::default);
+    let has_body = !http_body::Body::is_end_stream(&body);
+    let outcome = has_body.then(BodyOutcome::default);
+    // A fenced write's permit lives in its exchange until the upstream is
+    // done with the write, or the deadline.
+    let exchange =
+        permit.map(|p| Exchange::new(p, deadline, !has_body, state.store_runtime.clone()));
     let body = match &outcome {
         None => Body::empty(),
-        Some(o) => Body::new(LimitedBody::new(body, state.max_body_bytes, o.clone())),
+        Some(o) => Body::new(LimitedBody::new(
+            body,
+            state.max_body_bytes,
+            o.clone(),
+            exchange.clone(),
+        )),
     };
     let upstream_req =
         proxy::upstream_request(Request::from_parts(parts, body), &route.upstream, peer)
@@ -352,22 +364,26 @@ async fn forward(
             route.metrics.upstream_latency(started.elapsed());
             let (mut parts, body) = resp.into_parts();
             proxy::strip_hop_by_hop(&mut parts.headers);
-            let body = match permit {
-                Some(p) => Body::new(HoldingBody::new(body, p)),
+            let body = match exchange {
+                Some(x) => {
+                    x.response_head();
+                    Body::new(HoldingBody::new(body, x))
+                }
                 None => Body::new(body),
             };
             Ok(Response::from_parts(parts, body))
         }
         Ok(Err(e)) => {
-            // A connect error means nothing was sent. Anything else: the
-            // upstream may have received part or all of the request and be
-            // working on it; keep the key closed to newer tokens until the
-            // route's timeout has run out.
-            if !e.is_connect() {
-                if let Some(p) = permit {
-                    hold_until(deadline, p);
+            // A connect error means nothing was sent: the key may open.
+            // Anything else: the upstream may have received part or all of
+            // the request and be working on it; dropping the exchange keeps
+            // the key closed to other tokens until the deadline.
+            if e.is_connect() {
+                if let Some(x) = &exchange {
+                    x.not_sent();
                 }
             }
+            drop(exchange);
             if outcome.as_ref().is_some_and(BodyOutcome::too_large) {
                 // Already counted as `forwarded`: the upstream saw the start
                 // of the body before it was cut off.
@@ -398,14 +414,6 @@ async fn forward(
             .into())
         }
     }
-}
-
-/// Keeps a permit until `deadline`, off the request's path.
-fn hold_until(deadline: Instant, permit: Admission) {
-    tokio::spawn(async move {
-        tokio::time::sleep_until(deadline.into()).await;
-        drop(permit);
-    });
 }
 
 /// Phase: find the first route whose pattern matches, and its resource key.

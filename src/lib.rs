@@ -25,6 +25,8 @@
 //! * [`token`]: the strict `X-Fence-Token` grammar.
 //! * [`fence`]: the decision — a durable record in the [`store`], then the
 //!   per-key [`gate`] that orders in-flight writes.
+//! * [`exchange`]: one fenced write's exchange with the upstream, and when
+//!   its key may open for another token.
 //! * [`proxy`]: header hygiene, the pooled upstream client, body wrappers.
 //! * [`error`]: errors by origin (client, store, upstream) and their one
 //!   mapping to `application/problem+json`.
@@ -41,6 +43,7 @@ pub mod client;
 pub mod config;
 pub mod demo;
 pub mod error;
+pub mod exchange;
 pub mod fence;
 pub mod gate;
 pub mod gateway;

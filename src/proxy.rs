@@ -1,14 +1,15 @@
 //! Forwarding to the upstream: header hygiene, the pooled client, and the
-//! body wrappers that enforce the size limit and keep the gate's permit alive
-//! for exactly as long as the exchange lasts.
+//! body wrappers that enforce the size limit and report a fenced exchange's
+//! progress to its [`Exchange`] (which decides when the key may open).
 
 use std::fmt::Write as _;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
-use std::task::{Context, Poll};
-use std::time::Duration;
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use bytes::Bytes;
@@ -18,8 +19,10 @@ use http_body::{Frame, SizeHint};
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::TokioExecutor;
+use tokio::time::Sleep;
 
 use crate::config::Upstream;
+use crate::exchange::Exchange;
 
 /// The pooled upstream client shared by every route.
 pub type UpstreamClient = Client<HttpConnector, Body>;
@@ -149,21 +152,33 @@ impl BodyOutcome {
 pin_project_lite::pin_project! {
     /// The client's request body on its way upstream, with the byte limit
     /// enforced on what is actually read (a lying `Content-Length` or an
-    /// endless chunked body is cut off the same way).
+    /// endless chunked body is cut off the same way). For a fenced write it
+    /// reports to the [`Exchange`] when the body was handed over in full, and
+    /// cuts the body off at the exchange's deadline.
     pub struct LimitedBody {
         #[pin]
         inner: Body,
         remaining: u64,
         outcome: BodyOutcome,
+        exchange: Option<Arc<Exchange>>,
+        deadline: Deadline,
     }
 }
 
 impl LimitedBody {
-    pub fn new(inner: Body, limit: u64, outcome: BodyOutcome) -> Self {
+    pub fn new(
+        inner: Body,
+        limit: u64,
+        outcome: BodyOutcome,
+        exchange: Option<Arc<Exchange>>,
+    ) -> Self {
+        let deadline = Deadline::new(exchange.as_ref().map(|x| x.deadline()));
         Self {
             inner,
             remaining: limit,
             outcome,
+            exchange,
+            deadline,
         }
     }
 }
@@ -174,6 +189,8 @@ pub enum BodyError {
     TooLarge,
     #[error("client body error: {0}")]
     Client(axum::Error),
+    #[error("the fenced write's exchange ran past the route's timeout_ms")]
+    Deadline,
 }
 
 impl http_body::Body for LimitedBody {
@@ -184,9 +201,12 @@ impl http_body::Body for LimitedBody {
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
-        let this = self.project();
-        match this.inner.poll_frame(cx) {
+        let mut this = self.project();
+        match this.inner.as_mut().poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
+                if this.deadline.passed() {
+                    return Poll::Ready(Some(Err(BodyError::Deadline)));
+                }
                 if let Some(data) = frame.data_ref() {
                     let n = data.len() as u64;
                     if n > *this.remaining {
@@ -195,14 +215,28 @@ impl http_body::Body for LimitedBody {
                     }
                     *this.remaining -= n;
                 }
+                // hyper does not poll again once the body says it has ended.
+                if this.inner.is_end_stream() {
+                    if let Some(x) = this.exchange.take() {
+                        x.request_sent();
+                    }
+                }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
                 this.outcome.set(BodyOutcome::CLIENT_ERROR);
                 Poll::Ready(Some(Err(BodyError::Client(e))))
             }
-            Poll::Ready(None) => Poll::Ready(None),
-            Poll::Pending => Poll::Pending,
+            Poll::Ready(None) => {
+                if let Some(x) = this.exchange.take() {
+                    x.request_sent();
+                }
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                ready!(this.deadline.poll(cx));
+                Poll::Ready(Some(Err(BodyError::Deadline)))
+            }
         }
     }
 
@@ -215,40 +249,92 @@ impl http_body::Body for LimitedBody {
     }
 }
 
-pin_project_lite::pin_project! {
-    /// A response body that holds something (the gate's permit) until the
-    /// body has ended or is dropped: a key stays closed to newer tokens until
-    /// the upstream's answer has been fully relayed or abandoned.
-    pub struct HoldingBody<T> {
-        #[pin]
-        inner: hyper::body::Incoming,
-        held: Option<T>,
-    }
+/// Why a relayed response body broke off.
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    #[error("upstream body error: {0}")]
+    Upstream(hyper::Error),
+    #[error("the fenced write's exchange ran past the route's timeout_ms")]
+    Deadline,
 }
 
-impl<T> HoldingBody<T> {
-    pub fn new(inner: hyper::body::Incoming, held: T) -> Self {
-        Self {
-            inner,
-            held: Some(held),
+pin_project_lite::pin_project! {
+    /// A fenced write's response body on its way to the client: reports to
+    /// the [`Exchange`] whether it ended normally, and cuts the answer off at
+    /// the exchange's deadline. Dropped before its end (the client left, or
+    /// the body broke), it lets go of the exchange without reporting an end,
+    /// which keeps the key closed until the deadline.
+    pub struct HoldingBody {
+        #[pin]
+        inner: hyper::body::Incoming,
+        exchange: Option<Arc<Exchange>>,
+        deadline: Deadline,
+    }
+
+    impl PinnedDrop for HoldingBody {
+        fn drop(this: Pin<&mut Self>) {
+            let this = this.project();
+            // A body that is empty from the start (Content-Length: 0, 204)
+            // is never polled: the server sees it has ended without asking.
+            if http_body::Body::is_end_stream(&*this.inner) {
+                if let Some(x) = this.exchange.take() {
+                    x.response_ended();
+                }
+            }
         }
     }
 }
 
-impl<T> http_body::Body for HoldingBody<T> {
+impl HoldingBody {
+    pub fn new(inner: hyper::body::Incoming, exchange: Arc<Exchange>) -> Self {
+        Self {
+            inner,
+            deadline: Deadline::new(Some(exchange.deadline())),
+            exchange: Some(exchange),
+        }
+    }
+}
+
+impl http_body::Body for HoldingBody {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = RelayError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let this = self.project();
-        let polled = this.inner.poll_frame(cx);
-        if matches!(polled, Poll::Ready(None) | Poll::Ready(Some(Err(_)))) {
-            this.held.take();
+    ) -> Poll<Option<Result<Frame<Bytes>, RelayError>>> {
+        let mut this = self.project();
+        match this.inner.as_mut().poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if this.deadline.passed() {
+                    this.exchange.take();
+                    return Poll::Ready(Some(Err(RelayError::Deadline)));
+                }
+                // The server does not poll again once the body has ended.
+                if this.inner.is_end_stream() {
+                    if let Some(x) = this.exchange.take() {
+                        x.response_ended();
+                    }
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => {
+                // Broken off: the upstream may still be at work.
+                this.exchange.take();
+                Poll::Ready(Some(Err(RelayError::Upstream(e))))
+            }
+            Poll::Ready(None) => {
+                if let Some(x) = this.exchange.take() {
+                    x.response_ended();
+                }
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                ready!(this.deadline.poll(cx));
+                this.exchange.take();
+                Poll::Ready(Some(Err(RelayError::Deadline)))
+            }
         }
-        polled
     }
 
     fn is_end_stream(&self) -> bool {
@@ -257,6 +343,35 @@ impl<T> http_body::Body for HoldingBody<T> {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+/// A fenced exchange's deadline as seen by a body wrapper: checked on every
+/// frame, and a timer armed only when the body has to wait (most bodies
+/// never do, and pay for no timer).
+struct Deadline {
+    at: Option<Instant>,
+    timer: Option<Pin<Box<Sleep>>>,
+}
+
+impl Deadline {
+    fn new(at: Option<Instant>) -> Self {
+        Self { at, timer: None }
+    }
+
+    fn passed(&self) -> bool {
+        self.at.is_some_and(|at| Instant::now() >= at)
+    }
+
+    /// Ready once the deadline has passed; never without one.
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(at) = self.at else {
+            return Poll::Pending;
+        };
+        self.timer
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at.into())))
+            .as_mut()
+            .poll(cx)
     }
 }
 

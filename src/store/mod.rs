@@ -119,6 +119,27 @@ impl FenceStore {
         }
     }
 
+    /// `shared` mode: several instances write this store.
+    pub fn is_shared(&self) -> bool {
+        matches!(self, Self::Postgres(s) if s.is_shared())
+    }
+
+    /// How long after a call gave up on it a statement may still commit on
+    /// the store's side: a caller that saw a timeout must treat the outcome
+    /// as unknown for this long.
+    pub fn late_commit_bound(&self) -> Duration {
+        // Both stores bound a statement by STATEMENT_TIMEOUTS x timeout on
+        // their side (Postgres: statement_timeout; SQLite: busy_timeout per
+        // statement, and a batch waits once for the write lock and once to
+        // commit). Double it, plus a margin for a statement that reached the
+        // server late.
+        let timeout = match self {
+            Self::Postgres(s) => s.timeout(),
+            Self::Sqlite(s) => s.timeout(),
+        };
+        timeout * (2 * STATEMENT_TIMEOUTS) + Duration::from_secs(5)
+    }
+
     /// Fails when this instance may not write the store now (in `single`
     /// mode on Postgres: the single-writer lock is not held).
     pub fn check_writer(&self) -> Result<(), StoreError> {
@@ -164,6 +185,10 @@ impl FenceStore {
         }
     }
 }
+
+/// A statement may run on the store's side for this many times the
+/// configured `timeout_ms` before the store itself gives up on it.
+pub(crate) const STATEMENT_TIMEOUTS: u32 = 2;
 
 /// Runs a store future with the configured bound.
 async fn bounded<T>(

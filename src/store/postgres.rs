@@ -230,6 +230,11 @@ impl PgStore {
         .await
     }
 
+    /// The bound on every operation (`[store] timeout_ms`).
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// True in `shared` mode.
     pub fn is_shared(&self) -> bool {
         self.gate.is_some()
@@ -291,7 +296,9 @@ fn connect_options(url: &str, timeout: Duration) -> Result<PgConnectOptions, Sto
     // whatever the server or role default says: a decision must be on disk
     // before it is acknowledged, or the fence table could go backwards after
     // a crash.
-    let ms = (timeout.as_millis() * 2).to_string();
+    let ms = (timeout * super::STATEMENT_TIMEOUTS)
+        .as_millis()
+        .to_string();
     Ok(opts.application_name("fencegate").options([
         ("statement_timeout", ms.as_str()),
         ("synchronous_commit", "on"),

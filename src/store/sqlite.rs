@@ -145,6 +145,12 @@ impl SqliteStore {
         .await
     }
 
+    /// The bound on every operation (`[store] timeout_ms`), also SQLite's
+    /// busy timeout.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// The pool, for the lock API's store backend.
     pub fn pool(&self) -> &SqlitePool {
         &self.pool
