@@ -114,7 +114,6 @@ impl Fence {
         // A little more than the forward's own bound, for the time between
         // this statement and the forward's start.
         let marker = hold + Duration::from_secs(1);
-        let entered_at = Instant::now();
         let entered = pg.enter(key, token, marker).await;
         let lock = match entered {
             Ok(Entered::Stale(highest)) => {
@@ -136,8 +135,8 @@ impl Fence {
             .map_err(|s| stale(key, token, s.highest))?;
         Ok(Admission {
             _permit: permit,
+            deadline: Some(lock.entered_at() + hold),
             _lock: Some(lock),
-            deadline: Some(entered_at + hold),
         })
     }
 

@@ -460,6 +460,9 @@ impl GatePool {
                 Ok(Err(e)) => return Err(e.into()),
                 Err(_) => return Err(StoreError::Timeout(timeout)),
             };
+            // The marker this statement may write runs to its server-side
+            // start plus `hold`, which is no earlier than this.
+            let sent_at = std::time::Instant::now();
             let query = sqlx::query_as::<_, (String, i64, i64)>(
                 "SELECT outcome, highest, wait_ms FROM fencegate_enter($1, $2, $3)",
             )
@@ -496,6 +499,7 @@ impl GatePool {
                         token,
                         timeout,
                         runtime: tokio::runtime::Handle::try_current().ok(),
+                        entered_at: sent_at,
                     }))
                 }
                 "stale" => return Ok(Entered::Stale(answer.1)),
@@ -525,6 +529,17 @@ pub struct KeyLock {
     /// the lock is often dropped on a worker thread (with the relayed
     /// response body), whose runtime may end before the leave has run.
     runtime: Option<tokio::runtime::Handle>,
+    /// Sent before the admitting statement: the in-flight marker it wrote
+    /// lasts at least `hold` from here. Earlier attempts that were told to
+    /// wait do not count.
+    entered_at: std::time::Instant,
+}
+
+impl KeyLock {
+    /// See the field: the forward must be over by this plus `hold`.
+    pub fn entered_at(&self) -> std::time::Instant {
+        self.entered_at
+    }
 }
 
 impl Drop for KeyLock {

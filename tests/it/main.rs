@@ -16,4 +16,5 @@ mod pg_outage;
 mod server_limits;
 mod shared_mode;
 mod support;
+mod unknown_outcomes;
 mod upstream_selftest;

@@ -1,0 +1,198 @@
+//! Store calls whose outcome the gateway cannot know: a statement that timed
+//! out on the gateway's side but commits later on the store's, a SQLite
+//! batch cut off mid-transaction, a `fencegate_leave` that fails. Memory
+//! must never run ahead of the store in the dangerous direction: a token
+//! lower than the highest the store has recorded is refused, whatever the
+//! cache last saw.
+
+use std::time::{Duration, Instant};
+
+use sqlx::{Connection, PgConnection, SqliteConnection};
+
+use crate::support::app::{docs_route, problem, TestApp};
+use crate::support::db::{Backend, TestStore};
+use crate::support::upstream::Upstream;
+
+/// A single-mode gateway with a short store timeout.
+async fn gateway(store: &TestStore, up: &Upstream, store_timeout_ms: u64) -> TestApp {
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+         [store]\nurl = \"{}\"\ntimeout_ms = {store_timeout_ms}\n{}",
+        store.url,
+        docs_route(&up.url())
+    );
+    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
+    TestApp::from_config(config).await.unwrap()
+}
+
+/// The highest token the store holds for `key`, through the admin API.
+async fn recorded(app: &TestApp, key: &str) -> i64 {
+    let resp = app
+        .http
+        .get(app.admin_url(&format!("/fences/{key}")))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    resp.json::<serde_json::Value>().await.unwrap()["highest_token"]
+        .as_i64()
+        .unwrap()
+}
+
+/// Single mode on Postgres: token 5 is recorded and cached; token 7's batch
+/// waits on a row lock held from another connection, the gateway gives up
+/// (503), and the statement commits once the lock goes. Token 5 must then be
+/// refused: the store holds 7, whatever the cache last saw. (Before the
+/// fix, the cache's equality fast path forwarded it with 200.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_timed_out_batch_that_commits_later_is_not_outrun_by_the_cache() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let app = gateway(&store, &up, 1000).await;
+    assert_eq!(app.put("/docs/x", Some("5"), "five").await.status(), 200);
+    assert_eq!(app.put("/docs/x", Some("5"), "cached").await.status(), 200);
+
+    let mut blocker = PgConnection::connect(&store.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut blocker).await.unwrap();
+    sqlx::query("SELECT 1 FROM fences WHERE resource_key = 'doc:x' FOR UPDATE")
+        .execute(&mut blocker)
+        .await
+        .unwrap();
+    let seven = app.put("/docs/x", Some("7"), "seven").await;
+    problem(seven, 503).await;
+    // The gateway gave up after 1 s; the statement is still waiting on the
+    // row lock (statement_timeout is twice the store timeout) and commits
+    // when it goes.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    sqlx::query("COMMIT").execute(&mut blocker).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while recorded(&app, "doc:x").await != 7 {
+        assert!(
+            Instant::now() < deadline,
+            "the abandoned batch never committed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+
+    let body = problem(app.put("/docs/x", Some("5"), "stale").await, 409).await;
+    assert_eq!(body["highest_token"], 7);
+    let bodies: Vec<_> = up.applied().iter().map(|a| a.body.clone()).collect();
+    assert_eq!(
+        bodies,
+        vec!["five", "cached"],
+        "only the first two were forwarded"
+    );
+    // The key goes on working: 7 is current now, 8 raises it.
+    assert_eq!(app.put("/docs/x", Some("7"), "seven").await.status(), 200);
+    assert_eq!(app.put("/docs/x", Some("8"), "eight").await.status(), 200);
+    assert!(up.violations().is_empty(), "{:?}", up.violations());
+}
+
+/// SQLite: a batch cut off by its timeout in the middle of its transaction
+/// (another connection holds the database's write lock) leaves the store
+/// consistent and usable. Whether the cut-off statement committed or rolled
+/// back, the gateway's next answers agree with what the store holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sqlite_batch_cut_off_mid_transaction_leaves_the_store_consistent() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = Upstream::start().await;
+    let app = gateway(&store, &up, 800).await;
+    assert_eq!(app.put("/docs/x", Some("5"), "five").await.status(), 200);
+    assert_eq!(app.put("/docs/x", Some("5"), "cached").await.status(), 200);
+
+    let mut blocker = SqliteConnection::connect(&store.url).await.unwrap();
+    sqlx::query("BEGIN IMMEDIATE")
+        .execute(&mut blocker)
+        .await
+        .unwrap();
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(1200)).await;
+        sqlx::query("COMMIT").execute(&mut blocker).await.unwrap();
+    });
+    problem(app.put("/docs/x", Some("7"), "seven").await, 503).await;
+    release.await.unwrap();
+
+    // Once the store answers again, token 5 is decided by the store: 409 if
+    // the cut-off batch committed 7, 200 if it rolled back.
+    let mut answered = None;
+    for _ in 0..50 {
+        let resp = app.put("/docs/x", Some("5"), "again").await;
+        match resp.status().as_u16() {
+            503 => tokio::time::sleep(Duration::from_millis(100)).await,
+            s => {
+                answered = Some(s);
+                break;
+            }
+        }
+    }
+    let highest = recorded(&app, "doc:x").await;
+    match (highest, answered) {
+        (7, Some(409)) | (5, Some(200)) => {}
+        other => panic!("store holds {}, token 5 answered {:?}", other.0, other.1),
+    }
+    assert_eq!(app.put("/docs/x", Some("8"), "eight").await.status(), 200);
+    problem(app.put("/docs/x", Some("7"), "late").await, 409).await;
+    let tokens: Vec<_> = up.applied().iter().map(|a| a.token).collect();
+    assert!(
+        !tokens.contains(&Some(7)),
+        "7 was never acknowledged: {tokens:?}"
+    );
+    assert!(up.violations().is_empty(), "{:?}", up.violations());
+}
+
+/// Shared mode: when `fencegate_leave` fails after a write, its in-flight
+/// marker stays behind. The key must then stay closed to a newer token until
+/// the marker's deadline (the safe direction: the instance cannot tell that
+/// write from one that is still running), and work normally afterwards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_leave_keeps_the_key_closed_until_the_marker_expires() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let route = format!("{}timeout_ms = 1500\n", docs_route(&up.url()));
+    let mut apps = Vec::new();
+    for _ in 0..2 {
+        let text = format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+             [store]\nurl = \"{}\"\nmode = \"shared\"\ntimeout_ms = 3000\n{route}",
+            store.url
+        );
+        let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
+        apps.push(TestApp::from_config(config).await.unwrap());
+    }
+    // Migrations have run: break the leave.
+    let mut conn = PgConnection::connect(&store.url).await.unwrap();
+    sqlx::query(
+        "CREATE OR REPLACE FUNCTION fencegate_leave(p_key text, p_token bigint) \
+         RETURNS void LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'leave broken'; END $$",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+
+    let five_sent = Instant::now();
+    assert_eq!(
+        apps[0].put("/docs/l", Some("5"), "five").await.status(),
+        200
+    );
+    // The failed leave closes its connection, which releases the advisory
+    // lock; only the marker is left. Token 6 on the other instance is
+    // recorded at once but held until the marker's deadline (the route's
+    // timeout plus 1 s after 5 entered).
+    let six = apps[1].put("/docs/l", Some("6"), "six").await;
+    assert_eq!(six.status(), 200);
+    let six_at = up
+        .requests()
+        .iter()
+        .position(|r| r.header("x-fence-token") == Some("6"))
+        .expect("6 arrived");
+    assert_eq!(six_at, 1);
+    assert!(
+        five_sent.elapsed() >= Duration::from_millis(2500),
+        "6 was forwarded before 5's marker expired ({:?})",
+        five_sent.elapsed()
+    );
+    problem(apps[0].put("/docs/l", Some("5"), "stale").await, 409).await;
+    let tokens: Vec<_> = up.applied().iter().map(|a| a.token).collect();
+    assert_eq!(tokens, vec![Some(5), Some(6)]);
+    assert!(up.violations().is_empty(), "{:?}", up.violations());
+}
