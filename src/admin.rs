@@ -10,7 +10,7 @@ use axum::{Json, Router};
 use http::{header, HeaderValue, StatusCode, Uri};
 
 use crate::error::Problem;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, StoreOp};
 use crate::store::FenceStore;
 
 #[derive(Clone)]
@@ -40,27 +40,28 @@ async fn healthz() -> impl IntoResponse {
 }
 
 async fn readyz(State(s): State<AdminState>) -> Response {
-    let store = s.store.ping().await.map_err(|e| e.to_string());
+    let store = s.store.ping().await.map_err(|e| {
+        s.metrics.store_error(StoreOp::Ping);
+        e.to_string()
+    });
+    // A failed lock-backend ping is counted by the lock service itself.
     let locks = match &s.locks {
         Some(l) => l.ping().await.map_err(|e| e.to_string()),
         None => Ok(()),
     };
     match store.and(locks) {
         Ok(()) => Json(serde_json::json!({"status": "ready", "store": "ok"})).into_response(),
-        Err(e) => {
-            s.metrics.store_error("ping");
-            Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "not-ready",
-                "Not ready",
-                format!("not ready: {e}"),
-            )
-            .header(
-                header::RETRY_AFTER,
-                HeaderValue::from(s.retry_after.as_secs().max(1)),
-            )
-            .into_response()
-        }
+        Err(e) => Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not-ready",
+            "Not ready",
+            format!("not ready: {e}"),
+        )
+        .header(
+            header::RETRY_AFTER,
+            HeaderValue::from(s.retry_after.as_secs().max(1)),
+        )
+        .into_response(),
     }
 }
 
@@ -103,7 +104,7 @@ async fn fence(State(s): State<AdminState>, uri: Uri) -> Response {
         .with("resource_key", key)
         .into_response(),
         Err(e) => {
-            s.metrics.store_error("get");
+            s.metrics.store_error(StoreOp::Get);
             Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-unavailable",

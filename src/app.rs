@@ -170,13 +170,7 @@ impl Application {
         // The lock API and everything else under the reserved prefix run on
         // this runtime, where the store's connections live; proxied traffic
         // runs on the worker threads (see `server`).
-        let mut full = Router::new()
-            .fallback(gateway::handle)
-            .with_state(Arc::new(self.gateway.clone()));
-        if let Some(l) = self.locks.clone() {
-            full = full.merge(crate::locks::api::router(l));
-        }
-        let full = traced(full.method_not_allowed_fallback(crate::locks::api::method_not_allowed));
+        let full = traced(crate::traffic::reserved_router(self.locks.clone()));
         let services = (0..self.workers)
             .map(|_| Traffic {
                 // Each worker has its own upstream pool: its connections are

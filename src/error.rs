@@ -52,6 +52,9 @@ pub enum ClientError {
     },
     #[error("request body larger than {limit} bytes")]
     BodyTooLarge { limit: u64 },
+    /// The client left while its write waited at the gate; nobody reads this.
+    #[error("the client left before its write was started")]
+    ClientGone,
     #[error("{0}")]
     BadRequest(&'static str),
 }
@@ -202,6 +205,12 @@ impl GatewayError {
                 C::BadRequest(why) => {
                     Problem::new(StatusCode::BAD_REQUEST, "bad-request", "Bad request", *why)
                 }
+                C::ClientGone => Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "client-gone",
+                    "Client gone",
+                    "the client left before its write was started; nothing was forwarded",
+                ),
             },
             GatewayError::Store(crate::store::StoreError::KeyBusy(waited)) => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,

@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
-use axum::extract::{ConnectInfo, State};
 use axum::response::{IntoResponse, Response};
 use http::{header, Method, Request};
 use tokio::sync::oneshot;
@@ -25,7 +24,7 @@ use crate::exchange::Exchange;
 use crate::fence::{Admission, Fence};
 use crate::gate::Arrival;
 use crate::jwt::JwtRejection;
-use crate::metrics::{Metrics, RouteMetrics};
+use crate::metrics::{Metrics, Outcome, RouteMetrics, StoreOp, UpstreamFailure};
 use crate::proxy::{self, BodyOutcome, HoldingBody, LimitedBody, UpstreamClient};
 use crate::routing::{self, PathError};
 use crate::token::{self, TokenError};
@@ -78,16 +77,6 @@ pub struct GatewayState {
     pub store_runtime: tokio::runtime::Handle,
 }
 
-/// The gateway as an axum handler (a router's fallback), for requests that
-/// arrive through a router; the peer comes from `ConnectInfo`.
-pub async fn handle(State(state): State<Arc<GatewayState>>, req: Request<Body>) -> Response {
-    let peer = req
-        .extensions()
-        .get::<ConnectInfo<SocketAddr>>()
-        .map(|c| c.0);
-    respond(state, req, peer).await
-}
-
 /// Every proxied request's answer: the upstream's, or a problem document.
 pub async fn respond(
     state: Arc<GatewayState>,
@@ -96,7 +85,24 @@ pub async fn respond(
 ) -> Response {
     let retry_after = state.retry_after;
     let has_body = declares_body(req.headers());
-    match serve(state, req, peer).await {
+    let result = match admit(&state, req) {
+        Admitted::Refused {
+            route,
+            fenced,
+            error,
+        } => {
+            let result = Err(error);
+            account(&state, route.as_deref(), fenced, false, &result);
+            result
+        }
+        Admitted::PassThrough { route, req } => {
+            let result = forward(&state, &route, req, peer, None, None).await;
+            account(&state, Some(&route), false, true, &result);
+            result
+        }
+        Admitted::Fenced(write) => write.run(state, peer).await,
+    };
+    match result {
         Ok(resp) => resp,
         Err(e) => {
             let mut resp = e.to_problem(retry_after).into_response();
@@ -109,19 +115,82 @@ pub async fn respond(
                 resp.headers_mut()
                     .insert(header::CONNECTION, http::HeaderValue::from_static("close"));
             }
-            match &e {
-                GatewayError::Store(err @ crate::store::StoreError::KeyBusy(_)) => {
-                    tracing::info!(error = %err, "resource key busy; answering 503")
-                }
-                GatewayError::Store(err) => {
-                    tracing::warn!(error = %err, "fence store unavailable; answering 503")
-                }
-                GatewayError::Internal(what) => tracing::error!(what, "internal error"),
-                _ => tracing::debug!(error = %e, "request refused"),
-            }
             resp
         }
     }
+}
+
+/// Per-request accounting, the one place where a request's end is counted
+/// and logged: for fenced writes its [`Outcome`] (exactly one per write),
+/// for the rest pass-through counts; upstream failures; error logs.
+fn account(
+    state: &GatewayState,
+    route: Option<&GatedRoute>,
+    fenced: bool,
+    forwarded: bool,
+    result: &Result<Response, GatewayError>,
+) {
+    if let Some(route) = route {
+        if fenced {
+            let outcome = match result {
+                _ if forwarded => Some(Outcome::Forwarded),
+                Ok(_) => None,
+                Err(e) => refusal_outcome(e),
+            };
+            if let Some(outcome) = outcome {
+                route.metrics.decision(outcome);
+                if outcome == Outcome::StoreUnavailable {
+                    state.metrics.store_error(StoreOp::Record);
+                }
+            }
+        } else if forwarded {
+            route.metrics.passthrough();
+        }
+        if let Err(GatewayError::Upstream(e)) = result {
+            route.metrics.upstream_error(match e {
+                UpstreamError::Unreachable { .. } => UpstreamFailure::Unreachable,
+                UpstreamError::Timeout { .. } => UpstreamFailure::Timeout,
+            });
+        }
+    }
+    let Err(e) = result else { return };
+    match e {
+        GatewayError::Store(err @ crate::store::StoreError::KeyBusy(_)) => {
+            tracing::info!(error = %err, "resource key busy; answering 503")
+        }
+        GatewayError::Store(err) => {
+            tracing::warn!(error = %err, "fence store unavailable; answering 503")
+        }
+        GatewayError::Upstream(UpstreamError::Unreachable { route, detail }) => {
+            tracing::warn!(%route, error = %detail, "upstream request failed")
+        }
+        GatewayError::Internal(what) => tracing::error!(what, "internal error"),
+        _ => tracing::debug!(error = %e, "request refused"),
+    }
+}
+
+/// The outcome of a fenced write refused before it was forwarded.
+fn refusal_outcome(e: &GatewayError) -> Option<Outcome> {
+    use ClientError as C;
+    Some(match e {
+        GatewayError::Client(c) => match c {
+            C::StaleToken { .. } => Outcome::Stale,
+            C::MissingToken { .. } => Outcome::MissingToken,
+            C::MalformedToken(_) => Outcome::MalformedToken,
+            C::InvalidJwt(_) => Outcome::InvalidToken,
+            C::JwtForOtherKey { .. } => Outcome::WrongSubject,
+            C::BodyTooLarge { .. } => Outcome::TooLarge,
+            C::ClientGone => Outcome::ClientGone,
+            C::BadRequest(_) => Outcome::BadRequest,
+            // Not fenced writes: no route, or refused before the method
+            // was known to be fenced.
+            C::NoRoute { .. } | C::BadPath(_) | C::MethodNotAllowed { .. } => return None,
+        },
+        GatewayError::Store(crate::store::StoreError::KeyBusy(_)) => Outcome::KeyBusy,
+        GatewayError::Store(_) => Outcome::StoreUnavailable,
+        // Counted where they happen (upstream) or a bug (internal).
+        GatewayError::Upstream(_) | GatewayError::Internal(_) => return None,
+    })
 }
 
 /// Bodies up to this size normally arrive with the request head, and the
@@ -144,74 +213,72 @@ fn declares_body(headers: &http::HeaderMap) -> bool {
     }
 }
 
-async fn serve(
-    state: Arc<GatewayState>,
-    req: Request<Body>,
-    peer: Option<SocketAddr>,
-) -> Result<Response, GatewayError> {
-    // Phase: match route.
-    let (route, captures) = match_route(&state.routes, req.uri().path())?;
+/// What the phases before the forward decided.
+enum Admitted {
+    /// Refused before anything was forwarded.
+    Refused {
+        route: Option<Arc<GatedRoute>>,
+        fenced: bool,
+        error: GatewayError,
+    },
+    /// A safe method: forwarded without a check.
+    PassThrough {
+        route: Arc<GatedRoute>,
+        req: Request<Body>,
+    },
+    /// A fenced write whose token memory did not refuse; the store and the
+    /// gate decide the rest.
+    Fenced(FencedWrite),
+}
 
+/// Phases: match route → check framing and size → read token → the fence's
+/// memory-only step. All synchronous and cheap; nothing touches the store.
+fn admit(state: &GatewayState, req: Request<Body>) -> Admitted {
+    let refused = |route: Option<&Arc<GatedRoute>>, fenced, error| Admitted::Refused {
+        route: route.cloned(),
+        fenced,
+        error,
+    };
+    // Phase: match route.
+    let (route, captures) = match match_route(&state.routes, req.uri().path()) {
+        Ok(m) => m,
+        Err(e) => return refused(None, false, e),
+    };
     // Phase: framing and size, before anything touches the store.
     let fenced = route.fenced_methods.contains(req.method());
     if let Err(e) = check_framing(&req, state.max_body_bytes) {
-        if fenced && matches!(e, GatewayError::Client(ClientError::BodyTooLarge { .. })) {
-            route.metrics.decision("too_large");
-        }
-        return Err(e);
+        return refused(Some(&route), fenced, e);
     }
-
     if !fenced {
         if !is_safe(req.method()) {
-            return Err(ClientError::MethodNotAllowed {
+            let e = ClientError::MethodNotAllowed {
                 method: req.method().to_string(),
                 route: route.name.clone(),
-            }
-            .into());
+            };
+            return refused(Some(&route), false, e.into());
         }
-        route.metrics.passthrough();
-        return forward(&state, &route, req, peer, None, None).await;
+        return Admitted::PassThrough { route, req };
     }
-
     // Phase: read token. Only fenced writes need the resource key.
     let key = route.key.render(&captures);
-    let token = match read_token(&state, &route, &key, req.headers()) {
+    let token = match read_token(state, &route, &key, req.headers()) {
         Ok(t) => t,
-        Err((outcome, e)) => {
-            route.metrics.decision(outcome);
-            return Err(e.into());
-        }
+        Err(e) => return refused(Some(&route), true, e.into()),
     };
-
-    // Phase: check fence, cheapest part first. A token below one already
-    // known durable is stale (tokens only grow): refuse it here, without a
-    // task or the store. Otherwise the key's ticket is taken here, before
-    // the task, in the same pass through the gate.
-    let arrival = match state.fence.arrive(&key, token) {
-        Ok(a) => a,
-        Err(e) => {
-            route.metrics.decision("stale");
-            return Err(e);
-        }
-    };
-
-    // Phases: check fence, forward, respond — detached from the client.
-    let (tx, rx) = oneshot::channel();
-    let runtime = state
-        .fence
-        .talks_to_store()
-        .then(|| state.store_runtime.clone());
-    let task = async move {
-        let result = fenced_write(&state, &route, key, arrival, token, req, peer, &tx).await;
-        let _ = tx.send(result);
-    };
-    match runtime {
-        Some(rt) => drop(rt.spawn(task)),
-        None => drop(tokio::spawn(task)),
+    // Phase: the fence's memory-only step. A token below one already known
+    // durable is stale (tokens only grow): refused here, without a task or
+    // the store. Otherwise the key's ticket is taken here, in the same pass
+    // through the gate.
+    match state.fence.arrive(&key, token) {
+        Ok(arrival) => Admitted::Fenced(FencedWrite {
+            route,
+            key,
+            token,
+            arrival,
+            req,
+        }),
+        Err(e) => refused(Some(&route), true, e),
     }
-    rx.await.unwrap_or(Err(GatewayError::Internal(
-        "the fenced write task ended without an answer",
-    )))
 }
 
 /// The fencing token of a request: a decimal number, or the `fence` claim of
@@ -221,95 +288,117 @@ fn read_token(
     route: &Route,
     key: &str,
     headers: &http::HeaderMap,
-) -> Result<i64, (&'static str, ClientError)> {
+) -> Result<i64, ClientError> {
+    let missing = || ClientError::MissingToken {
+        key: key.to_string(),
+    };
     match route.token {
         TokenKind::Integer => token::from_headers(headers).map_err(|e| match e {
-            TokenError::Missing => (
-                "missing_token",
-                ClientError::MissingToken {
-                    key: key.to_string(),
-                },
-            ),
-            TokenError::Malformed(why) => ("malformed_token", ClientError::MalformedToken(why)),
+            TokenError::Missing => missing(),
+            TokenError::Malformed(why) => ClientError::MalformedToken(why),
         }),
         TokenKind::Jwt => {
             let raw = token::raw_from_headers(headers).map_err(|e| match e {
-                TokenError::Missing => (
-                    "missing_token",
-                    ClientError::MissingToken {
-                        key: key.to_string(),
-                    },
-                ),
-                TokenError::Malformed(why) => {
-                    ("invalid_token", ClientError::InvalidJwt(why.into()))
-                }
+                TokenError::Missing => missing(),
+                TokenError::Malformed(why) => ClientError::InvalidJwt(why.into()),
             })?;
-            let keys = state.jwt.as_ref().ok_or((
-                "invalid_token",
-                ClientError::InvalidJwt("no JWT keys are configured".into()),
-            ))?;
+            let keys = state
+                .jwt
+                .as_ref()
+                .ok_or_else(|| ClientError::InvalidJwt("no JWT keys are configured".into()))?;
             match keys.verify(raw, key) {
                 Ok(claims) => Ok(claims.fence),
-                Err(JwtRejection::Invalid(why)) => {
-                    Err(("invalid_token", ClientError::InvalidJwt(why)))
-                }
+                Err(JwtRejection::Invalid(why)) => Err(ClientError::InvalidJwt(why)),
                 Err(JwtRejection::WrongSubject {
                     expected,
                     presented,
-                }) => Err((
-                    "wrong_subject",
-                    ClientError::JwtForOtherKey {
-                        expected,
-                        presented,
-                    },
-                )),
+                }) => Err(ClientError::JwtForOtherKey {
+                    expected,
+                    presented,
+                }),
             }
         }
     }
 }
 
-/// Check the fence, then forward while holding the key's permit.
-#[allow(clippy::too_many_arguments)]
-async fn fenced_write(
-    state: &GatewayState,
-    route: &GatedRoute,
+/// A fenced write on its way: the store and the gate decide, then forward.
+struct FencedWrite {
+    route: Arc<GatedRoute>,
     key: String,
-    arrival: Arrival,
     token: i64,
+    /// The key's ticket from the memory-only step.
+    arrival: Arrival,
     req: Request<Body>,
-    peer: Option<SocketAddr>,
-    client: &oneshot::Sender<Result<Response, GatewayError>>,
-) -> Result<Response, GatewayError> {
-    let waited = Instant::now();
-    let permit = match state.fence.check(&key, arrival, token, route.timeout).await {
-        Ok(p) => p,
-        Err(e) => {
-            let outcome = match &e {
-                GatewayError::Client(ClientError::StaleToken { .. }) => "stale",
-                GatewayError::Store(crate::store::StoreError::KeyBusy(_)) => "key_busy",
-                _ => {
-                    state.metrics.store_error("record");
-                    "store_unavailable"
-                }
-            };
-            route.metrics.decision(outcome);
-            return Err(e);
+}
+
+impl FencedWrite {
+    /// Phases: check fence, forward, respond — detached from the client: once
+    /// a write has started its way to the upstream it must not be cut off
+    /// halfway by the client leaving. The task accounts for the write itself
+    /// (the client may be gone by the time it ends).
+    async fn run(
+        self,
+        state: Arc<GatewayState>,
+        peer: Option<SocketAddr>,
+    ) -> Result<Response, GatewayError> {
+        let (answer, answered) = oneshot::channel();
+        let runtime = state
+            .fence
+            .talks_to_store()
+            .then(|| state.store_runtime.clone());
+        let task = async move {
+            let route = self.route.clone();
+            let (forwarded, result) = self.decide_and_forward(&state, peer, &answer).await;
+            account(&state, Some(&route), true, forwarded, &result);
+            let _ = answer.send(result);
+        };
+        match runtime {
+            Some(rt) => drop(rt.spawn(task)),
+            None => drop(tokio::spawn(task)),
         }
-    };
-    state
-        .metrics
-        .gate_wait
-        .observe(waited.elapsed().as_secs_f64());
-    if client.is_closed() {
-        // The client left while we waited: nobody would see the answer, so
-        // do not start a write on its behalf. The token stays recorded,
-        // which only ever makes older holders stale sooner.
-        route.metrics.decision("client_gone");
-        return Err(ClientError::BadRequest("client disconnected").into());
+        answered.await.unwrap_or(Err(GatewayError::Internal(
+            "the fenced write task ended without an answer",
+        )))
     }
-    route.metrics.decision("forwarded");
-    let deadline = permit.deadline;
-    forward(state, route, req, peer, Some(permit), deadline).await
+
+    /// Check the fence, then forward while holding the key's admission.
+    /// Answers whether the write was forwarded, and the result.
+    async fn decide_and_forward(
+        self,
+        state: &GatewayState,
+        peer: Option<SocketAddr>,
+        answer: &oneshot::Sender<Result<Response, GatewayError>>,
+    ) -> (bool, Result<Response, GatewayError>) {
+        let decided = Instant::now();
+        let check = state
+            .fence
+            .check(&self.key, self.arrival, self.token, self.route.timeout);
+        let admission = match check.await {
+            Ok(a) => a,
+            Err(e) => return (false, Err(e)),
+        };
+        state
+            .metrics
+            .gate_wait
+            .observe(decided.elapsed().as_secs_f64());
+        if answer.is_closed() {
+            // The client left while we waited: nobody would see the answer,
+            // so do not start a write on its behalf. The token stays
+            // recorded, which only ever makes older holders stale sooner.
+            return (false, Err(ClientError::ClientGone.into()));
+        }
+        let deadline = admission.deadline;
+        let result = forward(
+            state,
+            &self.route,
+            self.req,
+            peer,
+            Some(admission),
+            deadline,
+        )
+        .await;
+        (true, result)
+    }
 }
 
 /// Phase: forward, and build the response.
@@ -330,7 +419,6 @@ async fn forward(
     if Instant::now() >= deadline {
         // Shared mode, after a long stall (a paused process): other
         // instances already consider this write over, so it must not start.
-        route.metrics.upstream_error("timeout");
         return Err(UpstreamError::Timeout {
             route: route.name.clone(),
             timeout: route.timeout,
@@ -397,22 +485,17 @@ async fn forward(
                     ClientError::BadRequest("the client broke off the request body").into(),
                 );
             }
-            route.metrics.upstream_error("unreachable");
-            tracing::warn!(route = %route.name, error = %e, "upstream request failed");
             Err(UpstreamError::Unreachable {
                 route: route.name.clone(),
                 detail: e.to_string(),
             }
             .into())
         }
-        Err(_) => {
-            route.metrics.upstream_error("timeout");
-            Err(UpstreamError::Timeout {
-                route: route.name.clone(),
-                timeout: route.timeout,
-            }
-            .into())
+        Err(_) => Err(UpstreamError::Timeout {
+            route: route.name.clone(),
+            timeout: route.timeout,
         }
+        .into()),
     }
 }
 

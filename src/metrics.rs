@@ -1,18 +1,103 @@
 //! Prometheus metrics, served as text on the admin listener.
 
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+/// How a fenced write was decided: the `outcome` label of
+/// `fencegate_decisions_total`. Every fenced write gets exactly one.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum Outcome {
+    /// Recorded and sent to the upstream (whatever the upstream answered).
+    Forwarded,
+    /// Below the highest recorded token: 409.
+    Stale,
+    MissingToken,
+    MalformedToken,
+    /// A JWT that failed verification.
+    InvalidToken,
+    /// A valid JWT issued for another resource key.
+    WrongSubject,
+    /// The store could not decide in time: 503.
+    StoreUnavailable,
+    /// Shared mode: waited out `gate_wait_ms` behind another instance.
+    KeyBusy,
+    /// A declared `Content-Length` over `max_body_bytes`.
+    TooLarge,
+    /// The client left while its write waited; it was never started.
+    ClientGone,
+    /// Refused for its framing (conflicting or unparsable length headers).
+    BadRequest,
+}
+
+impl Outcome {
+    pub const ALL: [Outcome; 11] = [
+        Outcome::Forwarded,
+        Outcome::Stale,
+        Outcome::MissingToken,
+        Outcome::MalformedToken,
+        Outcome::InvalidToken,
+        Outcome::WrongSubject,
+        Outcome::StoreUnavailable,
+        Outcome::KeyBusy,
+        Outcome::TooLarge,
+        Outcome::ClientGone,
+        Outcome::BadRequest,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Forwarded => "forwarded",
+            Outcome::Stale => "stale",
+            Outcome::MissingToken => "missing_token",
+            Outcome::MalformedToken => "malformed_token",
+            Outcome::InvalidToken => "invalid_token",
+            Outcome::WrongSubject => "wrong_subject",
+            Outcome::StoreUnavailable => "store_unavailable",
+            Outcome::KeyBusy => "key_busy",
+            Outcome::TooLarge => "too_large",
+            Outcome::ClientGone => "client_gone",
+            Outcome::BadRequest => "bad_request",
+        }
+    }
+}
+
+impl EncodeLabelValue for Outcome {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        std::fmt::Write::write_str(encoder, self.as_str())
+    }
+}
+
+/// The `kind` label of `fencegate_upstream_errors_total`.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum UpstreamFailure {
+    Unreachable,
+    Timeout,
+}
+
+impl EncodeLabelValue for UpstreamFailure {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        std::fmt::Write::write_str(
+            encoder,
+            match self {
+                UpstreamFailure::Unreachable => "unreachable",
+                UpstreamFailure::Timeout => "timeout",
+            },
+        )
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DecisionLabels {
     pub route: String,
-    pub outcome: &'static str,
+    pub outcome: Outcome,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -23,7 +108,7 @@ pub struct RouteLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct UpstreamErrorLabels {
     pub route: String,
-    pub kind: &'static str,
+    pub kind: UpstreamFailure,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -32,9 +117,33 @@ pub struct LockLabels {
     pub event: &'static str,
 }
 
+/// The `op` label of `fencegate_store_errors_total`.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum StoreOp {
+    /// Recording a fenced write's token.
+    Record,
+    /// Reading a fence for the admin API.
+    Get,
+    /// The readiness check.
+    Ping,
+}
+
+impl EncodeLabelValue for StoreOp {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        std::fmt::Write::write_str(
+            encoder,
+            match self {
+                StoreOp::Record => "record",
+                StoreOp::Get => "get",
+                StoreOp::Ping => "ping",
+            },
+        )
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StoreErrorLabels {
-    pub op: &'static str,
+    pub op: StoreOp,
 }
 
 type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
@@ -42,9 +151,7 @@ type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 /// Every metric the gateway exports. Cloning shares the same counters.
 #[derive(Clone)]
 pub struct Metrics {
-    /// Fence decisions by route and outcome (`forwarded`, `stale`,
-    /// `missing_token`, `malformed_token`, `store_unavailable`, `key_busy`,
-    /// ...).
+    /// Fence decisions by route and [`Outcome`].
     pub decisions: Family<DecisionLabels, Counter>,
     /// Requests forwarded without a check (safe methods).
     pub passthrough: Family<RouteLabels, Counter>,
@@ -135,16 +242,7 @@ impl Metrics {
         }
     }
 
-    pub fn decision(&self, route: &str, outcome: &'static str) {
-        self.decisions
-            .get_or_create(&DecisionLabels {
-                route: route.to_string(),
-                outcome,
-            })
-            .inc();
-    }
-
-    pub fn upstream_error(&self, route: &str, kind: &'static str) {
+    pub fn upstream_error(&self, route: &str, kind: UpstreamFailure) {
         self.upstream_errors
             .get_or_create(&UpstreamErrorLabels {
                 route: route.to_string(),
@@ -159,7 +257,7 @@ impl Metrics {
             .inc();
     }
 
-    pub fn store_error(&self, op: &'static str) {
+    pub fn store_error(&self, op: StoreOp) {
         self.store_errors
             .get_or_create(&StoreErrorLabels { op })
             .inc();
@@ -178,19 +276,12 @@ impl Metrics {
         let labels = RouteLabels {
             route: route.to_string(),
         };
-        let decision = |outcome| {
-            self.decisions
-                .get_or_create(&DecisionLabels {
-                    route: route.to_string(),
-                    outcome,
-                })
-                .clone()
-        };
         RouteMetrics {
             passthrough: self.passthrough.get_or_create(&labels).clone(),
             upstream_latency: self.upstream_latency.get_or_create(&labels).clone(),
-            forwarded: decision("forwarded"),
-            stale: decision("stale"),
+            // Resolved lazily: a label appears in the exposition only once
+            // it has happened, as before.
+            decisions: Default::default(),
             route: route.to_string(),
             metrics: self.clone(),
         }
@@ -202,6 +293,35 @@ impl Metrics {
         // Writing into a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn outcomes_index_their_counters() {
+        for (i, o) in Outcome::ALL.iter().enumerate() {
+            assert_eq!(*o as usize, i, "{o:?} is out of order in Outcome::ALL");
+        }
+    }
+
+    #[test]
+    fn labels_render_as_documented() {
+        let m = Metrics::new();
+        let r = m.for_route("docs");
+        r.decision(Outcome::MissingToken);
+        r.upstream_error(UpstreamFailure::Timeout);
+        m.store_error(StoreOp::Ping);
+        let text = m.render();
+        for line in [
+            "fencegate_decisions_total{route=\"docs\",outcome=\"missing_token\"} 1",
+            "fencegate_upstream_errors_total{route=\"docs\",kind=\"timeout\"} 1",
+            "fencegate_store_errors_total{op=\"ping\"} 1",
+        ] {
+            assert!(text.contains(line), "missing {line} in\n{text}");
+        }
     }
 }
 
@@ -219,9 +339,9 @@ impl Default for Metrics {
 pub struct RouteMetrics {
     passthrough: Counter,
     upstream_latency: Histogram,
-    /// The two decisions a busy route makes all the time.
-    forwarded: Counter,
-    stale: Counter,
+    /// One counter per [`Outcome`], in `Outcome::ALL` order, each looked up
+    /// in its family the first time it happens.
+    decisions: Arc<[OnceLock<Counter>; Outcome::ALL.len()]>,
     /// For the rarer labels, looked up when they happen.
     route: String,
     metrics: Metrics,
@@ -236,19 +356,21 @@ impl RouteMetrics {
         self.upstream_latency.observe(d.as_secs_f64());
     }
 
-    pub fn decision(&self, outcome: &'static str) {
-        match outcome {
-            "forwarded" => {
-                self.forwarded.inc();
-            }
-            "stale" => {
-                self.stale.inc();
-            }
-            _ => self.metrics.decision(&self.route, outcome),
-        }
+    pub fn decision(&self, outcome: Outcome) {
+        self.decisions[outcome as usize]
+            .get_or_init(|| {
+                self.metrics
+                    .decisions
+                    .get_or_create(&DecisionLabels {
+                        route: self.route.clone(),
+                        outcome,
+                    })
+                    .clone()
+            })
+            .inc();
     }
 
-    pub fn upstream_error(&self, kind: &'static str) {
+    pub fn upstream_error(&self, kind: UpstreamFailure) {
         self.metrics.upstream_error(&self.route, kind);
     }
 }

@@ -71,6 +71,24 @@ impl hyper::service::Service<Request<Incoming>> for Connection {
     }
 }
 
+/// The router for the reserved prefix: the lock API when enabled, and a
+/// problem-404 for every other path under it (no route may use the prefix).
+pub fn reserved_router(locks: Option<crate::locks::api::LockApiState>) -> Router {
+    let router = Router::new().fallback(no_route);
+    let router = match locks {
+        Some(l) => router.merge(crate::locks::api::router(l)),
+        None => router,
+    };
+    router.method_not_allowed_fallback(crate::locks::api::method_not_allowed)
+}
+
+async fn no_route(uri: http::Uri) -> Response {
+    let e = GatewayError::from(crate::error::ClientError::NoRoute {
+        path: uri.path().to_string(),
+    });
+    e.to_problem(Duration::from_secs(1)).into_response()
+}
+
 /// Serves requests with `router` on another runtime: the one the store's
 /// connections belong to.
 #[derive(Clone)]

@@ -176,8 +176,13 @@ impl LockService {
     }
 
     /// Reachability of the backend, for `/readyz`.
+    /// Whether the backend answers; a failure counts as `unavailable`.
     pub async fn ping(&self) -> Result<(), LockError> {
-        self.inner.backend.ping().await
+        let pinged = self.inner.backend.ping().await;
+        if pinged.is_err() {
+            self.count("unavailable");
+        }
+        pinged
     }
 
     pub fn limits(&self) -> LockLimits {
