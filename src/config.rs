@@ -80,7 +80,7 @@ pub enum LockBackendConfig {
 /// `[server]`: listeners and the limits that protect them.
 #[derive(Debug, Clone)]
 pub struct ServerConfig {
-    /// Proxy traffic (and, later, the lock API).
+    /// Proxy traffic and the lock API.
     pub listen: SocketAddr,
     /// Metrics, health and the admin API; kept apart so it can stay private.
     pub admin_listen: SocketAddr,
@@ -93,10 +93,10 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// How long in-flight requests may run after SIGTERM before we exit.
     pub shutdown_grace: Duration,
-    /// Threads serving the traffic listener, each with its own runtime,
-    /// listening socket (`SO_REUSEPORT`) and upstream pool, so a request's
-    /// client and upstream connections are driven by one thread without
-    /// cross-thread wake-ups. Defaults to the number of CPUs.
+    /// Threads serving the traffic listener, each with its own runtime and
+    /// upstream pool, taking accepted connections in turn from one acceptor,
+    /// so a request's client and upstream connections are driven by one
+    /// thread without cross-thread wake-ups. Defaults to the number of CPUs.
     pub workers: usize,
 }
 
@@ -130,7 +130,8 @@ pub enum StoreBackend {
     Postgres,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum StoreMode {
     /// This instance is the only writer of the store (enforced at start-up).
     Single,
@@ -155,7 +156,9 @@ pub struct Route {
     /// Methods that need a valid, current fencing token.
     pub fenced_methods: Vec<Method>,
     pub token: TokenKind,
-    /// Upper bound on one upstream exchange (until the response head).
+    /// Upper bound on one upstream exchange: until the response head for
+    /// pass-through requests; the whole exchange, both bodies included, for
+    /// fenced writes (see `exchange`).
     pub timeout: Duration,
 }
 
@@ -172,7 +175,8 @@ pub struct Upstream {
     pub host: http::HeaderValue,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum TokenKind {
     /// A decimal number.
     Integer,
@@ -213,6 +217,25 @@ impl std::error::Error for ConfigError {}
 // ---------------------------------------------------------------------------
 // Raw, as-written structures. Everything has a default so that a missing key
 // means "the default", and unknown keys are caught by `serde_ignored`.
+
+/// One of a closed set of values, as written. An unknown value is kept
+/// rather than failing the whole parse, so that it is reported together with
+/// every other problem of the file.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+enum Choice<T> {
+    Known(T),
+    Unknown(toml::Value),
+}
+
+/// `[locks] backend`.
+#[derive(Debug, Clone, Copy, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum LockBackendKind {
+    Store,
+    Redis,
+    Redlock,
+}
 
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
@@ -255,7 +278,7 @@ impl Default for RawServer {
 #[serde(default)]
 struct RawStore {
     url: String,
-    mode: String,
+    mode: Choice<StoreMode>,
     pool_size: u64,
     timeout_ms: u64,
     retry_after_s: u64,
@@ -268,7 +291,7 @@ impl Default for RawStore {
     fn default() -> Self {
         Self {
             url: "sqlite://fencegate.db".into(),
-            mode: "single".into(),
+            mode: Choice::Known(StoreMode::Single),
             pool_size: 16,
             timeout_ms: 2_000,
             retry_after_s: 1,
@@ -283,7 +306,7 @@ impl Default for RawStore {
 #[serde(default)]
 struct RawLocks {
     enabled: bool,
-    backend: String,
+    backend: Choice<LockBackendKind>,
     redis_url: String,
     redis_urls: Vec<String>,
     min_ttl_ms: u64,
@@ -296,7 +319,7 @@ impl Default for RawLocks {
     fn default() -> Self {
         Self {
             enabled: true,
-            backend: "store".into(),
+            backend: Choice::Known(LockBackendKind::Store),
             redis_url: "redis://127.0.0.1:6379".into(),
             redis_urls: Vec::new(),
             min_ttl_ms: 100,
@@ -345,7 +368,7 @@ struct RawRoute {
     upstream: Option<String>,
     key: Option<String>,
     methods: Vec<String>,
-    token: String,
+    token: Choice<TokenKind>,
     timeout_ms: u64,
 }
 
@@ -360,7 +383,7 @@ impl Default for RawRoute {
                 .into_iter()
                 .map(String::from)
                 .collect(),
-            token: "integer".into(),
+            token: Choice::Known(TokenKind::Integer),
             timeout_ms: 30_000,
         }
     }
@@ -609,6 +632,29 @@ impl Validator<'_> {
         })
     }
 
+    /// The chosen value, or `fallback` after reporting an unknown one;
+    /// `what` names the setting and `allowed` lists its values.
+    fn choice<T>(
+        &mut self,
+        key: &str,
+        choice: Choice<T>,
+        what: &str,
+        allowed: &str,
+        fallback: T,
+    ) -> T {
+        match choice {
+            Choice::Known(v) => v,
+            Choice::Unknown(other) => {
+                let shown = match &other {
+                    toml::Value::String(s) => s.clone(),
+                    v => v.to_string(),
+                };
+                self.problem(key, format!("'{shown}' is not {what}; use {allowed}"));
+                fallback
+            }
+        }
+    }
+
     fn positive(&mut self, key: &str, value: u64, max: u64) -> u64 {
         if value == 0 || value > max {
             self.problem(key, format!("must be between 1 and {max}, got {value}"));
@@ -666,9 +712,16 @@ impl Validator<'_> {
     }
 
     fn locks(&mut self, raw: RawLocks) -> LocksConfig {
-        let backend = match raw.backend.as_str() {
-            "store" => LockBackendConfig::Store,
-            "redis" => {
+        let kind = self.choice(
+            "locks.backend",
+            raw.backend,
+            "a lock backend",
+            "\"store\", \"redis\" or \"redlock\"",
+            LockBackendKind::Store,
+        );
+        let backend = match kind {
+            LockBackendKind::Store => LockBackendConfig::Store,
+            LockBackendKind::Redis => {
                 if !raw.redis_url.starts_with("redis://") {
                     self.problem(
                         "locks.redis_url",
@@ -677,7 +730,7 @@ impl Validator<'_> {
                 }
                 LockBackendConfig::Redis { url: raw.redis_url }
             }
-            "redlock" => {
+            LockBackendKind::Redlock => {
                 if raw.redis_urls.len() < 3 {
                     self.problem(
                         "locks.redis_urls",
@@ -710,15 +763,6 @@ impl Validator<'_> {
                 LockBackendConfig::Redlock {
                     urls: raw.redis_urls,
                 }
-            }
-            other => {
-                self.problem(
-                    "locks.backend",
-                    format!(
-                        "'{other}' is not a lock backend; use \"store\", \"redis\" or \"redlock\""
-                    ),
-                );
-                LockBackendConfig::Store
             }
         };
         let min = self.positive("locks.min_ttl_ms", raw.min_ttl_ms, 86_400_000);
@@ -849,25 +893,19 @@ impl Validator<'_> {
             );
             StoreBackend::Postgres
         };
-        let mode = match raw.mode.as_str() {
-            "single" => StoreMode::Single,
-            "shared" => {
-                if matches!(backend, StoreBackend::Sqlite(_)) {
-                    self.problem(
-                        "store.mode",
-                        "\"shared\" needs a Postgres store; a SQLite file serves one instance",
-                    );
-                }
-                StoreMode::Shared
-            }
-            other => {
-                self.problem(
-                    "store.mode",
-                    format!("'{other}' is not a mode; use \"single\" or \"shared\""),
-                );
-                StoreMode::Single
-            }
-        };
+        let mode = self.choice(
+            "store.mode",
+            raw.mode,
+            "a mode",
+            "\"single\" or \"shared\"",
+            StoreMode::Single,
+        );
+        if mode == StoreMode::Shared && matches!(backend, StoreBackend::Sqlite(_)) {
+            self.problem(
+                "store.mode",
+                "\"shared\" needs a Postgres store; a SQLite file serves one instance",
+            );
+        }
         StoreConfig {
             url: raw.url,
             backend,
@@ -981,17 +1019,13 @@ impl Validator<'_> {
             if r.methods.is_empty() {
                 self.problem(at("methods"), "must list at least one fenced method");
             }
-            let token = match r.token.as_str() {
-                "integer" => TokenKind::Integer,
-                "jwt" => TokenKind::Jwt,
-                other => {
-                    self.problem(
-                        at("token"),
-                        format!("'{other}' is not a token kind; use \"integer\" or \"jwt\""),
-                    );
-                    TokenKind::Integer
-                }
-            };
+            let token = self.choice(
+                &at("token"),
+                r.token,
+                "a token kind",
+                "\"integer\" or \"jwt\"",
+                TokenKind::Integer,
+            );
             let timeout =
                 Duration::from_millis(self.positive(&at("timeout_ms"), r.timeout_ms, 3_600_000));
             if let (Some(pattern), Some(key), Some(upstream)) = (pattern, key, upstream) {
@@ -1084,6 +1118,38 @@ mod tests {
         assert_eq!(c.routes[0].fenced_methods.len(), 4);
         assert_eq!(c.store.backend, StoreBackend::Sqlite("x.db".into()));
         assert_eq!(c.routes[0].timeout, Duration::from_secs(30));
+    }
+
+    /// Closed choices are typed, yet an unknown value is reported together
+    /// with every other problem rather than ending the parse.
+    #[test]
+    fn unknown_choices_are_reported_together() {
+        let text = r#"
+            [server]
+            listen = "nowhere"
+            [store]
+            url = "sqlite://x.db"
+            mode = "sometimes"
+            [locks]
+            backend = 7
+            [[routes]]
+            name = "a"
+            path = "/a/{id}"
+            upstream = "http://127.0.0.1:1"
+            key = "a:{id}"
+            token = "paper"
+        "#;
+        let s = load(text).unwrap_err().to_string();
+        for needle in [
+            "test.toml: server.listen: 'nowhere'",
+            "test.toml: store.mode: 'sometimes' is not a mode; use \"single\" or \"shared\"",
+            "test.toml: locks.backend: '7' is not a lock backend",
+            "test.toml: routes[0].token: 'paper' is not a token kind",
+        ] {
+            assert!(s.contains(needle), "missing {needle:?} in:\n{s}");
+        }
+        let c = load(&GOOD.replace("[store]", "[store]\nmode = \"single\"")).unwrap();
+        assert_eq!(c.store.mode, StoreMode::Single);
     }
 
     #[test]

@@ -136,7 +136,7 @@ impl StoreLocks {
                 )
                 .await
             }
-            // fetch_all: see SqliteStore::record on commit errors.
+            // fetch_all: see the `store::sqlite` module docs on commit errors.
             FenceStore::Sqlite(s) => self
                 .bounded(
                     sqlx::query_as(sqlite_sql)
@@ -215,8 +215,9 @@ impl StoreLocks {
         }
     }
 
-    /// Releases; returns true when a row was released (the caller wakes
-    /// local waiters; Postgres also notifies other instances).
+    /// Releases the lease; `NotHolder` or `Expired` when it held nothing.
+    /// The caller wakes local waiters; Postgres also notifies other
+    /// instances.
     pub async fn release(&self, name: &str, lease: &str) -> Result<(), LockError> {
         self.store.check_writer()?;
         let released = match &self.store {

@@ -7,6 +7,13 @@
 //! One connection does all the work. SQLite has one writer anyway; a single
 //! connection avoids busy-lock retries and keeps the two statements of a
 //! refused decision (upsert, then read) free of interleavings.
+//!
+//! A statement that writes outside an explicit transaction is run with
+//! `fetch_all`, never `fetch_one` or `fetch_optional`, even when it returns
+//! one row: with a row limit sqlx stops stepping after the first row and
+//! resets the statement, which commits but discards the commit's error.
+//! Stepping to the end reports a failed commit instead of acknowledging it.
+//! (Batches commit with an explicit `COMMIT`, whose error is reported.)
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
