@@ -1,5 +1,6 @@
 //! Micro-benchmarks of the per-request hot paths that do not touch the
-//! network: token parsing, JWT verification and key templating.
+//! network: token parsing, JWT verification, key templating and the per-key
+//! gate.
 //!
 //! `cargo bench --bench hot_paths`
 
@@ -114,5 +115,57 @@ fn jwt_verification(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, token_parsing, key_templating, jwt_verification);
+/// Drives a gate future that does not wait (nothing else holds the key).
+fn ready<T>(f: impl std::future::Future<Output = T>) -> T {
+    let f = std::pin::pin!(f);
+    match f.poll(&mut std::task::Context::from_waker(std::task::Waker::noop())) {
+        std::task::Poll::Ready(v) => v,
+        std::task::Poll::Pending => panic!("the gate made an uncontended write wait"),
+    }
+}
+
+fn gate(c: &mut Criterion) {
+    use fencegate::gate::{Arrival, Gate};
+    let mut g = c.benchmark_group("gate");
+    let unsettled = Duration::from_secs(10);
+    // One write's passes through the gate: arrive, (settle,) admit, release.
+    let write = |gate: &std::sync::Arc<Gate>, key: &str, token: i64| match gate.arrive(key, token) {
+        Ok(Arrival::Recorded(t)) => drop(ready(t.admit(token)).unwrap()),
+        Ok(Arrival::Record(mut t)) => {
+            t.settle(Some(token));
+            drop(ready(t.admit(token)).unwrap())
+        }
+        Err(_) => panic!("stale"),
+    };
+    let cached = Gate::new(100_000, true, unsettled);
+    write(&cached, "doc:hot", 7);
+    g.bench_function("equal token, cached", |b| {
+        b.iter(|| write(&cached, black_box("doc:hot"), 7))
+    });
+    let stale = Gate::new(100_000, true, unsettled);
+    write(&stale, "doc:hot", 7);
+    g.bench_function("stale token refused from memory", |b| {
+        b.iter(|| stale.arrive(black_box("doc:hot"), 3).err().unwrap())
+    });
+    // Twice as many keys as the cache holds: every release past warm-up
+    // has to make room.
+    let full = Gate::new(100_000, true, unsettled);
+    let keys: Vec<String> = (0..200_000).map(|i| format!("doc:{i}")).collect();
+    let mut i = 0usize;
+    g.bench_function("new key, cache full (200k keys over 100k)", |b| {
+        b.iter(|| {
+            i = (i + 1) % keys.len();
+            write(&full, &keys[i], 1)
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    token_parsing,
+    key_templating,
+    jwt_verification,
+    gate
+);
 criterion_main!(benches);
