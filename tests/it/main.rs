@@ -13,6 +13,7 @@ mod locks_api;
 mod locks_redis;
 mod ordering;
 mod pg_outage;
+mod raw_upstream_selftest;
 mod server_limits;
 mod shared_mode;
 mod support;
