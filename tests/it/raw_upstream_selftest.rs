@@ -340,6 +340,7 @@ async fn slow_stream_streams_then_applies() {
     let applied = w.applied_at.unwrap();
     assert!(applied - w.started >= Duration::from_millis(300));
     assert!(w.ended.unwrap() >= applied && w.ended.unwrap() <= done);
+    assert_eq!(w.answer_cut, None);
     // The connection is kept alive after the final chunk.
     assert_eq!(c.exchange(&put("/p", 1, &[], "again")).await.status, 200);
     assert!(up.violations().is_empty(), "{:?}", up.violations());
@@ -376,6 +377,10 @@ async fn slow_stream_keeps_working_after_the_peer_left() {
     let w = up.write("/p", 1);
     let applied = w.applied_at.expect("applied although the peer left");
     assert!(applied - w.started >= Duration::from_millis(600));
+    let cut = w
+        .answer_cut
+        .expect("the upstream noticed the peer was gone");
+    assert!(cut < applied, "noticed at a chunk, before the stream's end");
     assert_eq!(up.applied_tokens("/p"), vec![2, 1]);
     assert_eq!(
         up.violations(),

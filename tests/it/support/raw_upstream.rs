@@ -145,6 +145,10 @@ pub struct WriteRecord {
     pub applied_at: Option<Instant>,
     /// The body was cut off: the write is never applied.
     pub aborted: bool,
+    /// When the upstream first failed to send its answer (the peer had
+    /// gone, or stopped reading for the rest of a `slow-stream`); `None` if
+    /// it never did. Not set by `break-after-head`'s own reset.
+    pub answer_cut: Option<Instant>,
     /// When the upstream was completely done with the write; `None` while
     /// it is in flight.
     pub ended: Option<Instant>,
@@ -245,6 +249,16 @@ impl RawUpstream {
             .writes
             .iter()
             .filter(|w| w.path == path && w.token == Some(token))
+            .count()
+    }
+
+    /// How many writes carrying `x-test-id: id` have arrived.
+    pub fn arrived_id(&self, id: &str) -> usize {
+        self.shared
+            .state()
+            .writes
+            .iter()
+            .filter(|w| w.test_id.as_deref() == Some(id))
             .count()
     }
 
@@ -376,6 +390,7 @@ impl Shared {
             body_complete: false,
             applied_at: None,
             aborted: false,
+            answer_cut: None,
             ended: None,
         });
         id
@@ -419,6 +434,11 @@ impl Shared {
         }
         st.writes[id].applied_at = Some(now);
         st.applied.push(id);
+    }
+
+    fn answer_cut(&self, id: usize) {
+        let now = Instant::now();
+        self.state().writes[id].answer_cut.get_or_insert(now);
     }
 
     fn abort(&self, id: usize) {
@@ -797,7 +817,9 @@ async fn serve_request(shared: &Arc<Shared>, mut conn: Conn, head: Head) -> Opti
     if behaviour == Behaviour::EarlyAnswer {
         // The whole answer first, the body after.
         let text = format!("{{\"write\":{id},\"early\":true}}");
-        let _ = conn.stream.write_all(&json_answer(&text)).await;
+        if conn.stream.write_all(&json_answer(&text)).await.is_err() {
+            shared.answer_cut(id);
+        }
     }
 
     // The request body, for every behaviour; a cut body aborts the write.
@@ -820,7 +842,10 @@ async fn serve_request(shared: &Arc<Shared>, mut conn: Conn, head: Head) -> Opti
             let text = format!("{{\"write\":{id},\"token\":{}}}", fmt_token(token));
             let answer = json_answer(&text);
             shared.end(id);
-            conn.stream.write_all(&answer).await.ok()?;
+            if conn.stream.write_all(&answer).await.is_err() {
+                shared.answer_cut(id);
+                return None;
+            }
             Some(conn)
         }
         Behaviour::EarlyAnswer => {
@@ -854,6 +879,9 @@ async fn serve_request(shared: &Arc<Shared>, mut conn: Conn, head: Head) -> Opti
             let chunks = head.header_u64(CHUNKS_HEADER).unwrap_or(10);
             let every = Duration::from_millis(head.header_u64(CHUNK_MS_HEADER).unwrap_or(100));
             let mut alive = conn.stream.write_all(CHUNKED_HEAD).await.is_ok();
+            if !alive {
+                shared.answer_cut(id);
+            }
             let t0 = tokio::time::Instant::now();
             let over = t0 + every * chunks as u32;
             for i in 1..=chunks {
@@ -863,6 +891,9 @@ async fn serve_request(shared: &Arc<Shared>, mut conn: Conn, head: Head) -> Opti
                     // A stalled peer must not hold up the schedule.
                     let wrote = tokio::time::timeout_at(over, conn.stream.write_all(&piece)).await;
                     alive = matches!(wrote, Ok(Ok(())));
+                    if !alive {
+                        shared.answer_cut(id);
+                    }
                 }
             }
             tokio::time::sleep_until(over).await;
@@ -871,7 +902,10 @@ async fn serve_request(shared: &Arc<Shared>, mut conn: Conn, head: Head) -> Opti
             if !alive {
                 return None;
             }
-            conn.stream.write_all(LAST_CHUNK).await.ok()?;
+            if conn.stream.write_all(LAST_CHUNK).await.is_err() {
+                shared.answer_cut(id);
+                return None;
+            }
             Some(conn)
         }
     }
