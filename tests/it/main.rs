@@ -6,6 +6,7 @@ mod chaos;
 mod client;
 mod config_errors;
 mod durability;
+mod exchange_lifetime;
 mod group_commit;
 mod headers;
 mod jwt_tokens;
