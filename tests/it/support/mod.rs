@@ -5,6 +5,7 @@ pub mod db;
 pub mod holders;
 pub mod pg;
 pub mod process;
+pub mod raw_upstream;
 pub mod redis;
 pub mod upstream;
 

@@ -1,0 +1,790 @@
+//! How long a fenced write's exchange keeps its key closed (CONTRACT.md, "A
+//! fenced write"): a key opens for a different token only when the upstream
+//! is done with the older write — its request body fully sent and its answer
+//! ended normally. An exchange that ends any other way (a break in either
+//! direction, the client leaving before or after the response head, an
+//! answer that comes while the request body is still being sent) keeps the
+//! key closed until the route's `timeout_ms` since the forward began. The
+//! whole exchange (request body, response head and body) is bounded by
+//! `timeout_ms`: when it runs out the gateway cuts both directions, and the
+//! key reopens then.
+//!
+//! Every case runs on three set-ups: single mode on SQLite, single mode on
+//! Postgres, and two shared-mode instances on one Postgres (token 1 through
+//! instance A, token 2 through instance B). The checks are made at the
+//! upstream ([`RawUpstream`]): no breach of the guarantee, the apply order,
+//! and when token 2 arrived.
+//!
+//! The cases: 1. the upstream breaks the connection after the head; 2. the
+//! client leaves while the answer streams; 3. the client leaves before the
+//! head; 4. the upstream answers before it has read the body (the body keeps
+//! coming and is applied afterwards); 5. an answer streaming longer than
+//! `timeout_ms` is cut then; 6. control: a normal exchange reopens the key at
+//! once. Then a randomized mix of all of it on three keys.
+//!
+//! Timing: `timeout_ms` is 2 s and the upstream's work about 0.5 s. "Token 2
+//! arrived no earlier than `timeout_ms` after token 1's forward began" is
+//! checked against the moment the test *sent* token 1, which is before the
+//! forward began: the bound can only be looser than the contract's, never
+//! stricter, so a slow machine cannot make a correct gateway fail it. The
+//! only upper bounds (case 5: token 2 comes before the upstream's 5 s stream
+//! would end; case 6: token 2 comes before `timeout_ms`) leave seconds of
+//! slack.
+
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use rand::Rng;
+use tokio::io::AsyncWriteExt;
+use tokio::net::TcpStream;
+
+use crate::support::app::{docs_route, TestApp};
+use crate::support::db::{Backend, TestStore};
+use crate::support::raw_upstream::{
+    chunk, read_response, read_response_head, Behaviour, RawUpstream, BEHAVIOUR_HEADER,
+    CHUNKS_HEADER, CHUNK_MS_HEADER, FENCE_HEADER, ID_HEADER, WORK_HEADER,
+};
+
+/// The route's `timeout_ms` in the single-exchange cases.
+const TIMEOUT: Duration = Duration::from_millis(2000);
+/// The upstream's work on token 1, well inside `TIMEOUT`.
+const WORK_MS: u64 = 500;
+/// Upper bound for the upstream to finish everything it was sent.
+const SETTLE: Duration = Duration::from_secs(15);
+/// How long after token 1's exchange went wrong token 2 is sent, while the
+/// upstream is still busy with token 1. Not at once: in shared mode a
+/// write's `timeout_ms` is counted from when it starts waiting for the key
+/// in Postgres, not from its forward, so a token 2 that waited out token
+/// 1's hold from the very start would have almost no time left for its own
+/// exchange (and could be answered 504) on a gateway that is otherwise
+/// right.
+const TOKEN_2_PAUSE: Duration = Duration::from_millis(200);
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Setup {
+    SingleSqlite,
+    SinglePostgres,
+    SharedPostgres,
+}
+
+/// The gateway(s) under test, the raw upstream behind them, the store.
+struct Rig {
+    /// One instance in single mode; A and B in shared mode.
+    apps: Vec<TestApp>,
+    up: RawUpstream,
+    /// A client with a bound, so that a stuck gateway fails the test.
+    http: reqwest::Client,
+    _store: TestStore,
+}
+
+impl Rig {
+    async fn new(setup: Setup, timeout: Duration) -> Rig {
+        let up = RawUpstream::start().await;
+        let backend = match setup {
+            Setup::SingleSqlite => Backend::Sqlite,
+            Setup::SinglePostgres | Setup::SharedPostgres => Backend::Postgres,
+        };
+        let store = TestStore::new(backend).await;
+        let routes = format!(
+            "{}timeout_ms = {}\n",
+            docs_route(&up.url()),
+            timeout.as_millis()
+        );
+        let apps = match setup {
+            Setup::SharedPostgres => {
+                // Continues the `[store]` table that `config_text` opens.
+                let extra = format!("mode = \"shared\"\n{routes}");
+                vec![
+                    TestApp::spawn(&store.url, &extra).await,
+                    TestApp::spawn(&store.url, &extra).await,
+                ]
+            }
+            _ => vec![TestApp::spawn(&store.url, &routes).await],
+        };
+        let http = reqwest::Client::builder()
+            .timeout(Duration::from_secs(20))
+            .build()
+            .expect("reqwest client");
+        Rig {
+            apps,
+            up,
+            http,
+            _store: store,
+        }
+    }
+
+    /// The instance token 1 goes through.
+    fn a(&self) -> &TestApp {
+        &self.apps[0]
+    }
+
+    /// The instance token 2 goes through (A itself in single mode).
+    fn b(&self) -> &TestApp {
+        self.apps.last().expect("an instance")
+    }
+
+    /// Sends token 2 on `path` through B in a task (a normal write, no
+    /// work); the task answers the gateway's status.
+    fn send_token_2(&self, path: &str) -> tokio::task::JoinHandle<u16> {
+        let req = self
+            .http
+            .put(self.b().url(path))
+            .header(FENCE_HEADER, "2")
+            .body("two");
+        tokio::spawn(async move {
+            let resp = req.send().await.expect("the gateway answers token 2");
+            let status = resp.status().as_u16();
+            let _ = resp.bytes().await;
+            status
+        })
+    }
+}
+
+/// A write's request head for a raw client; `length` is `Some(n)` for a
+/// Content-Length body, `None` for a chunked one.
+fn write_head(
+    path: &str,
+    token: i64,
+    behaviour: Behaviour,
+    extra: &[(&str, &str)],
+    length: Option<usize>,
+) -> String {
+    let mut h = format!(
+        "PUT {path} HTTP/1.1\r\nhost: gateway\r\n{FENCE_HEADER}: {token}\r\n\
+         {BEHAVIOUR_HEADER}: {}\r\n",
+        behaviour.as_str()
+    );
+    for (n, v) in extra {
+        h.push_str(&format!("{n}: {v}\r\n"));
+    }
+    match length {
+        Some(n) => h.push_str(&format!("content-length: {n}\r\n\r\n")),
+        None => h.push_str("transfer-encoding: chunked\r\n\r\n"),
+    }
+    h
+}
+
+/// Sends a whole write (head and Content-Length body) on a new connection.
+async fn raw_write(
+    app: &TestApp,
+    path: &str,
+    token: i64,
+    behaviour: Behaviour,
+    extra: &[(&str, &str)],
+    body: &str,
+) -> TcpStream {
+    let mut s = TcpStream::connect(app.addr).await.expect("connect");
+    let raw = format!(
+        "{}{body}",
+        write_head(path, token, behaviour, extra, Some(body.len()))
+    );
+    s.write_all(raw.as_bytes()).await.expect("send the write");
+    s
+}
+
+/// Waits until `cond` holds, or panics after 10 s.
+async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// The upstream's side after token 1's exchange ended abnormally and token
+/// 2 followed: no breach, 1 applied before 2, token 2 arrived only after the
+/// upstream was done with token 1, and not before `timeout_ms` since token
+/// 1 was sent.
+async fn assert_key_held_until_timeout(rig: &Rig, path: &str, sent1: Instant) {
+    rig.up.settle(SETTLE).await;
+    let timeline = timeline(&rig.up, path, sent1);
+    let violations = rig.up.violations();
+    assert!(
+        violations.is_empty(),
+        "the upstream saw the guarantee broken:\n{}\n{timeline}",
+        violations.join("\n")
+    );
+    assert_eq!(
+        rig.up.applied_tokens(path),
+        vec![1, 2],
+        "apply order\n{timeline}"
+    );
+    let (w1, w2) = (rig.up.write(path, 1), rig.up.write(path, 2));
+    let ended1 = w1.ended.expect("the upstream is done with token 1");
+    assert!(
+        w2.started >= ended1,
+        "token 2 reached the upstream {:?} before it was done with token 1",
+        ended1.saturating_duration_since(w2.started)
+    );
+    let after = w2.started.saturating_duration_since(sent1);
+    assert!(
+        after >= TIMEOUT,
+        "token 2 reached the upstream {after:?} after token 1 was sent: after an \
+         exchange that did not end normally the key must stay closed until timeout_ms \
+         ({TIMEOUT:?}) since token 1's forward began"
+    );
+}
+
+/// The writes on `path` as the upstream saw them, in ms since `t0`.
+fn timeline(up: &RawUpstream, path: &str, t0: Instant) -> String {
+    let ms = |t: Instant| t.saturating_duration_since(t0).as_millis();
+    let mut out = format!("writes on {path}, ms since token 1 was sent:\n");
+    for w in up.writes().iter().filter(|w| w.path == path) {
+        out.push_str(&format!(
+            "  token {:?} {}: started {}, body {} bytes{}, last byte {:?}, applied {:?}{}, ended {:?}\n",
+            w.token,
+            w.behaviour.as_str(),
+            ms(w.started),
+            w.body_bytes,
+            if w.body_complete { "" } else { " (incomplete)" },
+            w.last_body_byte.map(ms),
+            w.applied_at.map(ms),
+            if w.aborted { " (aborted)" } else { "" },
+            w.ended.map(ms),
+        ));
+    }
+    out
+}
+
+/// One test per set-up for a case.
+macro_rules! on_every_setup {
+    ($case:ident) => {
+        mod $case {
+            use super::Setup;
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn single_sqlite() {
+                super::$case(Setup::SingleSqlite).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn single_postgres() {
+                super::$case(Setup::SinglePostgres).await
+            }
+
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn shared_postgres() {
+                super::$case(Setup::SharedPostgres).await
+            }
+        }
+    };
+}
+
+on_every_setup!(upstream_breaks_after_the_head);
+on_every_setup!(client_leaves_during_the_answer);
+on_every_setup!(client_leaves_before_the_head);
+on_every_setup!(answer_while_the_body_is_sent);
+on_every_setup!(exchange_cut_at_timeout);
+on_every_setup!(normal_exchange_reopens_at_once);
+
+/// 1. The upstream sends the head and a chunk, resets the connection, and
+///    goes on working. The client sees the body break off; token 2, sent
+///    right after, must not reach the upstream before token 1 is applied.
+async fn upstream_breaks_after_the_head(setup: Setup) {
+    let rig = Rig::new(setup, TIMEOUT).await;
+    let path = "/docs/broken";
+    let sent1 = Instant::now();
+    let work = WORK_MS.to_string();
+    let mut s = raw_write(
+        rig.a(),
+        path,
+        1,
+        Behaviour::BreakAfterHead,
+        &[(WORK_HEADER, &work)],
+        "one",
+    )
+    .await;
+    let resp = read_response(&mut s, &mut BytesMut::new())
+        .await
+        .expect("token 1's answer head");
+    assert_eq!(resp.status, 200, "{resp:?}");
+    assert!(!resp.complete, "the client must see the break: {resp:?}");
+    // Token 1 is worked on until ~530 ms; see `TOKEN_2_PAUSE`.
+    tokio::time::sleep(TOKEN_2_PAUSE).await;
+    let two = rig.send_token_2(path);
+    assert_eq!(two.await.unwrap(), 200, "token 2 is forwarded eventually");
+    assert_key_held_until_timeout(&rig, path, sent1).await;
+}
+
+/// 2. The upstream streams its answer slowly; the client reads the head and
+///    goes away. The upstream keeps working until its stream would have
+///    ended; token 2, sent right after, must wait.
+async fn client_leaves_during_the_answer(setup: Setup) {
+    let rig = Rig::new(setup, TIMEOUT).await;
+    let path = "/docs/left-after-head";
+    let sent1 = Instant::now();
+    // 10 chunks, 100 ms apart: a 1 s stream.
+    let mut s = raw_write(rig.a(), path, 1, Behaviour::SlowStream, &[], "one").await;
+    let mut buf = BytesMut::new();
+    let (status, _) = read_response_head(&mut s, &mut buf)
+        .await
+        .expect("token 1's answer head");
+    assert_eq!(status, 200);
+    drop(s); // the client leaves
+             // The upstream streams until ~1 s; see `TOKEN_2_PAUSE`.
+    tokio::time::sleep(TOKEN_2_PAUSE).await;
+    let two = rig.send_token_2(path);
+    assert_eq!(two.await.unwrap(), 200, "token 2 is forwarded eventually");
+    assert_key_held_until_timeout(&rig, path, sent1).await;
+}
+
+/// 3. The client gives up (~200 ms) while the upstream still works (800 ms)
+///    on token 1, before any answer; token 2, sent right after, must wait.
+async fn client_leaves_before_the_head(setup: Setup) {
+    let rig = Rig::new(setup, TIMEOUT).await;
+    let path = "/docs/left-before-head";
+    let sent1 = Instant::now();
+    let s = raw_write(
+        rig.a(),
+        path,
+        1,
+        Behaviour::Normal,
+        &[(WORK_HEADER, "800")],
+        "one",
+    )
+    .await;
+    // Leave only once token 1 was forwarded: a client gone before that is
+    // another story (its write is never started).
+    wait_for("token 1 at the upstream", || rig.up.arrived(path, 1) == 1).await;
+    tokio::time::sleep_until((sent1 + Duration::from_millis(200)).into()).await;
+    drop(s);
+    assert!(
+        rig.up.write(path, 1).applied_at.is_none(),
+        "the test's client must leave before the answer (800 ms of work)"
+    );
+    let two = rig.send_token_2(path);
+    assert_eq!(two.await.unwrap(), 200, "token 2 is forwarded eventually");
+    assert_key_held_until_timeout(&rig, path, sent1).await;
+}
+
+/// 4. The upstream answers right after the head, then reads the body as it
+///    comes (the client sends chunks for about 1 s), then works. Token 2,
+///    sent while token 1's body is still being sent, must not reach the
+///    upstream while token 1 is in flight.
+async fn answer_while_the_body_is_sent(setup: Setup) {
+    let rig = Rig::new(setup, TIMEOUT).await;
+    let path = "/docs/early";
+    let sent1 = Instant::now();
+    let s = TcpStream::connect(rig.a().addr).await.expect("connect");
+    let (mut rd, mut wr) = s.into_split();
+    let head = write_head(
+        path,
+        1,
+        Behaviour::EarlyAnswer,
+        &[(WORK_HEADER, "200")],
+        None,
+    );
+    wr.write_all(head.as_bytes()).await.expect("send the head");
+    // Whatever the gateway does with the early answer, read it meanwhile.
+    let reader = tokio::spawn(async move {
+        let mut buf = BytesMut::new();
+        read_response(&mut rd, &mut buf).await
+    });
+    wait_for("token 1 at the upstream", || rig.up.arrived(path, 1) == 1).await;
+
+    // Body chunks every 150 ms until 1 s after the send, then its end.
+    let body_ends = sent1 + Duration::from_millis(1000);
+    let mut two = None;
+    let mut two_sent = None;
+    let mut i = 0;
+    while Instant::now() + Duration::from_millis(150) < body_ends {
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        wr.write_all(&chunk(format!("part {i};").as_bytes()))
+            .await
+            .expect("the gateway takes token 1's body");
+        i += 1;
+        if i == 2 {
+            two_sent = Some(Instant::now());
+            two = Some(rig.send_token_2(path));
+        }
+    }
+    wr.write_all(b"0\r\n\r\n")
+        .await
+        .expect("the gateway takes token 1's body");
+    let two_sent = two_sent.expect("token 2 was sent during the body");
+    // What the client gets for token 1 is not the point here; only that
+    // the gateway is done with it.
+    let _ = tokio::time::timeout(SETTLE, reader).await;
+
+    assert_eq!(
+        two.unwrap().await.unwrap(),
+        200,
+        "token 2 is forwarded eventually"
+    );
+    rig.up.settle(SETTLE).await;
+    let w1 = rig.up.write(path, 1);
+    assert!(
+        w1.body_complete,
+        "token 1's body reached the upstream: {w1:#?}"
+    );
+    assert!(
+        two_sent < w1.last_body_byte.unwrap(),
+        "the test sent token 2 while token 1's body was still being sent"
+    );
+    assert_key_held_until_timeout(&rig, path, sent1).await;
+}
+
+/// 5. The answer streams for 5 s, longer than `timeout_ms`, to a client
+///    that keeps reading: the gateway cuts the exchange at `timeout_ms`
+///    (the client sees the body break off), and token 2, sent meanwhile,
+///    is forwarded only after the cut — and then, not when the upstream
+///    ends its stream.
+///
+/// The upstream here works past `timeout_ms` on purpose (it streams, and
+/// applies token 1, until its 5 s are over); the timeout is the bound a
+/// backend must respect, so its overlap with token 2 after the cut is the
+/// price of the bound, not a breach by the gateway, and is not checked.
+async fn exchange_cut_at_timeout(setup: Setup) {
+    let rig = Rig::new(setup, TIMEOUT).await;
+    let path = "/docs/endless";
+    let stream_len = Duration::from_millis(5000);
+    let sent1 = Instant::now();
+    let mut s = raw_write(
+        rig.a(),
+        path,
+        1,
+        Behaviour::SlowStream,
+        &[(CHUNKS_HEADER, "50"), (CHUNK_MS_HEADER, "100")],
+        "one",
+    )
+    .await;
+    let reader = tokio::spawn(async move {
+        let resp = read_response(&mut s, &mut BytesMut::new()).await;
+        (resp, Instant::now())
+    });
+    wait_for("token 1's body at the upstream", || {
+        rig.up.arrived(path, 1) == 1 && rig.up.write(path, 1).body_complete
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let two = rig.send_token_2(path);
+
+    let (resp, ended_at) = reader.await.unwrap();
+    let resp = resp.expect("token 1's answer head");
+    assert_eq!(resp.status, 200);
+    let took = ended_at.saturating_duration_since(sent1);
+    assert!(
+        !resp.complete,
+        "the client got the whole answer, streamed for {took:?}: a fenced write's \
+         exchange must be cut at timeout_ms ({TIMEOUT:?})"
+    );
+    assert!(
+        took >= TIMEOUT,
+        "the answer broke off {took:?} after the send, before timeout_ms ({TIMEOUT:?})"
+    );
+
+    assert_eq!(
+        two.await.unwrap(),
+        200,
+        "token 2 is forwarded after the cut"
+    );
+    let (w1, w2) = (rig.up.write(path, 1), rig.up.write(path, 2));
+    let after = w2.started.saturating_duration_since(sent1);
+    assert!(
+        after >= TIMEOUT,
+        "token 2 reached the upstream {after:?} after token 1 was sent, before \
+         timeout_ms ({TIMEOUT:?}) had run out"
+    );
+    assert!(
+        w2.started < w1.started + stream_len,
+        "token 2 waited for the upstream's stream to end ({:?} after token 1 was \
+         sent) instead of the cut at timeout_ms",
+        after
+    );
+    assert_eq!(rig.up.applied_tokens(path).first(), Some(&2));
+    // Both directions were cut: the upstream finds it cannot send the rest
+    // (at one of its next chunks), long before its stream would end.
+    let notice_by = w1.started + stream_len - Duration::from_millis(1000);
+    while rig.up.write(path, 1).answer_cut.is_none() && Instant::now() < notice_by {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let cut = rig
+        .up
+        .write(path, 1)
+        .answer_cut
+        .map(|t| t.saturating_duration_since(sent1));
+    assert!(
+        cut.is_some_and(|c| c >= TIMEOUT),
+        "the upstream's answer must be cut at timeout_ms ({TIMEOUT:?}) after token 1 \
+         was sent, not before; it was cut at {cut:?}"
+    );
+}
+
+/// 6. Control: after a normal exchange the key opens at once, not after
+///    `timeout_ms`.
+async fn normal_exchange_reopens_at_once(setup: Setup) {
+    let rig = Rig::new(setup, TIMEOUT).await;
+    let path = "/docs/normal";
+    let sent1 = Instant::now();
+    let resp = rig
+        .http
+        .put(rig.a().url(path))
+        .header(FENCE_HEADER, "1")
+        .header(WORK_HEADER, "300")
+        .body("one")
+        .send()
+        .await
+        .expect("token 1 answered");
+    assert_eq!(resp.status(), 200);
+    let body: serde_json::Value = resp.json().await.expect("token 1's whole answer");
+    assert_eq!(body["token"], 1);
+    assert_eq!(rig.send_token_2(path).await.unwrap(), 200);
+    rig.up.settle(SETTLE).await;
+    let violations = rig.up.violations();
+    assert!(violations.is_empty(), "{}", violations.join("\n"));
+    assert_eq!(rig.up.applied_tokens(path), vec![1, 2]);
+    let (w1, w2) = (rig.up.write(path, 1), rig.up.write(path, 2));
+    assert!(w2.started >= w1.ended.unwrap());
+    let after = w2.started.saturating_duration_since(sent1);
+    assert!(
+        after < TIMEOUT,
+        "after a normal exchange token 2 reached the upstream only {after:?} after \
+         token 1 was sent: the key must open when the answer has ended, not after \
+         timeout_ms ({TIMEOUT:?})"
+    );
+}
+
+// ---------------------------------------------------------------------------
+// A randomized mix.
+
+/// How a mixed write's client behaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Leave {
+    /// Reads the whole answer.
+    Stays,
+    /// Gives up after this many ms, before the head if it has not come.
+    BeforeHead(u64),
+    /// Drops the answer after its head.
+    AfterHead,
+}
+
+/// One write of the mix, as the client saw it.
+#[derive(Debug, Clone)]
+struct Sent {
+    id: String,
+    path: String,
+    token: i64,
+    behaviour: Behaviour,
+    leave: Leave,
+    /// The gateway's status, if the head came.
+    status: Option<u16>,
+    /// The client read the answer to its end.
+    full: bool,
+}
+
+const MIX_KEYS: usize = 3;
+const MIX_CLIENTS: usize = 12;
+const MIX_LOAD: Duration = Duration::from_secs(8);
+/// The route's `timeout_ms` in the mix: abnormal exchanges hold keys ~1 s.
+const MIX_TIMEOUT: Duration = Duration::from_millis(1000);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn randomized_mix_single_sqlite() {
+    randomized_mix(Setup::SingleSqlite).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn randomized_mix_shared_postgres() {
+    randomized_mix(Setup::SharedPostgres).await
+}
+
+/// Twelve clients write for 8 s on three keys: mostly with the key's
+/// current token, sometimes raising it; each write gets a random upstream
+/// behaviour (work up to 150 ms) and, about one time in seven, a client
+/// that leaves early. Then, at the upstream: no breach, and every write
+/// answered 200 whose behaviour was `normal` applied exactly once; nothing
+/// refused 409 arrived at all, and nothing arrived twice.
+///
+/// `early-answer` writes send the end of their body 250 ms after the
+/// upstream got the head, so the upstream's answer comes while the body is
+/// still being sent, which the gateway can see. (An answer that comes after the whole body was sent, with
+/// the upstream still working, is indistinguishable from a normal one: no
+/// proxy can protect against such an upstream.)
+async fn randomized_mix(setup: Setup) {
+    let rig = Arc::new(Rig::new(setup, MIX_TIMEOUT).await);
+    let counters: Arc<Vec<AtomicI64>> =
+        Arc::new((0..MIX_KEYS).map(|_| AtomicI64::new(1)).collect());
+    let sent: Arc<Mutex<Vec<Sent>>> = Arc::default();
+    let stop_at = Instant::now() + MIX_LOAD;
+    let mut tasks = Vec::new();
+    for client in 0..MIX_CLIENTS {
+        let (rig, counters, sent) = (rig.clone(), counters.clone(), sent.clone());
+        tasks.push(tokio::spawn(async move {
+            let mut n = 0;
+            while Instant::now() < stop_at {
+                let plan = {
+                    let mut rng = rand::thread_rng();
+                    let key = rng.gen_range(0..MIX_KEYS);
+                    let token = if rng.gen_bool(0.2) {
+                        counters[key].fetch_add(1, Ordering::SeqCst) + 1
+                    } else {
+                        counters[key].load(Ordering::SeqCst)
+                    };
+                    let behaviour = Behaviour::ALL[rng.gen_range(0..Behaviour::ALL.len())];
+                    let leave = match rng.gen_range(0..100) {
+                        0..=7 => Leave::BeforeHead(rng.gen_range(5..=120)),
+                        8..=14 => Leave::AfterHead,
+                        _ => Leave::Stays,
+                    };
+                    Plan {
+                        app: rng.gen_range(0..rig.apps.len()),
+                        key,
+                        token,
+                        behaviour,
+                        leave,
+                        work_ms: rng.gen_range(0..=150),
+                        chunks: rng.gen_range(1..=4),
+                        chunk_ms: rng.gen_range(10..=40),
+                    }
+                };
+                let id = format!("c{client}-n{n}");
+                n += 1;
+                let outcome = mixed_write(&rig, &plan, &id).await;
+                sent.lock().unwrap().push(outcome);
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("a client task");
+    }
+    rig.up.settle(SETTLE).await;
+
+    let sent = sent.lock().unwrap().clone();
+    let writes = rig.up.writes();
+    let mut statuses = std::collections::BTreeMap::new();
+    for s in &sent {
+        *statuses.entry(s.status).or_insert(0) += 1;
+    }
+    let left = sent.iter().filter(|s| s.leave != Leave::Stays).count();
+    let summary = format!(
+        "{} writes sent ({left} by clients that left early), {} arrived at the \
+         upstream, statuses {statuses:?}",
+        sent.len(),
+        writes.len()
+    );
+    eprintln!("{summary}");
+
+    let violations = rig.up.violations();
+    assert!(
+        violations.is_empty(),
+        "the upstream saw the guarantee broken {} times ({summary}); the first:\n{}",
+        violations.len(),
+        violations[..violations.len().min(12)].join("\n")
+    );
+    let mut arrivals = std::collections::HashMap::<&str, Vec<_>>::new();
+    for w in &writes {
+        let id = w.test_id.as_deref().expect("every mixed write has an id");
+        arrivals.entry(id).or_default().push(w);
+    }
+    for (id, ws) in &arrivals {
+        assert_eq!(ws.len(), 1, "write {id} arrived {} times", ws.len());
+    }
+    let mut normal_acked = 0;
+    for s in &sent {
+        let arrived = arrivals.get(s.id.as_str());
+        if s.status == Some(409) {
+            assert!(arrived.is_none(), "write {s:?} was refused but forwarded");
+        }
+        if s.behaviour == Behaviour::Normal && s.status == Some(200) && s.full {
+            normal_acked += 1;
+            let applied = arrived.is_some_and(|ws| ws[0].applied_at.is_some());
+            assert!(applied, "write {s:?} was answered 200 but not applied");
+            assert_eq!(arrived.unwrap()[0].token, Some(s.token));
+            assert_eq!(arrived.unwrap()[0].path, s.path);
+        }
+    }
+    assert!(
+        normal_acked >= 5,
+        "the mix did too little work to mean anything ({summary})"
+    );
+}
+
+/// A mixed write's random choices.
+struct Plan {
+    app: usize,
+    key: usize,
+    token: i64,
+    behaviour: Behaviour,
+    leave: Leave,
+    work_ms: u64,
+    chunks: u64,
+    chunk_ms: u64,
+}
+
+async fn mixed_write(rig: &Arc<Rig>, plan: &Plan, id: &str) -> Sent {
+    let path = format!("/docs/mix{}", plan.key);
+    let app = &rig.apps[plan.app];
+    let mut req = rig
+        .http
+        .put(app.url(&path))
+        .timeout(Duration::from_secs(10))
+        .header(FENCE_HEADER, plan.token.to_string())
+        .header(BEHAVIOUR_HEADER, plan.behaviour.as_str())
+        .header(WORK_HEADER, plan.work_ms.to_string())
+        .header(ID_HEADER, id);
+    req = match plan.behaviour {
+        Behaviour::SlowStream => req
+            .header(CHUNKS_HEADER, plan.chunks.to_string())
+            .header(CHUNK_MS_HEADER, plan.chunk_ms.to_string())
+            .body(id.to_string()),
+        Behaviour::EarlyAnswer => {
+            // The body's end comes 250 ms after the upstream has the head
+            // (and has answered), so that the gateway sees the answer while
+            // the body is still being sent. Timed from the send instead, the
+            // whole body could be waiting at the gateway when the write is
+            // let through, and go out before the answer comes back.
+            let (rig, id) = (rig.clone(), id.to_string());
+            let stream = futures_util::stream::unfold(0usize, move |i| {
+                let (rig, id) = (rig.clone(), id.clone());
+                async move {
+                    match i {
+                        0 => Some((Ok::<_, std::io::Error>(Bytes::from(format!("{id}:"))), 1)),
+                        1 => {
+                            let give_up = Instant::now() + Duration::from_secs(10);
+                            while rig.up.arrived_id(&id) == 0 && Instant::now() < give_up {
+                                tokio::time::sleep(Duration::from_millis(5)).await;
+                            }
+                            tokio::time::sleep(Duration::from_millis(250)).await;
+                            Some((Ok(Bytes::from_static(b"rest")), 2))
+                        }
+                        _ => None,
+                    }
+                }
+            });
+            req.body(reqwest::Body::wrap_stream(stream))
+        }
+        _ => req.body(id.to_string()),
+    };
+    let mut out = Sent {
+        id: id.to_string(),
+        path,
+        token: plan.token,
+        behaviour: plan.behaviour,
+        leave: plan.leave,
+        status: None,
+        full: false,
+    };
+    match plan.leave {
+        Leave::BeforeHead(ms) => {
+            if let Ok(Ok(resp)) = tokio::time::timeout(Duration::from_millis(ms), req.send()).await
+            {
+                // The head came first; the client leaves all the same.
+                out.status = Some(resp.status().as_u16());
+            }
+        }
+        Leave::AfterHead => {
+            if let Ok(resp) = req.send().await {
+                out.status = Some(resp.status().as_u16());
+            }
+        }
+        Leave::Stays => {
+            if let Ok(resp) = req.send().await {
+                out.status = Some(resp.status().as_u16());
+                out.full = resp.bytes().await.is_ok();
+            }
+        }
+    }
+    out
+}
