@@ -906,4 +906,57 @@ mod tests {
             assert_eq!(b64url_decode(&b64url(&bytes)).unwrap(), bytes);
         }
     }
+
+    /// `value` as base64url whose last character has spare low bits (the
+    /// length is not a multiple of 4), made so by growing a field `x`.
+    fn with_spare_bits(mut value: Value) -> String {
+        loop {
+            let text = b64url(value.to_string().as_bytes());
+            if !text.len().is_multiple_of(4) {
+                return text;
+            }
+            value["x"] = json!(format!("{}x", value["x"].as_str().unwrap_or_default()));
+        }
+    }
+
+    /// `text` (from [`with_spare_bits`]) with its last character's lowest
+    /// spare bit set: the same bytes to a lax decoder, refused by a strict one.
+    fn with_trailing_bits(text: &str) -> String {
+        let alphabet = base64::alphabet::URL_SAFE.as_str();
+        let (head, last) = text.split_at(text.len() - 1);
+        let value = alphabet.find(last).unwrap() | 1;
+        format!("{head}{}", &alphabet[value..=value])
+    }
+
+    /// `header.payload`, signed by the real k1 key.
+    fn k1_signed(header: &str, payload: &str) -> String {
+        let message = format!("{header}.{payload}");
+        let sig = jsonwebtoken::crypto::sign(
+            message.as_bytes(),
+            &ed_signing_key("ed25519.pem"),
+            Algorithm::EdDSA,
+        )
+        .unwrap();
+        format!("{message}.{sig}")
+    }
+
+    #[test]
+    fn padded_or_non_canonical_segments_are_malformed() {
+        let keys = keys();
+        let header = with_spare_bits(json!({"alg": "EdDSA", "kid": "k1"}));
+        let claims = with_spare_bits(good_claims());
+        let token = k1_signed(&header, &claims);
+        assert_eq!(keys.verify(&token, "doc:1").unwrap().fence, 7);
+        let padded = |text: &str| format!("{text}{}", "=".repeat(4 - text.len() % 4));
+        for (header, claims) in [
+            (padded(&header), claims.clone()),
+            (header.clone(), padded(&claims)),
+            (with_trailing_bits(&header), claims.clone()),
+            (header.clone(), with_trailing_bits(&claims)),
+        ] {
+            // Signed as presented, so only the encoding is wrong.
+            let token = k1_signed(&header, &claims);
+            assert_eq!(rejected(&keys, &token), "malformed token", "{token}");
+        }
+    }
 }
