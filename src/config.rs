@@ -319,9 +319,9 @@ struct RawTokens {
 impl Default for RawTokens {
     fn default() -> Self {
         Self {
-            issuer: "fencegate".into(),
+            issuer: crate::jwt::DEFAULT_ISSUER.into(),
             signing_kid: None,
-            leeway_s: 5,
+            leeway_s: crate::jwt::DEFAULT_LEEWAY.as_secs(),
             keys: Vec::new(),
         }
     }
