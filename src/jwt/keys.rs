@@ -80,8 +80,9 @@ impl JwtKeys {
     /// private half. Relative paths are used as given (relative to the
     /// working directory); the config loader resolves them if it wants to.
     ///
-    /// `env` looks up environment variables (tests pass a closure; the
-    /// program passes `|name| std::env::var(name).ok()`).
+    /// `env` looks up the variables named by `secret_env`. It is a parameter,
+    /// not `std::env::var`, so the secrets come from the environment the
+    /// config loader was given (the process's, or a test's list).
     ///
     /// # Errors
     ///
@@ -610,5 +611,54 @@ mod tests {
         let p = problems(&TokensSettings::default());
         assert_eq!(p.len(), 1, "{p:#?}");
         assert_eq!(p[0].0, "tokens.keys");
+    }
+
+    #[test]
+    fn the_config_loader_takes_hs256_secrets_from_the_environment_it_is_given() {
+        const VAR: &str = "FENCEGATE_TEST_INJECTED_HS256_SECRET";
+        assert!(
+            std::env::var_os(VAR).is_none(),
+            "{VAR} is set in the process"
+        );
+        let text = format!(
+            r#"
+            [tokens]
+            signing_kid = "h1"
+            [[tokens.keys]]
+            kid = "h1"
+            algorithm = "HS256"
+            secret_env = "{VAR}"
+            "#
+        );
+        let tokens = |secret: Option<&str>| {
+            let env = secret.map(|s| (VAR.to_owned(), s.to_owned()));
+            crate::config::Config::from_toml("t.toml", &text, env).map(|c| c.tokens.unwrap())
+        };
+        let err = tokens(None).unwrap_err().to_string();
+        assert!(
+            err.contains(&format!("tokens.keys[0].secret_env: {VAR} is not set")),
+            "{err}"
+        );
+
+        // Tokens signed with the injected secret verify with a key holding
+        // the same secret (HS_SECRET is SECRET), and with no other.
+        let verifier = JwtKeys::load(
+            &TokensSettings {
+                keys: vec![hs_key("h1", "HS_SECRET")],
+                ..TokensSettings::default()
+            },
+            &env,
+        )
+        .unwrap();
+        let now = chrono::Utc::now().timestamp();
+        let signer = tokens(Some(SECRET)).unwrap();
+        let token = signer.sign("doc:1", 3, now, now + 60).unwrap();
+        assert_eq!(verifier.verify(&token, "doc:1").unwrap().fence, 3);
+        let other = tokens(Some(&SECRET.replace('0', "1"))).unwrap();
+        let token = other.sign("doc:1", 3, now, now + 60).unwrap();
+        assert_eq!(
+            verifier.verify(&token, "doc:1"),
+            Err(crate::jwt::JwtRejection::Invalid("bad signature".into()))
+        );
     }
 }
