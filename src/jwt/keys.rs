@@ -77,8 +77,9 @@ impl JwtKeys {
     /// key of the right type (with a hint for SEC1 `EC PRIVATE KEY` files),
     /// a private key that does not match its public key, a secret shorter
     /// than [`MIN_HS256_SECRET_LEN`] bytes, and a signing key without a
-    /// private half. Relative paths are used as given (relative to the
-    /// working directory); the config loader resolves them if it wants to.
+    /// private half. Relative paths are used as given, i.e. relative to the
+    /// working directory (the config loader has already resolved them
+    /// against the config file's directory).
     ///
     /// `env` looks up the variables named by `secret_env`. It is a parameter,
     /// not `std::env::var`, so the secrets come from the environment the

@@ -9,18 +9,19 @@
 //! # Security choices
 //!
 //! * **The configuration decides the algorithm, never the token.** The
-//!   header is decoded only to read `kid` (and to compare `alg`). The `kid` is
-//!   looked up only in the configured key list: it is never used as a path or
-//!   URL, and the `jku`, `x5u`, `x5c` and `jwk` headers are ignored. The
-//!   [`Validation`](jsonwebtoken::Validation) for a key is built with exactly that key's one algorithm,
-//!   and a header `alg` different from the key's is rejected with its own
-//!   reason before any cryptography runs. There is no `none` algorithm
-//!   (jsonwebtoken has none either), and signature validation is never
-//!   disabled. So an HS256 key never verifies an EdDSA/ES256 token and vice
-//!   versa: the classic "HMAC signed with the public key" forgery fails at
-//!   the `alg` comparison, and again inside jsonwebtoken, whose validation
-//!   lists only the key's algorithm and whose HMAC verifier refuses a
-//!   non-HMAC key.
+//!   header is decoded only to read `kid`, `alg` (to compare it with the
+//!   key's) and whether `crit` is present. The `kid` is looked up only in the
+//!   configured key list: it is never used as a path or URL, and the `jku`,
+//!   `x5u`, `x5c` and `jwk` headers are ignored. The
+//!   [`Validation`](jsonwebtoken::Validation) for a key is built with exactly
+//!   that key's one algorithm, and a header `alg` different from the key's is
+//!   rejected with its own reason before any cryptography runs. There is no
+//!   `none` algorithm (jsonwebtoken has none either), and signature
+//!   validation is never disabled. So an HS256 key never verifies an
+//!   EdDSA/ES256 token and vice versa: the classic "HMAC signed with the
+//!   public key" forgery fails at the `alg` comparison, and again inside
+//!   jsonwebtoken, whose validation lists only the key's algorithm and whose
+//!   HMAC verifier refuses a non-HMAC key.
 //! * **Only three algorithms**: EdDSA (Ed25519), ES256 (P-256) and HS256.
 //!   RSA is not offered (large keys, padding pitfalls, nothing gained here).
 //! * **Keys are checked when loaded**, not at the first request: every PEM
@@ -52,7 +53,8 @@
 //! * **No key material in logs**: [`JwtKeys`]'s `Debug` prints kids,
 //!   algorithms and which halves are present, never key bytes or secrets;
 //!   load problems name files and variables, never their contents. A `kid`
-//!   echoed in a rejection is truncated and stripped of control characters.
+//!   or `alg` echoed in a rejection is truncated and its control characters
+//!   are replaced.
 
 use std::collections::HashMap;
 use std::fmt;
@@ -71,7 +73,7 @@ pub const MAX_TOKEN_LEN: usize = 8 * 1024;
 /// output, as RFC 7518 §3.2 requires).
 pub const MIN_HS256_SECRET_LEN: usize = 32;
 
-/// Largest accepted `tokens.leeway`, in seconds. Clock skew beyond a few
+/// Largest accepted `tokens.leeway_s`, in seconds. Clock skew beyond a few
 /// seconds is a fault to fix, not to tolerate, and a huge leeway would make
 /// `exp` meaningless.
 pub const MAX_LEEWAY_SECS: u64 = 300;
@@ -79,7 +81,7 @@ pub const MAX_LEEWAY_SECS: u64 = 300;
 /// The default `tokens.issuer`.
 pub const DEFAULT_ISSUER: &str = "fencegate";
 
-/// The default `tokens.leeway`.
+/// The default `tokens.leeway_s`.
 pub const DEFAULT_LEEWAY: std::time::Duration = std::time::Duration::from_secs(5);
 
 /// The `[tokens]` section as written (the config loader fills this).
@@ -161,8 +163,8 @@ pub enum JwtError {
         /// [`MAX_TOKEN_LEN`].
         max: usize,
     },
-    /// jsonwebtoken failed to sign (should not happen: keys are test-signed
-    /// when loaded).
+    /// jsonwebtoken failed to sign (should not happen: private keys are
+    /// test-signed when loaded, and HMAC takes any secret).
     #[error("signing failed: {0}")]
     Signing(#[source] jsonwebtoken::errors::Error),
 }

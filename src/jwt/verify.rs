@@ -9,7 +9,8 @@ use serde_json::Value;
 use super::keys::LoadedKey;
 use super::{FenceClaims, JwtError, JwtKeys, JwtRejection, MAX_TOKEN_LEN};
 
-/// Longest `kid` (in characters) echoed back in a rejection reason.
+/// Longest client-supplied string (a `kid` or `alg`), in characters, echoed
+/// back in a rejection reason.
 const MAX_SHOWN_KID: usize = 64;
 
 fn invalid(reason: impl Into<String>) -> JwtRejection {
@@ -70,12 +71,12 @@ impl JwtKeys {
 
     /// Verifies a token presented for resource key `resource_key`.
     ///
-    /// Checks, in order: length; shape; header (`crit` absent, `alg` and
-    /// `kid` present, `kid` configured, `alg` equal to the key's); then, in
+    /// Checks, in order: length; shape; header (`alg` and `kid` present,
+    /// `kid` configured, `crit` absent, `alg` equal to the key's); then, in
     /// jsonwebtoken with only the key's algorithm allowed: signature,
     /// presence of `exp`, `iss`, `sub`, expiry with leeway, `nbf` if
-    /// present, issuer, no `aud`; then `iat`, `fence`, `iss` and `sub` types
-    /// and values. Every failure is [`JwtRejection::Invalid`], except a
+    /// present, issuer, no `aud`; then `exp`, `iat`, `fence`, `iss` and `sub`
+    /// types and values. Every failure is [`JwtRejection::Invalid`], except a
     /// token valid in every respect whose `sub` is not `resource_key`:
     /// [`JwtRejection::WrongSubject`].
     ///
@@ -213,7 +214,8 @@ fn read_header(token: &str) -> Result<HeaderFields, JwtRejection> {
 }
 
 /// Signature and registered-claim checks, by jsonwebtoken, with the key's
-/// own [`Validation`](jsonwebtoken::Validation) (its one algorithm). Returns the claims as JSON.
+/// own [`Validation`](jsonwebtoken::Validation) (its one algorithm). Returns
+/// the claims as JSON.
 fn check_signed(token: &str, key: &LoadedKey) -> Result<Value, JwtRejection> {
     match jsonwebtoken::decode::<Value>(token, &key.decoding, &key.validation) {
         Ok(data) => Ok(data.claims),
@@ -260,7 +262,8 @@ fn claim_present(token: &str, name: &str) -> bool {
 }
 
 /// A client-supplied string made safe to echo: at most [`MAX_SHOWN_KID`]
-/// characters, control characters replaced.
+/// characters, control characters replaced (the reason is logged and sent
+/// back in the problem detail).
 fn shown(s: &str) -> String {
     let mut out: String = s
         .chars()
@@ -276,7 +279,9 @@ fn shown(s: &str) -> String {
 /// Strict unpadded base64url (RFC 4648 §5), as JWS uses: no padding, no
 /// whitespace, no stray bits in the last character. `URL_SAFE_NO_PAD`
 /// decodes with `DecodePaddingMode::RequireNone` and, like every
-/// `GeneralPurposeConfig` unless told otherwise, refuses trailing bits.
+/// `GeneralPurposeConfig` unless told otherwise, refuses trailing bits. It is
+/// also the engine jsonwebtoken decodes with, so a header read here is one
+/// jsonwebtoken reads the same way.
 fn b64url_decode(text: &str) -> Option<Vec<u8>> {
     URL_SAFE_NO_PAD.decode(text).ok()
 }
@@ -574,8 +579,8 @@ mod tests {
             Some((&ed_signing_key("ed25519-other.pem"), Algorithm::EdDSA)),
         );
         assert_eq!(rejected(&keys, &token), "bad signature");
-        // Same for ES256 signed with another P-256 key? We have one pair;
-        // a P-384-signed ES256 token cannot be made, so flip a signature byte.
+        // The fixtures hold one P-256 pair (and a P-384 key cannot sign
+        // ES256), so an ES256 signature is spoiled by flipping a byte.
         let token = keys_signing_with("e1")
             .sign("doc:1", 1, now(), now() + 60)
             .unwrap();
