@@ -342,9 +342,9 @@ struct RawTokens {
 impl Default for RawTokens {
     fn default() -> Self {
         Self {
-            issuer: "fencegate".into(),
+            issuer: crate::jwt::DEFAULT_ISSUER.into(),
             signing_kid: None,
-            leeway_s: 5,
+            leeway_s: crate::jwt::DEFAULT_LEEWAY.as_secs(),
             keys: Vec::new(),
         }
     }
@@ -439,7 +439,8 @@ impl Config {
                 why: format!("not valid TOML: {}", e.message()),
             }])
         })?;
-        let overridden = apply_env_overrides(&mut table, env).map_err(fail)?;
+        let env: Vec<(String, String)> = env.into_iter().collect();
+        let overridden = apply_env_overrides(&mut table, env.iter().cloned()).map_err(fail)?;
         let describe = |key: String| match overridden.get(&key) {
             Some(var) => format!("{key} (from {var})"),
             None => key,
@@ -471,6 +472,7 @@ impl Config {
         let mut v = Validator {
             problems,
             describe: &describe,
+            env: &env,
         };
         let config = v.config(file, raw);
         if v.problems.is_empty() {
@@ -611,6 +613,8 @@ fn set_in_value(
 struct Validator<'a> {
     problems: Vec<ConfigProblem>,
     describe: &'a dyn Fn(String) -> String,
+    /// The loader's environment, where HS256 secrets (`secret_env`) are read.
+    env: &'a [(String, String)],
 }
 
 impl Validator<'_> {
@@ -835,7 +839,9 @@ impl Validator<'_> {
             );
             return None;
         }
-        match crate::jwt::JwtKeys::load(&settings, &|name| std::env::var(name).ok()) {
+        let env = self.env;
+        let lookup = |name: &str| env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
+        match crate::jwt::JwtKeys::load(&settings, &lookup) {
             Ok(k) => Some(std::sync::Arc::new(k)),
             Err(problems) => {
                 for (key, why) in problems {
