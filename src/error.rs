@@ -225,6 +225,16 @@ impl GatewayError {
                 header::RETRY_AFTER,
                 HeaderValue::from(retry_after.as_secs().max(1)),
             ),
+            GatewayError::Store(crate::store::StoreError::Late) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "decision-late",
+                "Decision too late",
+                "the write was admitted, but this instance stalled before it could be forwarded within the time other instances allow it; nothing was forwarded",
+            )
+            .header(
+                header::RETRY_AFTER,
+                HeaderValue::from(retry_after.as_secs().max(1)),
+            ),
             GatewayError::Store(_) => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-unavailable",

@@ -23,8 +23,13 @@ pub struct Admission {
     _lock: Option<KeyLock>,
     /// `shared` mode: other instances assume this write may be in flight
     /// until this instant if we crash, so the forward must end by then.
-    pub deadline: Option<Instant>,
+    pub must_end_by: Option<Instant>,
 }
+
+/// How much longer than the forward's own bound a shared-mode in-flight
+/// marker lasts: room for the time between writing the marker and starting
+/// the forward.
+const MARKER_SLACK: Duration = Duration::from_secs(1);
 
 /// Cheap to clone: a store handle and the shared gate.
 #[derive(Clone)]
@@ -92,7 +97,7 @@ impl Fence {
         Ok(Admission {
             _permit: permit,
             _lock: None,
-            deadline: None,
+            must_end_by: None,
         })
     }
 
@@ -112,8 +117,9 @@ impl Fence {
         // The shared gate is not exact: every write goes to Postgres.
         let (Arrival::Record(mut ticket) | Arrival::Recorded(mut ticket)) = arrival;
         // A little more than the forward's own bound, for the time between
-        // this statement and the forward's start.
-        let marker = hold + Duration::from_secs(1);
+        // the marker's write and the forward's start (a forward that would
+        // run past the marker is not started: see `must_end_by`).
+        let marker = hold + MARKER_SLACK;
         let entered = pg.enter(key, token, marker).await;
         let lock = match entered {
             Ok(Entered::Stale(highest)) => {
@@ -135,7 +141,7 @@ impl Fence {
             .map_err(|s| stale(key, token, s.highest))?;
         Ok(Admission {
             _permit: permit,
-            deadline: Some(lock.entered_at() + hold),
+            must_end_by: Some(lock.marker_until()),
             _lock: Some(lock),
         })
     }

@@ -27,6 +27,7 @@ use crate::jwt::JwtRejection;
 use crate::metrics::{Metrics, Outcome, RouteMetrics, StoreOp, UpstreamFailure};
 use crate::proxy::{self, BodyOutcome, HoldingBody, LimitedBody, UpstreamClient};
 use crate::routing::{self, PathError};
+use crate::store::StoreError;
 use crate::token::{self, TokenError};
 
 /// A configured route with its metric handles.
@@ -96,7 +97,7 @@ pub async fn respond(
             result
         }
         Admitted::PassThrough { route, req } => {
-            let result = forward(&state, &route, req, peer, None, None).await;
+            let result = forward(&state, &route, req, peer, None).await;
             account(&state, Some(&route), false, true, &result);
             result
         }
@@ -186,7 +187,8 @@ fn refusal_outcome(e: &GatewayError) -> Option<Outcome> {
             // was known to be fenced.
             C::NoRoute { .. } | C::BadPath(_) | C::MethodNotAllowed { .. } => return None,
         },
-        GatewayError::Store(crate::store::StoreError::KeyBusy(_)) => Outcome::KeyBusy,
+        GatewayError::Store(StoreError::KeyBusy(_)) => Outcome::KeyBusy,
+        GatewayError::Store(StoreError::Late) => Outcome::Late,
         GatewayError::Store(_) => Outcome::StoreUnavailable,
         // Counted where they happen (upstream) or a bug (internal).
         GatewayError::Upstream(_) | GatewayError::Internal(_) => return None,
@@ -387,16 +389,16 @@ impl FencedWrite {
             // recorded, which only ever makes older holders stale sooner.
             return (false, Err(ClientError::ClientGone.into()));
         }
-        let deadline = admission.deadline;
-        let result = forward(
-            state,
-            &self.route,
-            self.req,
-            peer,
-            Some(admission),
-            deadline,
-        )
-        .await;
+        if let Some(end) = admission.must_end_by {
+            // Shared mode, after a long stall between the decision and now
+            // (a paused process): other instances would consider this write
+            // over before its exchange could run its course, so it must not
+            // start. Nothing was sent; the key opens again.
+            if end.saturating_duration_since(Instant::now()) < self.route.timeout {
+                return (false, Err(StoreError::Late.into()));
+            }
+        }
+        let result = forward(state, &self.route, self.req, peer, Some(admission)).await;
         (true, result)
     }
 }
@@ -408,23 +410,9 @@ async fn forward(
     req: Request<Body>,
     peer: Option<SocketAddr>,
     permit: Option<Admission>,
-    cap: Option<Instant>,
 ) -> Result<Response, GatewayError> {
     let started = Instant::now();
-    // In shared mode other instances assume this write is over by `cap`.
-    let deadline = match cap {
-        Some(c) => c.min(started + route.timeout),
-        None => started + route.timeout,
-    };
-    if Instant::now() >= deadline {
-        // Shared mode, after a long stall (a paused process): other
-        // instances already consider this write over, so it must not start.
-        return Err(UpstreamError::Timeout {
-            route: route.name.clone(),
-            timeout: route.timeout,
-        }
-        .into());
-    }
+    let deadline = started + route.timeout;
     let (parts, body) = req.into_parts();
     // No body (a GET, or Content-Length: 0): nothing to limit or watch.
     let has_body = !http_body::Body::is_end_stream(&body);

@@ -34,10 +34,13 @@ pub enum Outcome {
     ClientGone,
     /// Refused for its framing (conflicting or unparsable length headers).
     BadRequest,
+    /// Shared mode: admitted, but this instance stalled too long before the
+    /// forward could start within the write's in-flight marker.
+    Late,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 11] = [
+    pub const ALL: [Outcome; 12] = [
         Outcome::Forwarded,
         Outcome::Stale,
         Outcome::MissingToken,
@@ -49,6 +52,7 @@ impl Outcome {
         Outcome::TooLarge,
         Outcome::ClientGone,
         Outcome::BadRequest,
+        Outcome::Late,
     ];
 
     /// The label value.
@@ -65,6 +69,7 @@ impl Outcome {
             Outcome::TooLarge => "too_large",
             Outcome::ClientGone => "client_gone",
             Outcome::BadRequest => "bad_request",
+            Outcome::Late => "late",
         }
     }
 }

@@ -40,6 +40,10 @@ pub enum StoreError {
     /// itself is fine.
     #[error("the key stayed locked by an older write for more than {0:?} (gate_wait_ms)")]
     KeyBusy(Duration),
+    /// Shared mode: the decision was reached, but too late to forward the
+    /// write within its in-flight marker (the process stalled in between).
+    #[error("the decision came too late to forward the write within its in-flight marker")]
+    Late,
     #[error("{0}")]
     Other(String),
 }

@@ -460,11 +460,12 @@ impl GatePool {
                 Ok(Err(e)) => return Err(e.into()),
                 Err(_) => return Err(StoreError::Timeout(timeout)),
             };
-            // The marker this statement may write runs to its server-side
-            // start plus `hold`, which is no earlier than this.
+            // The statement starts on the server after this; with the time
+            // it reports between its start and the marker, this gives a
+            // local lower bound of the marker's end.
             let sent_at = std::time::Instant::now();
-            let query = sqlx::query_as::<_, (String, i64, i64)>(
-                "SELECT outcome, highest, wait_ms FROM fencegate_enter($1, $2, $3)",
+            let query = sqlx::query_as::<_, (String, i64, i64, i64)>(
+                "SELECT outcome, highest, wait_ms, entered_ms FROM fencegate_enter($1, $2, $3)",
             )
             .bind(key)
             .bind(token)
@@ -499,7 +500,9 @@ impl GatePool {
                         token,
                         timeout,
                         runtime: tokio::runtime::Handle::try_current().ok(),
-                        entered_at: sent_at,
+                        marker_until: sent_at
+                            + Duration::from_millis(answer.3.max(0) as u64)
+                            + hold,
                     }))
                 }
                 "stale" => return Ok(Entered::Stale(answer.1)),
@@ -529,16 +532,17 @@ pub struct KeyLock {
     /// the lock is often dropped on a worker thread (with the relayed
     /// response body), whose runtime may end before the leave has run.
     runtime: Option<tokio::runtime::Handle>,
-    /// Sent before the admitting statement: the in-flight marker it wrote
-    /// lasts at least `hold` from here. Earlier attempts that were told to
-    /// wait do not count.
-    entered_at: std::time::Instant,
+    /// A local lower bound of the end of the in-flight marker the admitting
+    /// statement wrote (earlier attempts that were told to wait do not
+    /// count): if this instance crashes, other instances consider its write
+    /// over then, so the forward must be over by this.
+    marker_until: std::time::Instant,
 }
 
 impl KeyLock {
-    /// See the field: the forward must be over by this plus `hold`.
-    pub fn entered_at(&self) -> std::time::Instant {
-        self.entered_at
+    /// See the field.
+    pub fn marker_until(&self) -> std::time::Instant {
+        self.marker_until
     }
 }
 
