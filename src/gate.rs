@@ -54,10 +54,11 @@
 //! Idle slots are only evicted when no ticket references them and no
 //! unknown outcome is pending on them, so neither a late, lower answer nor a
 //! forgotten "unsettled" mark can make the cache run ahead of the store. Up
-//! to `capacity` idle slots are kept; beyond that, idle slots are swept out
-//! in arbitrary order.
+//! to `capacity` idle slots are kept; beyond that, a CLOCK (second chance)
+//! evicts the idle slots least recently arrived at, a bounded number of
+//! steps per release.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -84,6 +85,39 @@ struct Slots {
     map: HashMap<Arc<str>, Slot>,
     /// Slots with a live ticket or permit (the rest are cached idle).
     active: usize,
+    /// Every key of `map`, once, in the order the eviction clock visits
+    /// them (see `make_room`).
+    clock: VecDeque<Arc<str>>,
+}
+
+/// Keys the eviction clock looks at, at most, per release: eviction costs
+/// O(1) per request however large the cache.
+const CLOCK_STEPS: usize = 8;
+
+impl Slots {
+    /// Evicts idle slots until the map fits `capacity`, within a bounded
+    /// number of steps (CLOCK, second chance): a slot used since the hand
+    /// last passed, busy, or unsettled goes to the back with its use
+    /// forgotten; the first one that is none of these goes.
+    fn make_room(&mut self, capacity: usize, now: Instant) {
+        for _ in 0..CLOCK_STEPS {
+            if self.map.len() <= capacity {
+                return;
+            }
+            let Some(key) = self.clock.pop_front() else {
+                return;
+            };
+            let Some(slot) = self.map.get_mut(&key) else {
+                continue;
+            };
+            if slot.used || !slot.evictable(now) {
+                slot.used = false;
+                self.clock.push_back(key);
+            } else {
+                self.map.remove(&key);
+            }
+        }
+    }
 }
 
 #[derive(Default)]
@@ -111,6 +145,9 @@ struct Slot {
     unsettled_until: Option<Instant>,
     /// Higher-token requests waiting for `inflight` to reach zero.
     waiters: Vec<oneshot::Sender<()>>,
+    /// Arrived at again since it was cached or the eviction clock last
+    /// passed (its second chance).
+    used: bool,
 }
 
 impl Slot {
@@ -190,12 +227,19 @@ impl Gate {
                 return Err(Stale { highest });
             }
         }
-        let key: Arc<str> = match slots.map.get_key_value(key) {
-            Some((k, _)) => k.clone(),
-            None => Arc::from(key),
+        // A key seen again earns its second chance; a new one has none yet,
+        // so a stream of one-off keys does not push out keys in use.
+        let (key, seen) = match slots.map.get_key_value(key) {
+            Some((k, _)) => (k.clone(), true),
+            None => {
+                let key: Arc<str> = Arc::from(key);
+                slots.clock.push_back(Arc::clone(&key));
+                (key, false)
+            }
         };
         let slot = slots.map.entry(key.clone()).or_default();
         slot.refs += 1;
+        slot.used = seen;
         let recorded = self.exact && slot.durable == Some(token) && slot.settled(Instant::now());
         if !recorded {
             slot.recording += 1;
@@ -258,18 +302,7 @@ impl Gate {
         if slot.refs == 0 {
             slots.active -= 1;
             if slots.map.len() > self.capacity {
-                // Amortized: sweep down to 90% so this runs rarely.
-                let now = Instant::now();
-                let target = self.capacity - self.capacity / 10;
-                let mut excess = slots.map.len().saturating_sub(target);
-                slots.map.retain(|_, s| {
-                    if excess > 0 && s.evictable(now) {
-                        excess -= 1;
-                        false
-                    } else {
-                        true
-                    }
-                });
+                slots.make_room(self.capacity, Instant::now());
             }
         }
     }
@@ -449,8 +482,29 @@ mod cache_tests {
         }
         assert!(gate.cached_keys() <= 100, "{}", gate.cached_keys());
         assert_eq!(gate.tracked_keys(), 0);
-        // A recent key is likely still cached; any cached value is exact.
-        assert!(matches!(gate.durable("k999"), Some(1000) | None));
+        let in_clock = gate.lock().clock.len();
+        assert_eq!(in_clock, gate.cached_keys());
+        // The newest keys are kept, the oldest went.
+        assert_eq!(gate.durable("k999"), Some(1000));
+        assert_eq!(gate.durable("k0"), None);
+    }
+
+    /// Second chance: a key in use keeps its place while others churn
+    /// through the cache.
+    #[tokio::test]
+    async fn a_hot_key_survives_churn() {
+        let gate = Gate::new(10, true, UNSETTLED);
+        record(&gate, "hot", 5).settle(Some(5));
+        for i in 0..200 {
+            record(&gate, &format!("k{i}"), 1).settle(Some(1));
+            {
+                assert!(
+                    matches!(gate.arrive("hot", 5), Ok(Arrival::Recorded(_))),
+                    "the hot key was evicted after {i} others"
+                );
+            }
+        }
+        assert!(gate.cached_keys() <= 10, "{}", gate.cached_keys());
     }
 
     #[tokio::test]
