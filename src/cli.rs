@@ -52,6 +52,9 @@ pub async fn run(cli: Cli) -> ExitCode {
         Command::Serve { config } => serve(config).await,
         Command::CheckConfig { path } => match Config::load(&path) {
             Ok(c) => {
+                for d in &c.deprecations {
+                    eprintln!("{}: warning: {d}", path.display());
+                }
                 println!(
                     "{}: ok ({} route{})",
                     path.display(),
@@ -102,6 +105,9 @@ async fn serve(path: PathBuf) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    for d in &config.deprecations {
+        tracing::warn!(config = %path.display(), "{d}");
+    }
     let store_url = crate::config::redact_url(&config.store.url);
     let app = match Application::build(config).await {
         Ok(a) => a,

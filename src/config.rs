@@ -45,6 +45,9 @@ pub struct Config {
     pub tokens: Option<std::sync::Arc<crate::jwt::JwtKeys>>,
     /// A built-in demo backend to start next to the gateway, if any.
     pub demo: Option<DemoConfig>,
+    /// Deprecated keys in use, each with what to write instead; `serve` and
+    /// `check-config` print them.
+    pub deprecations: Vec<String>,
 }
 
 /// `[locks]`: the lock API.
@@ -113,14 +116,15 @@ pub struct StoreConfig {
     pub timeout: Duration,
     /// The `Retry-After` value sent with 503 answers.
     pub retry_after: Duration,
-    /// `shared` mode: connections holding per-key locks, i.e. fenced writes
-    /// in flight at once on this instance.
-    pub gate_pool_size: u32,
+    /// `shared` mode: Postgres connections holding per-key advisory locks,
+    /// one per fenced write in flight on this instance.
+    pub key_lock_connections: u32,
     /// Idle keys whose durable token is kept in memory (fast paths).
     pub cache_keys: usize,
-    /// `shared` mode: how long a write may wait for older tokens' writes on
-    /// other instances (a paused instance holds them) before a 503.
-    pub gate_wait: Duration,
+    /// `shared` mode: how long a write may wait for a key's advisory lock,
+    /// held by older tokens' writes on other instances (a paused instance
+    /// holds them), before a 503.
+    pub key_lock_wait: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -282,8 +286,11 @@ struct RawStore {
     pool_size: u64,
     timeout_ms: u64,
     retry_after_s: u64,
-    gate_pool_size: u64,
-    gate_wait_ms: u64,
+    key_lock_connections: Option<u64>,
+    key_lock_wait_ms: Option<u64>,
+    /// Deprecated names of `key_lock_connections` and `key_lock_wait_ms`.
+    gate_pool_size: Option<u64>,
+    gate_wait_ms: Option<u64>,
     cache_keys: u64,
 }
 
@@ -295,8 +302,10 @@ impl Default for RawStore {
             pool_size: 16,
             timeout_ms: 2_000,
             retry_after_s: 1,
-            gate_pool_size: 32,
-            gate_wait_ms: 10_000,
+            key_lock_connections: None,
+            key_lock_wait_ms: None,
+            gate_pool_size: None,
+            gate_wait_ms: None,
             cache_keys: 100_000,
         }
     }
@@ -471,11 +480,13 @@ impl Config {
         };
         let mut v = Validator {
             problems,
+            deprecations: Vec::new(),
             describe: &describe,
             env: &env,
         };
-        let config = v.config(file, raw);
+        let mut config = v.config(file, raw);
         if v.problems.is_empty() {
+            config.deprecations = v.deprecations;
             Ok(config)
         } else {
             Err(fail(v.problems))
@@ -609,9 +620,16 @@ fn set_in_value(
     }
 }
 
+/// `[store] key_lock_connections` when not set.
+const DEFAULT_KEY_LOCK_CONNECTIONS: u64 = 32;
+/// `[store] key_lock_wait_ms` when not set.
+const DEFAULT_KEY_LOCK_WAIT_MS: u64 = 10_000;
+
 /// Collects problems while turning raw values into typed ones.
 struct Validator<'a> {
     problems: Vec<ConfigProblem>,
+    /// Deprecated keys in use, with what to write instead.
+    deprecations: Vec<String>,
     describe: &'a dyn Fn(String) -> String,
     /// The loader's environment, where HS256 secrets (`secret_env`) are read.
     env: &'a [(String, String)],
@@ -656,6 +674,33 @@ impl Validator<'_> {
                 self.problem(key, format!("'{shown}' is not {what}; use {allowed}"));
                 fallback
             }
+        }
+    }
+
+    /// A setting that was renamed: the value under its new name, or under
+    /// its old one (noted as deprecated); both at once is a problem.
+    fn renamed<T>(
+        &mut self,
+        old: &str,
+        old_value: Option<T>,
+        new: &str,
+        new_value: Option<T>,
+    ) -> Option<T> {
+        match (old_value, new_value) {
+            (Some(_), Some(v)) => {
+                self.problem(
+                    old,
+                    format!("is the old name of {new}, which is set too; remove it"),
+                );
+                Some(v)
+            }
+            (Some(v), None) => {
+                let shown = (self.describe)(old.to_string());
+                self.deprecations
+                    .push(format!("{shown} is deprecated; rename it to {new}"));
+                Some(v)
+            }
+            (None, v) => v,
         }
     }
 
@@ -712,6 +757,7 @@ impl Validator<'_> {
             locks,
             tokens,
             demo,
+            deprecations: Vec::new(),
         }
     }
 
@@ -912,6 +958,22 @@ impl Validator<'_> {
                 "\"shared\" needs a Postgres store; a SQLite file serves one instance",
             );
         }
+        let key_lock_connections = self
+            .renamed(
+                "store.gate_pool_size",
+                raw.gate_pool_size,
+                "store.key_lock_connections",
+                raw.key_lock_connections,
+            )
+            .unwrap_or(DEFAULT_KEY_LOCK_CONNECTIONS);
+        let key_lock_wait_ms = self
+            .renamed(
+                "store.gate_wait_ms",
+                raw.gate_wait_ms,
+                "store.key_lock_wait_ms",
+                raw.key_lock_wait_ms,
+            )
+            .unwrap_or(DEFAULT_KEY_LOCK_WAIT_MS);
         StoreConfig {
             url: raw.url,
             backend,
@@ -927,12 +989,15 @@ impl Validator<'_> {
                 raw.retry_after_s,
                 3600,
             )),
-            gate_pool_size: self.positive("store.gate_pool_size", raw.gate_pool_size, 10_000)
-                as u32,
+            key_lock_connections: self.positive(
+                "store.key_lock_connections",
+                key_lock_connections,
+                10_000,
+            ) as u32,
             cache_keys: raw.cache_keys.min(100_000_000) as usize,
-            gate_wait: Duration::from_millis(self.positive(
-                "store.gate_wait_ms",
-                raw.gate_wait_ms,
+            key_lock_wait: Duration::from_millis(self.positive(
+                "store.key_lock_wait_ms",
+                key_lock_wait_ms,
                 3_600_000,
             )),
         }
@@ -1156,6 +1221,35 @@ mod tests {
         }
         let c = load(&GOOD.replace("[store]", "[store]\nmode = \"single\"")).unwrap();
         assert_eq!(c.store.mode, StoreMode::Single);
+    }
+
+    /// Renamed keys keep working under their old names, with a deprecation
+    /// note; the old and the new name together are a problem.
+    #[test]
+    fn renamed_store_keys_have_deprecated_aliases() {
+        let old = GOOD.replace("[store]", "[store]\ngate_wait_ms = 300\ngate_pool_size = 4");
+        let c = load(&old).unwrap();
+        assert_eq!(c.store.key_lock_wait, Duration::from_millis(300));
+        assert_eq!(c.store.key_lock_connections, 4);
+        assert_eq!(c.deprecations.len(), 2, "{:?}", c.deprecations);
+        assert!(
+            c.deprecations[0].contains("rename it to store."),
+            "{:?}",
+            c.deprecations
+        );
+        let new = GOOD.replace("[store]", "[store]\nkey_lock_wait_ms = 300");
+        let c = load(&new).unwrap();
+        assert_eq!(c.store.key_lock_wait, Duration::from_millis(300));
+        assert!(c.deprecations.is_empty());
+        let both = GOOD.replace(
+            "[store]",
+            "[store]\nkey_lock_wait_ms = 300\ngate_wait_ms = 200",
+        );
+        let s = load(&both).unwrap_err().to_string();
+        assert!(
+            s.contains("store.gate_wait_ms: is the old name of store.key_lock_wait_ms"),
+            "{s}"
+        );
     }
 
     #[test]

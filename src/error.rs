@@ -217,7 +217,7 @@ impl GatewayError {
                 "key-busy",
                 "Resource key busy",
                 format!(
-                    "an older write to this resource key is still in flight on another instance; waited {} ms (gate_wait_ms); nothing was forwarded",
+                    "an older write to this resource key is still in flight on another instance; waited {} ms (key_lock_wait_ms); nothing was forwarded",
                     waited.as_millis()
                 ),
             )

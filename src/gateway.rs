@@ -381,7 +381,7 @@ impl FencedWrite {
         };
         state
             .metrics
-            .gate_wait
+            .decision_time
             .observe(decided.elapsed().as_secs_f64());
         if answer.is_closed() {
             // The client left while we waited: nobody would see the answer,

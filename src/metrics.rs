@@ -26,7 +26,7 @@ pub enum Outcome {
     WrongSubject,
     /// The store could not decide in time: 503.
     StoreUnavailable,
-    /// Shared mode: waited out `gate_wait_ms` behind another instance.
+    /// Shared mode: waited out `key_lock_wait_ms` behind another instance.
     KeyBusy,
     /// A declared `Content-Length` over `max_body_bytes`.
     TooLarge,
@@ -166,9 +166,10 @@ pub struct Metrics {
     pub upstream_errors: Family<UpstreamErrorLabels, Counter>,
     /// Store failures by operation.
     pub store_errors: Family<StoreErrorLabels, Counter>,
-    /// Time fenced writes spent being decided: the store write plus the wait
-    /// at the gate for older tokens' writes to finish.
-    pub gate_wait: Histogram,
+    /// Time fenced writes spent being decided, from arrival to admission:
+    /// the store (shared mode: including waits for other instances' older
+    /// writes) plus the wait at the gate for this instance's older writes.
+    pub decision_time: Histogram,
     /// Keys with writes in flight or waiting.
     pub gate_keys: Gauge,
     /// Lock API outcomes by backend and event (`grant`, `held`, `renew`,
@@ -191,7 +192,7 @@ impl Metrics {
             Family::new_with_constructor(latency_histogram);
         let upstream_errors = Family::<UpstreamErrorLabels, Counter>::default();
         let store_errors = Family::<StoreErrorLabels, Counter>::default();
-        let gate_wait = latency_histogram();
+        let decision_time = latency_histogram();
         let gate_keys = Gauge::default();
         let lock_events = Family::<LockLabels, Counter>::default();
         registry.register(
@@ -225,9 +226,9 @@ impl Metrics {
             store_errors.clone(),
         );
         registry.register(
-            "gate_wait_seconds",
-            "Time fenced writes spent being decided: store write plus waiting at the gate",
-            gate_wait.clone(),
+            "decision_seconds",
+            "Time fenced writes spent being decided, from arrival to admission: the store plus waiting for older tokens' writes",
+            decision_time.clone(),
         );
         registry.register(
             "gate_keys",
@@ -240,7 +241,7 @@ impl Metrics {
             upstream_latency,
             upstream_errors,
             store_errors,
-            gate_wait,
+            decision_time,
             gate_keys,
             lock_events,
             registry: std::sync::Arc::new(registry),

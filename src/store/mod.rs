@@ -36,9 +36,9 @@ pub enum StoreError {
     #[error("this instance does not hold the store's single-writer lock")]
     NotOwner,
     /// Shared mode: another instance's older write kept the key's lock
-    /// longer than `gate_wait_ms` (Postgres's `lock_timeout`). The store
+    /// longer than `key_lock_wait_ms` (Postgres's `lock_timeout`). The store
     /// itself is fine.
-    #[error("the key stayed locked by an older write for more than {0:?} (gate_wait_ms)")]
+    #[error("the key stayed locked by an older write for more than {0:?} (key_lock_wait_ms)")]
     KeyBusy(Duration),
     /// Shared mode: the decision was reached, but too late to forward the
     /// write within its in-flight marker (the process stalled in between).

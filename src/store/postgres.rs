@@ -78,11 +78,11 @@ const BATCHES_IN_FLIGHT: usize = 1;
 pub struct PgStore {
     pool: PgPool,
     /// Group commit for `record`, in single mode only: shared-mode writes
-    /// are decided by `enter`, one statement each on a gate connection.
+    /// are decided by `enter`, one statement each on a key-lock connection.
     batcher: Option<super::batch::Batcher>,
     /// `shared` mode: connections that hold the per-key advisory locks for
     /// the life of a forward, one per fenced write in flight.
-    gate: Option<GatePool>,
+    key_locks: Option<KeyLockPool>,
     /// Bound on every operation, including waiting for a pooled connection.
     timeout: Duration,
     /// Present in `single` mode: the advisory lock that makes this instance
@@ -93,10 +93,10 @@ pub struct PgStore {
 impl PgStore {
     pub async fn open(cfg: &StoreConfig, single: bool) -> Result<Self, StoreError> {
         let opts = connect_options(&cfg.url, cfg.timeout)?;
-        let gate = if single {
+        let key_locks = if single {
             None
         } else {
-            Some(GatePool::new(&opts, cfg))
+            Some(KeyLockPool::new(&opts, cfg))
         };
         let pool = PgPoolOptions::new()
             .max_connections(cfg.pool_size)
@@ -122,7 +122,7 @@ impl PgStore {
         Ok(Self {
             pool,
             batcher,
-            gate,
+            key_locks,
             timeout: cfg.timeout,
             owner,
         })
@@ -193,11 +193,11 @@ impl PgStore {
         token: i64,
         hold: Duration,
     ) -> Result<Entered, StoreError> {
-        let gate = self
-            .gate
+        let key_locks = self
+            .key_locks
             .as_ref()
             .ok_or_else(|| StoreError::Other("enter() needs mode = \"shared\"".into()))?;
-        gate.enter(key, token, hold, self.timeout).await
+        key_locks.enter(key, token, hold, self.timeout).await
     }
 
     /// Marks the store as in use by a running single-mode instance; returns
@@ -237,7 +237,7 @@ impl PgStore {
 
     /// True in `shared` mode.
     pub fn is_shared(&self) -> bool {
-        self.gate.is_some()
+        self.key_locks.is_some()
     }
 
     /// The pool, for the lock API's store backend.
@@ -280,7 +280,7 @@ impl PgStore {
         if let Some(o) = &self.owner {
             o.task.abort();
         }
-        if let Some(g) = &self.gate {
+        if let Some(g) = &self.key_locks {
             g.pool.close().await;
         }
         self.pool.close().await;
@@ -417,32 +417,35 @@ pub enum Entered {
 /// sure of is closed rather than returned, since closing is what releases
 /// its locks.
 #[derive(Clone)]
-struct GatePool {
+struct KeyLockPool {
     pool: PgPool,
     /// Longest a write waits for writes of older tokens (on any instance)
     /// to finish; past it, 503.
     wait: Duration,
 }
 
-impl GatePool {
+impl KeyLockPool {
     fn new(opts: &PgConnectOptions, cfg: &StoreConfig) -> Self {
-        let lock_timeout = format!("{}ms", cfg.gate_wait.as_millis());
+        let lock_timeout = format!("{}ms", cfg.key_lock_wait.as_millis());
         // The waits happen inside Postgres (pg_advisory_lock): bound them
         // there with lock_timeout, so a wait ends with an error on a healthy
         // connection instead of a cancelled query on a connection that might
         // still take the lock later.
-        let opts = opts.clone().application_name("fencegate-gate").options([
-            ("statement_timeout", "0"),
-            ("lock_timeout", lock_timeout.as_str()),
-            ("synchronous_commit", "on"),
-        ]);
+        let opts = opts
+            .clone()
+            .application_name("fencegate-key-locks")
+            .options([
+                ("statement_timeout", "0"),
+                ("lock_timeout", lock_timeout.as_str()),
+                ("synchronous_commit", "on"),
+            ]);
         let pool = PgPoolOptions::new()
-            .max_connections(cfg.gate_pool_size)
+            .max_connections(cfg.key_lock_connections)
             .acquire_timeout(cfg.timeout)
             .connect_lazy_with(opts);
         Self {
             pool,
-            wait: cfg.gate_wait,
+            wait: cfg.key_lock_wait,
         }
     }
 

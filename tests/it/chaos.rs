@@ -19,7 +19,7 @@ fn shared_config(store_url: &str, upstream: &str) -> String {
     // instance dies mid-forward.
     format!(
         "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nshutdown_grace_ms = 1000\n\
-         [store]\nurl = \"{store_url}\"\nmode = \"shared\"\ntimeout_ms = 2000\ngate_wait_ms = 20000\n\
+         [store]\nurl = \"{store_url}\"\nmode = \"shared\"\ntimeout_ms = 2000\nkey_lock_wait_ms = 20000\n\
          {}timeout_ms = 1000\n",
         docs_route(upstream)
     )

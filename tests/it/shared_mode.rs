@@ -91,12 +91,12 @@ async fn hold_key(app: &TestApp, path: &str) -> tokio::task::JoinHandle<reqwest:
 /// A client that gives up while its write waits inside `fencegate_enter`
 /// (another instance holds the key for an older token): its write is never
 /// started, and the key's cross-instance lock is not leaked — a newer token
-/// gets through at once instead of waiting out `gate_wait_ms`.
+/// gets through at once instead of waiting out `key_lock_wait_ms`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_gone_while_waiting_in_postgres_leaks_no_lock() {
     let store = TestStore::new(Backend::Postgres).await;
     let up = Upstream::start().await;
-    let apps = gateways_with(&store, &up, 2, "gate_wait_ms = 3000").await;
+    let apps = gateways_with(&store, &up, 2, "key_lock_wait_ms = 3000").await;
     // Instance 0 forwards token 5 slowly, holding the key.
     let slow = hold_key(&apps[0], "/docs/w").await;
     // Token 6 on instance 1 waits for it inside Postgres; its client gives up.
@@ -114,7 +114,7 @@ async fn client_gone_while_waiting_in_postgres_leaks_no_lock() {
     );
     assert_eq!(slow.await.unwrap().unwrap(), 200);
     // Token 7 is let in, not held up by a lock token 6 left behind (that
-    // would be a 503 after gate_wait_ms).
+    // would be a 503 after key_lock_wait_ms).
     let status = apps[0].put("/docs/w", Some("7"), "seven").await.status();
     assert_eq!(status, 200);
     let tokens: Vec<_> = up.applied_on("/docs/w").iter().map(|a| a.token).collect();
@@ -128,21 +128,21 @@ async fn client_gone_while_waiting_in_postgres_leaks_no_lock() {
     assert!(metrics.contains(line), "missing {line} in\n{metrics}");
 }
 
-/// A write that waits inside Postgres longer than `gate_wait_ms` (another
+/// A write that waits inside Postgres longer than `key_lock_wait_ms` (another
 /// instance holds the key for a slow older write) is answered 503 with
 /// `Retry-After`, is never forwarded, and leaves nothing behind: its gate
 /// connection, whose lock state is unknown after the `lock_timeout` error,
 /// is closed rather than pooled, and later writes on the key go through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn lock_wait_past_gate_wait_is_503_and_leaves_nothing_behind() {
+async fn lock_wait_past_key_lock_wait_is_503_and_leaves_nothing_behind() {
     let store = TestStore::new(Backend::Postgres).await;
     let up = Upstream::start().await;
-    let apps = gateways_with(&store, &up, 2, "gate_wait_ms = 300").await;
+    let apps = gateways_with(&store, &up, 2, "key_lock_wait_ms = 300").await;
     let slow = hold_key(&apps[0], "/docs/t").await;
     let resp = apps[1].put("/docs/t", Some("6"), "six").await;
     assert!(resp.headers().contains_key("retry-after"), "{resp:?}");
     // Postgres's lock_timeout: the gateway's own bound on the statement
-    // (gate_wait_ms + timeout_ms = 3.3 s) is longer than the slow write.
+    // (key_lock_wait_ms + timeout_ms = 3.3 s) is longer than the slow write.
     let body = problem(resp, 503).await;
     assert_eq!(body["type"], "urn:fencegate:problem:key-busy", "{body}");
     assert!(
