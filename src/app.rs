@@ -42,9 +42,19 @@ pub enum StartError {
 
 /// A gateway ready to serve: store open, listeners bound.
 pub struct Application {
+    listeners: Listeners,
+    core: Core,
+}
+
+/// The bound sockets, handed to their servers by `run`.
+struct Listeners {
     traffic: TcpListener,
     admin: TcpListener,
     demo: Option<TcpListener>,
+}
+
+/// Everything else the servers share, and what shutdown needs.
+struct Core {
     gateway: GatewayState,
     admin_state: AdminState,
     /// The lock API, when `[locks] enabled`.
@@ -118,38 +128,47 @@ impl Application {
             locks: locks.as_ref().map(|l| l.locks.clone()),
         };
         Ok(Self {
-            traffic,
-            admin,
-            demo,
-            gateway,
-            admin_state,
-            locks,
-            gate: fence.gate.clone(),
-            tasks,
-            workers: config.server.workers,
-            limits: Limits {
-                header_read_timeout: config.server.header_read_timeout,
-                max_connections: config.server.max_connections,
-                shutdown_grace: config.server.shutdown_grace,
+            listeners: Listeners {
+                traffic,
+                admin,
+                demo,
+            },
+            core: Core {
+                gateway,
+                admin_state,
+                locks,
+                gate: fence.gate.clone(),
+                tasks,
+                workers: config.server.workers,
+                limits: Limits {
+                    header_read_timeout: config.server.header_read_timeout,
+                    max_connections: config.server.max_connections,
+                    shutdown_grace: config.server.shutdown_grace,
+                },
             },
         })
     }
 
     /// Where proxy traffic is served.
     pub fn traffic_addr(&self) -> SocketAddr {
-        self.traffic
+        self.listeners
+            .traffic
             .local_addr()
             .expect("bound listener has an address")
     }
 
     pub fn admin_addr(&self) -> SocketAddr {
-        self.admin
+        self.listeners
+            .admin
             .local_addr()
             .expect("bound listener has an address")
     }
 
     pub fn demo_addr(&self) -> Option<SocketAddr> {
-        self.demo.as_ref().and_then(|l| l.local_addr().ok())
+        self.listeners
+            .demo
+            .as_ref()
+            .and_then(|l| l.local_addr().ok())
     }
 
     /// Serves until `shutdown` resolves, then drains in-flight requests for
@@ -160,17 +179,51 @@ impl Application {
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), StartError> {
-        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
-        let stopped = move || {
-            let mut rx = stop_rx.clone();
-            async move {
-                let _ = rx.wait_for(|s| *s).await;
+        let Application { listeners, core } = self;
+        let stop = Stop::new();
+        let workers = match core.start_traffic(listeners.traffic, &stop) {
+            Ok(w) => w,
+            Err(e) => {
+                core.close().await;
+                return Err(StartError::Workers(e));
             }
         };
-        // The lock API and everything else under the reserved prefix run on
-        // this runtime, where the store's connections live; proxied traffic
-        // runs on the worker threads (see `server`).
-        let full = traced(crate::traffic::reserved_router(self.locks.clone()));
+        let admin = tokio::spawn(server::serve(
+            listeners.admin,
+            server::RouterService(admin::router(core.admin_state.clone())),
+            core.limits,
+            stop.stopped(),
+        ));
+        let demo = listeners
+            .demo
+            .map(|l| tokio::spawn(crate::demo::run(l, stop.stopped())));
+
+        shutdown.await;
+        tracing::info!("shutting down: no new connections; finishing in-flight requests");
+        stop.now();
+        workers.finished().await;
+        let _ = admin.await;
+        if let Some(d) = demo {
+            let _ = d.await;
+        }
+        core.record_stop().await;
+        core.close().await;
+        tracing::info!("stopped");
+        Ok(())
+    }
+}
+
+impl Core {
+    /// Starts the traffic listener's worker threads, each with its own
+    /// gateway state and upstream pool; the reserved prefix (the lock API)
+    /// is served by a router on this runtime, where the store's connections
+    /// live (see `server` and `traffic`).
+    fn start_traffic(
+        &self,
+        listener: TcpListener,
+        stop: &Stop,
+    ) -> std::io::Result<server::Workers> {
+        let reserved = traced(crate::traffic::reserved_router(self.locks.clone()));
         let services = (0..self.workers)
             .map(|_| Traffic {
                 // Each worker has its own upstream pool: its connections are
@@ -182,64 +235,61 @@ impl Application {
                 }),
                 reserved: OnRuntime {
                     runtime: tokio::runtime::Handle::current(),
-                    router: full.clone(),
+                    router: reserved.clone(),
                 },
             })
             .collect();
         let gate = self.gate.clone();
-        let workers = match server::Workers::start(
-            self.traffic,
-            services,
-            self.limits,
-            stopped(),
-            move || settled(gate.clone()),
-        ) {
-            Ok(w) => w,
-            Err(e) => {
-                for t in &self.tasks {
-                    t.abort();
-                }
-                self.admin_state.store.close().await;
-                return Err(StartError::Workers(e));
-            }
-        };
-        let admin_router = admin::router(self.admin_state.clone());
-        let admin = tokio::spawn(server::serve(
-            self.admin,
-            server::RouterService(admin_router),
-            self.limits,
-            stopped(),
-        ));
-        let demo = self
-            .demo
-            .map(|l| tokio::spawn(crate::demo::run(l, stopped())));
-        shutdown.await;
-        tracing::info!("shutting down: no new connections; finishing in-flight requests");
-        let _ = stop_tx.send(true);
-        workers.finished().await;
-        let _ = admin.await;
-        if let Some(d) = demo {
-            let _ = d.await;
-        }
-        for t in &self.tasks {
-            t.abort();
-        }
-        // A clean stop only if no write of ours can still reach an upstream:
-        // forwards that ended abnormally keep their key closed until their
-        // deadline, so wait for the gate to empty (within the grace period).
+        server::Workers::start(listener, services, self.limits, stop.stopped(), move || {
+            settled(gate.clone())
+        })
+    }
+
+    /// Records a clean stop, but only if no write of ours can still reach an
+    /// upstream: forwards that ended abnormally keep their key closed until
+    /// their deadline, so wait for the gate to empty (within the grace
+    /// period). Otherwise the next start waits as after a crash.
+    async fn record_stop(&self) {
         let _ = tokio::time::timeout(self.limits.shutdown_grace, settled(self.gate.clone())).await;
-        if self.gate.tracked_keys() == 0 {
-            if let Err(e) = self.admin_state.store.end_run().await {
-                tracing::warn!(error = %e, "could not record the clean stop; the next start will wait as after a crash");
-            }
-        } else {
+        if self.gate.tracked_keys() > 0 {
             tracing::warn!(
                 "writes still in flight at exit; the next start will wait as after a crash"
             );
+            return;
+        }
+        if let Err(e) = self.admin_state.store.end_run().await {
+            tracing::warn!(error = %e, "could not record the clean stop; the next start will wait as after a crash");
+        }
+    }
+
+    /// Stops background tasks and closes the store (releasing the
+    /// single-writer lock).
+    async fn close(&self) {
+        for t in &self.tasks {
+            t.abort();
         }
         self.admin_state.store.close().await;
-        tracing::info!("stopped");
-        Ok(())
+    }
+}
+
+/// The shutdown signal, fanned out to every listener.
+struct Stop(tokio::sync::watch::Sender<bool>);
+
+impl Stop {
+    fn new() -> Self {
+        Self(tokio::sync::watch::channel(false).0)
+    }
+
+    /// Resolves once [`Stop::now`] was called.
+    fn stopped(&self) -> impl Future<Output = ()> + Send + 'static {
+        let mut rx = self.0.subscribe();
+        async move {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+    }
+
+    fn now(&self) {
+        self.0.send_replace(true);
     }
 }
 

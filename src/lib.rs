@@ -12,29 +12,36 @@
 //!
 //! # Layout
 //!
-//! A request's path through the code, top to bottom:
+//! A fenced write's path through the code, top to bottom, then what
+//! surrounds it. One line per module:
 //!
 //! * [`server`]: the accept loop (header-read timeout, connection limit,
-//!   graceful shutdown) shared by the traffic and admin listeners, and the
-//!   traffic listener's worker threads (one runtime and socket per CPU).
+//!   graceful shutdown) and the traffic listener's worker threads.
 //! * [`traffic`]: a worker's service: proxied requests in place, the
 //!   reserved prefix (lock API) on the store's runtime.
-//! * [`gateway`]: the phases of one request: match route → check framing →
-//!   read token → check fence → forward → respond.
+//! * [`gateway`]: one proxied request's phases, from route match to the
+//!   answer, and its accounting.
 //! * [`routing`]: path patterns and resource-key templates.
 //! * [`token`]: the strict `X-Fence-Token` grammar.
-//! * [`fence`]: the decision — a durable record in the [`store`], then the
-//!   per-key [`gate`] that orders in-flight writes.
+//! * [`jwt`]: JWT fence tokens: loading keys, verifying tokens, signing grants.
+//! * [`fence`]: the decision: the durable record in the store, then the gate.
+//! * [`gate`]: the per-key gate that orders in-flight writes, and the memory
+//!   cache of durable tokens.
+//! * [`store`]: the fence store (SQLite or Postgres), group commit, shared
+//!   mode's cross-instance key locks.
 //! * [`exchange`]: one fenced write's exchange with the upstream, and when
 //!   its key may open for another token.
-//! * [`proxy`]: header hygiene, the pooled upstream client, body wrappers.
-//! * [`error`]: errors by origin (client, store, upstream) and their one
-//!   mapping to `application/problem+json`.
-//!
-//! Around it: [`config`] (typed, validated TOML with env overrides),
-//! [`admin`] (health, readiness, metrics, fence inspection), [`metrics`],
-//! [`app`] (`Application::build` and `run`), [`demo`] (a toy backend) and
-//! [`cli`].
+//! * [`proxy`]: header hygiene, the upstream client, body wrappers.
+//! * [`error`]: errors by origin and their one mapping to problem documents.
+//! * [`locks`]: the lock API: leases whose grants carry fences, on the
+//!   store, Redis or Redlock.
+//! * [`admin`]: the admin listener: health, readiness, metrics, fences.
+//! * [`metrics`]: every metric, with typed labels.
+//! * [`config`]: typed, validated TOML with environment overrides.
+//! * [`app`]: `Application::build` and `run`: start-up and shutdown.
+//! * [`cli`]: the `fencegate` command line.
+//! * [`client`]: a Rust client of the lock API, with a lease keeper.
+//! * [`demo`]: a toy document store to try the gateway against.
 
 pub mod admin;
 pub mod app;
