@@ -43,7 +43,11 @@ fn key_templating(c: &mut Criterion) {
                 .matches(black_box("/docs/report-2026"))
                 .unwrap()
                 .unwrap();
-            simple_key.render(&caps)
+            simple_key.render(&fencegate::routing::KeySource {
+                captures: &caps,
+                query: None,
+                headers: &http::HeaderMap::new(),
+            })
         })
     });
     g.bench_function("match + render nested, percent-encoded", |b| {
@@ -52,7 +56,11 @@ fn key_templating(c: &mut Criterion) {
                 .matches(black_box("/t/acme/docs/%E2%9C%93-42/a/b/c.txt"))
                 .unwrap()
                 .unwrap();
-            nested_key.render(&caps)
+            nested_key.render(&fencegate::routing::KeySource {
+                captures: &caps,
+                query: None,
+                headers: &http::HeaderMap::new(),
+            })
         })
     });
     g.bench_function("no match", |b| {

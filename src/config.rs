@@ -160,6 +160,8 @@ pub struct Route {
     /// Methods that need a valid, current fencing token.
     pub fenced_methods: Vec<Method>,
     pub token: TokenKind,
+    /// Whether fenced writes with an ambiguous path spelling are refused.
+    pub paths: PathsMode,
     /// Upper bound on one upstream exchange: until the response head for
     /// pass-through requests; the whole exchange, both bodies included, for
     /// fenced writes (see `exchange`).
@@ -187,6 +189,29 @@ pub enum TokenKind {
     /// A JWT signed by one of the `[tokens]` keys, whose `fence` claim is
     /// the number and whose `sub` must be the route's resource key.
     Jwt,
+}
+
+/// `[[routes]] paths`: what to do with path spellings that back ends
+/// resolve differently (see `routing::ambiguity`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PathsMode {
+    /// Refuse them on fenced writes (400 `ambiguous-path`).
+    Strict,
+    /// Forward them, fenced under the key their decoded captures make: only
+    /// for upstreams known to treat `;`, `%2F`, `\\` and `//` as plain
+    /// characters.
+    AsIs,
+}
+
+/// `[[routes]] key_case`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum KeyCase {
+    Preserve,
+    /// The upstream resolves paths case-insensitively: keys are lower-cased
+    /// and literal path segments match in any case.
+    Lower,
 }
 
 /// One problem found while loading a config.
@@ -378,6 +403,8 @@ struct RawRoute {
     key: Option<String>,
     methods: Vec<String>,
     token: Choice<TokenKind>,
+    paths: Choice<PathsMode>,
+    key_case: Choice<KeyCase>,
     timeout_ms: u64,
 }
 
@@ -393,6 +420,8 @@ impl Default for RawRoute {
                 .map(String::from)
                 .collect(),
             token: Choice::Known(TokenKind::Integer),
+            paths: Choice::Known(PathsMode::Strict),
+            key_case: Choice::Known(KeyCase::Preserve),
             timeout_ms: 30_000,
         }
     }
@@ -1023,6 +1052,20 @@ impl Validator<'_> {
                 self.problem(at("name"), format!("duplicate route name '{name}'"));
             }
             let path = r.path.unwrap_or_default();
+            let key_case = self.choice(
+                &at("key_case"),
+                r.key_case,
+                "a key case",
+                "\"preserve\" or \"lower\"",
+                KeyCase::Preserve,
+            );
+            let paths = self.choice(
+                &at("paths"),
+                r.paths,
+                "a path policy",
+                "\"strict\" or \"as-is\"",
+                PathsMode::Strict,
+            );
             let pattern = if path.is_empty() {
                 self.problem(at("path"), "missing: every route needs a path pattern");
                 None
@@ -1036,6 +1079,7 @@ impl Validator<'_> {
                 None
             } else {
                 match PathPattern::parse(&path) {
+                    Ok(p) if key_case == KeyCase::Lower => Some(p.ignoring_case()),
                     Ok(p) => Some(p),
                     Err(why) => {
                         self.problem(at("path"), format!("'{path}' {why}"));
@@ -1052,6 +1096,7 @@ impl Validator<'_> {
                     None
                 }
                 (Some(k), Some(p)) => match KeyTemplate::parse(k, p) {
+                    Ok(t) if key_case == KeyCase::Lower => Some(t.lower_cased()),
                     Ok(t) => Some(t),
                     Err(why) => {
                         self.problem(at("key"), format!("'{k}' {why}"));
@@ -1108,6 +1153,7 @@ impl Validator<'_> {
                     upstream,
                     fenced_methods: fenced,
                     token,
+                    paths,
                     timeout,
                 });
             }

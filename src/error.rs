@@ -34,6 +34,13 @@ pub enum ClientError {
     NoRoute { path: String },
     #[error("{0}")]
     BadPath(&'static str),
+    /// A fenced write whose path back ends may resolve differently.
+    #[error("the path {0}")]
+    AmbiguousPath(&'static str),
+    /// A fenced write whose key part from the query or a header is missing,
+    /// repeated or ambiguous.
+    #[error(transparent)]
+    AmbiguousKey(#[from] crate::routing::KeyError),
     #[error("method {method} is not allowed on route {route}")]
     MethodNotAllowed { method: String, route: String },
     #[error("missing X-Fence-Token for {key}")]
@@ -142,6 +149,20 @@ impl GatewayError {
                 C::BadPath(why) => {
                     Problem::new(StatusCode::BAD_REQUEST, "bad-path", "Bad request path", *why)
                 }
+                C::AmbiguousPath(why) => Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "ambiguous-path",
+                    "Ambiguous path",
+                    format!(
+                        "the path {why}, so it may name another resource at the upstream than the one its key names; send the plain spelling"
+                    ),
+                ),
+                C::AmbiguousKey(e) => Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "ambiguous-key",
+                    "Ambiguous resource key",
+                    format!("the resource key cannot be built unambiguously: {e}"),
+                ),
                 C::MethodNotAllowed { method, route } => Problem::new(
                     StatusCode::METHOD_NOT_ALLOWED,
                     "method-not-allowed",

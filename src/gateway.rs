@@ -18,7 +18,7 @@ use axum::response::{IntoResponse, Response};
 use http::{header, Method, Request};
 use tokio::sync::oneshot;
 
-use crate::config::{Route, TokenKind};
+use crate::config::{PathsMode, Route, TokenKind};
 use crate::error::{ClientError, GatewayError, UpstreamError};
 use crate::exchange::Exchange;
 use crate::fence::{Admission, Fence};
@@ -183,6 +183,8 @@ fn refusal_outcome(e: &GatewayError) -> Option<Outcome> {
             C::BodyTooLarge { .. } => Outcome::TooLarge,
             C::ClientGone => Outcome::ClientGone,
             C::BadRequest(_) => Outcome::BadRequest,
+            C::AmbiguousPath(_) => Outcome::AmbiguousPath,
+            C::AmbiguousKey(_) => Outcome::AmbiguousKey,
             // Not fenced writes: no route, or refused before the method
             // was known to be fenced.
             C::NoRoute { .. } | C::BadPath(_) | C::MethodNotAllowed { .. } => return None,
@@ -244,7 +246,16 @@ fn admit(state: &GatewayState, req: Request<Body>) -> Admitted {
     // Phase: match route.
     let (route, captures) = match match_route(&state.routes, req.uri().path()) {
         Ok(m) => m,
-        Err(e) => return refused(None, false, e),
+        Err(e) => {
+            // A write no route matches may well be an odd spelling of a
+            // fenced resource (`/docs//x` for `/docs/{id}`): say so.
+            let write = !is_safe(req.method());
+            let strict = state.routes.iter().any(|r| r.paths == PathsMode::Strict);
+            if let (true, true, Some(why)) = (write, strict, routing::ambiguity(req.uri().path())) {
+                return refused(None, false, ClientError::AmbiguousPath(why).into());
+            }
+            return refused(None, false, e);
+        }
     };
     // Phase: framing and size, before anything touches the store.
     let fenced = route.fenced_methods.contains(req.method());
@@ -261,8 +272,23 @@ fn admit(state: &GatewayState, req: Request<Body>) -> Admitted {
         }
         return Admitted::PassThrough { route, req };
     }
-    // Phase: read token. Only fenced writes need the resource key.
-    let key = route.key.render(&captures);
+    // Phase: resource key. Only fenced writes need it, and only for them
+    // does a path spelling that could name another resource matter.
+    if route.paths == PathsMode::Strict {
+        if let Some(why) = routing::ambiguity(req.uri().path()) {
+            return refused(Some(&route), true, ClientError::AmbiguousPath(why).into());
+        }
+    }
+    let source = routing::KeySource {
+        captures: &captures,
+        query: req.uri().query(),
+        headers: req.headers(),
+    };
+    let key = match route.key.render(&source) {
+        Ok(k) => k,
+        Err(e) => return refused(Some(&route), true, ClientError::from(e).into()),
+    };
+    // Phase: read token.
     let token = match read_token(state, &route, &key, req.headers()) {
         Ok(t) => t,
         Err(e) => return refused(Some(&route), true, e.into()),

@@ -37,10 +37,14 @@ pub enum Outcome {
     /// Shared mode: admitted, but this instance stalled too long before the
     /// forward could start within the write's in-flight marker.
     Late,
+    /// A path spelling back ends resolve differently (`paths = "strict"`).
+    AmbiguousPath,
+    /// A key part from the query or a header missing, repeated or ambiguous.
+    AmbiguousKey,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 12] = [
+    pub const ALL: [Outcome; 14] = [
         Outcome::Forwarded,
         Outcome::Stale,
         Outcome::MissingToken,
@@ -53,6 +57,8 @@ impl Outcome {
         Outcome::ClientGone,
         Outcome::BadRequest,
         Outcome::Late,
+        Outcome::AmbiguousPath,
+        Outcome::AmbiguousKey,
     ];
 
     /// The label value.
@@ -70,6 +76,8 @@ impl Outcome {
             Outcome::ClientGone => "client_gone",
             Outcome::BadRequest => "bad_request",
             Outcome::Late => "late",
+            Outcome::AmbiguousPath => "ambiguous_path",
+            Outcome::AmbiguousKey => "ambiguous_key",
         }
     }
 }

@@ -5,13 +5,25 @@
 //! first match wins, which is why this is a plain list and not a radix tree:
 //! users reason about "the first route that matches", not about priorities.
 //!
-//! Captures are percent-decoded before they go into the resource key. If they
-//! were not, `/docs/%61` and `/docs/a` would name one document at the upstream
-//! but two keys at the gateway, and a stale holder could bypass its fence by
-//! spelling the path differently.
+//! Captures are percent-decoded before they go into the resource key, and
+//! literal segments are compared decoded. If they were not, `/docs/%61` and
+//! `/docs/a` would name one document at the upstream but two keys at the
+//! gateway, and a stale holder could bypass its fence by spelling the path
+//! differently.
+//!
+//! Decoding is not enough on its own: back ends disagree on what some
+//! spellings mean (`/a;x=1` is `/a` to a servlet container, `%2F` is a `/` to
+//! some and a character to others, `//` is merged by nginx, `\` is a `/` to
+//! IIS). [`ambiguity`] names such a spelling, so that a fenced write using
+//! one is refused rather than fenced under a key that may not be the
+//! resource the upstream writes. Key parts read from the query or a header
+//! are refused on the same grounds when missing, repeated or ambiguous
+//! ([`KeyError`]).
 
 use std::borrow::Cow;
 use std::collections::BTreeSet;
+
+use http::header::{HeaderMap, HeaderName};
 
 /// One piece of a compiled path pattern.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,18 +39,46 @@ enum Segment {
 #[derive(Debug, Clone)]
 pub struct PathPattern {
     segments: Vec<Segment>,
+    /// Literal segments match in any ASCII case (`key_case = "lower"`: the
+    /// upstream resolves paths case-insensitively).
+    ignore_case: bool,
 }
 
 /// A compiled resource-key template such as `doc:{id}`.
 #[derive(Debug, Clone)]
 pub struct KeyTemplate {
     parts: Vec<KeyPart>,
+    /// `key_case = "lower"`: the rendered key is lower-cased.
+    lower: bool,
 }
 
 #[derive(Debug, Clone)]
 enum KeyPart {
     Literal(String),
     Capture(String),
+    /// `{query.NAME}`: the decoded value of query parameter NAME.
+    Query(String),
+    /// `{header.NAME}`: the value of header NAME.
+    Header(HeaderName),
+}
+
+/// What a key template reads from a request besides the path's captures.
+pub struct KeySource<'a> {
+    pub captures: &'a Captures,
+    /// The raw query string, without `?`.
+    pub query: Option<&'a str>,
+    pub headers: &'a HeaderMap,
+}
+
+/// Why a key part from the query or a header cannot name one resource.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    #[error("the key needs {0}, which the request does not carry (or carries empty)")]
+    Missing(String),
+    #[error("{0} is sent more than once; back ends disagree on which one counts")]
+    Repeated(String),
+    #[error("{0} {1}")]
+    Ambiguous(String, &'static str),
 }
 
 /// Why a request path could not be matched safely.
@@ -101,7 +141,16 @@ impl PathPattern {
                 segments.push(Segment::Literal(seg.to_string()));
             }
         }
-        Ok(Self { segments })
+        Ok(Self {
+            segments,
+            ignore_case: false,
+        })
+    }
+
+    /// Matches literal segments in any ASCII case.
+    pub fn ignoring_case(mut self) -> Self {
+        self.ignore_case = true;
+        self
     }
 
     /// Names of the captures this pattern defines.
@@ -127,7 +176,16 @@ impl PathPattern {
         for seg in &self.segments {
             match seg {
                 Segment::Literal(lit) => {
-                    if parts.get(i).copied() != Some(lit.as_str()) {
+                    let Some(part) = parts.get(i) else {
+                        return Ok(None);
+                    };
+                    let part = decode_segment(part)?;
+                    let same = if self.ignore_case {
+                        part.eq_ignore_ascii_case(lit)
+                    } else {
+                        part == lit.as_str()
+                    };
+                    if !same {
                         return Ok(None);
                     }
                     i += 1;
@@ -140,9 +198,14 @@ impl PathPattern {
                     _ => return Ok(None),
                 },
                 Segment::Rest(name) => {
-                    let tail = &parts[i.min(parts.len())..];
+                    let mut tail = &parts[i.min(parts.len())..];
                     if tail.is_empty() || tail.iter().all(|p| p.is_empty()) {
                         return Ok(None);
+                    }
+                    // `/a/b/` and `/a/b` are one resource to many back ends:
+                    // one key (merging them is at worst false contention).
+                    if tail.len() > 1 && tail.last().is_some_and(|p| p.is_empty()) {
+                        tail = &tail[..tail.len() - 1];
                     }
                     let mut joined = String::new();
                     for (n, p) in tail.iter().enumerate() {
@@ -190,6 +253,21 @@ impl KeyTemplate {
                         .find('}')
                         .ok_or_else(|| "has a '{' without a matching '}'".to_string())?;
                     let name = after[..end].trim_start_matches('*');
+                    if let Some(q) = name.strip_prefix("query.") {
+                        if !valid_field_name(q) {
+                            return Err(format!("'{{{name}}}' names no query parameter (use letters, digits, '_', '-' and '.')"));
+                        }
+                        parts.push(KeyPart::Query(q.to_string()));
+                        rest = &after[end + 1..];
+                        continue;
+                    }
+                    if let Some(h) = name.strip_prefix("header.") {
+                        let header = HeaderName::from_bytes(h.as_bytes())
+                            .map_err(|_| format!("'{{{name}}}' names no valid header"))?;
+                        parts.push(KeyPart::Header(header));
+                        rest = &after[end + 1..];
+                        continue;
+                    }
                     if !known.contains(name) {
                         let list: Vec<_> = known.iter().map(|n| format!("{{{n}}}")).collect();
                         return Err(format!(
@@ -202,24 +280,162 @@ impl KeyTemplate {
                 }
             }
         }
-        Ok(Self { parts })
+        Ok(Self {
+            parts,
+            lower: false,
+        })
     }
 
-    /// Renders the resource key from a match's captures.
-    pub fn render(&self, captures: &Captures) -> String {
+    /// Lower-cases the rendered key (`key_case = "lower"`).
+    pub fn lower_cased(mut self) -> Self {
+        self.lower = true;
+        self
+    }
+
+    /// Renders the resource key of a request.
+    pub fn render(&self, src: &KeySource<'_>) -> Result<String, KeyError> {
         let mut out = String::new();
         for part in &self.parts {
             match part {
                 KeyPart::Literal(l) => out.push_str(l),
                 KeyPart::Capture(name) => {
-                    if let Some((_, v)) = captures.iter().find(|(n, _)| n == name) {
+                    if let Some((_, v)) = src.captures.iter().find(|(n, _)| n == name) {
                         out.push_str(v);
                     }
                 }
+                KeyPart::Query(name) => out.push_str(&query_part(src.query, name)?),
+                KeyPart::Header(name) => out.push_str(header_part(src.headers, name)?),
             }
         }
-        out
+        if self.lower {
+            out = out.to_lowercase();
+        }
+        Ok(out)
     }
+}
+
+/// The one decoded value of query parameter `name`. A raw `;` in the query
+/// is refused (old frameworks split parameters on it), and so is a raw `+`
+/// in the value (a space to form decoders, a plus to others): either could
+/// make the upstream read another value than the key holds.
+fn query_part(query: Option<&str>, name: &str) -> Result<String, KeyError> {
+    let what = || format!("query parameter '{name}'");
+    let query = query.unwrap_or_default();
+    if query.contains(';') {
+        return Err(KeyError::Ambiguous(
+            "the query string".into(),
+            "has a ';', which some back ends read as a parameter separator",
+        ));
+    }
+    let mut found: Option<&str> = None;
+    for pair in query.split('&') {
+        let (raw_name, raw_value) = pair.split_once('=').unwrap_or((pair, ""));
+        let decoded = strict_decode(raw_name).ok_or_else(|| {
+            KeyError::Ambiguous("a query parameter name".into(), MALFORMED_ESCAPE)
+        })?;
+        if decoded != name {
+            continue;
+        }
+        if found.replace(raw_value).is_some() {
+            return Err(KeyError::Repeated(what()));
+        }
+    }
+    let raw = found.ok_or_else(|| KeyError::Missing(what()))?;
+    if raw.contains('+') {
+        return Err(KeyError::Ambiguous(
+            what(),
+            "has a raw '+', a space to some back ends and a plus to others; send %20 or %2B",
+        ));
+    }
+    let value = strict_decode(raw).ok_or_else(|| KeyError::Ambiguous(what(), MALFORMED_ESCAPE))?;
+    if value.is_empty() {
+        return Err(KeyError::Missing(what()));
+    }
+    Ok(value.into_owned())
+}
+
+const MALFORMED_ESCAPE: &str =
+    "has a '%' not followed by two hex digits, or does not decode to UTF-8";
+
+/// The one value of header `name`. A comma makes it a list, whose members
+/// back ends pick differently.
+fn header_part<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Result<&'a str, KeyError> {
+    let what = || format!("header '{name}'");
+    let mut values = headers.get_all(name).iter();
+    let value = values.next().ok_or_else(|| KeyError::Missing(what()))?;
+    if values.next().is_some() {
+        return Err(KeyError::Repeated(what()));
+    }
+    let value = value
+        .to_str()
+        .map_err(|_| KeyError::Ambiguous(what(), "is not visible ASCII"))?;
+    if value.contains(',') {
+        return Err(KeyError::Ambiguous(what(), "is a list (it has a ',')"));
+    }
+    if value.is_empty() {
+        return Err(KeyError::Missing(what()));
+    }
+    Ok(value)
+}
+
+/// Percent-decodes `raw`, or `None` if an escape is malformed or the result
+/// is not UTF-8.
+fn strict_decode(raw: &str) -> Option<Cow<'_, str>> {
+    let b = raw.as_bytes();
+    let mut i = 0;
+    while let Some(p) = b[i..].iter().position(|&c| c == b'%') {
+        let at = i + p;
+        if !(b.get(at + 1).is_some_and(u8::is_ascii_hexdigit)
+            && b.get(at + 2).is_some_and(u8::is_ascii_hexdigit))
+        {
+            return None;
+        }
+        i = at + 3;
+    }
+    percent_encoding::percent_decode_str(raw).decode_utf8().ok()
+}
+
+/// Why a raw request path (without the query) may name more than one
+/// resource to the back ends behind the gateway, or `None`. Used on fenced
+/// writes of `paths = "strict"` routes.
+pub fn ambiguity(raw: &str) -> Option<&'static str> {
+    let b = raw.as_bytes();
+    for (i, &c) in b.iter().enumerate() {
+        match c {
+            b';' => {
+                return Some("has a ';': servlet containers strip ';' parameters from a segment")
+            }
+            b'\\' => return Some("has a '\\', which some back ends read as '/'"),
+            b'/' if b.get(i + 1) == Some(&b'/') => {
+                return Some("has an empty segment ('//'), which some back ends merge")
+            }
+            b'%' => {
+                let hex = |j: usize| b.get(j).and_then(|h| (*h as char).to_digit(16));
+                let (Some(hi), Some(lo)) = (hex(i + 1), hex(i + 2)) else {
+                    return Some("has a '%' not followed by two hex digits");
+                };
+                match (hi * 16 + lo) as u8 {
+                    b'/' | b'\\' => {
+                        return Some(
+                            "has an encoded '/' or '\\' (%2F, %5C), which some back ends decode",
+                        )
+                    }
+                    0x00..=0x1f | 0x7f => return Some("has an encoded control character"),
+                    _ => {}
+                }
+            }
+            _ => {}
+        }
+    }
+    None
+}
+
+/// A query parameter name a template may use.
+fn valid_field_name(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '_' | '-' | '.'))
 }
 
 fn valid_name(name: &str) -> bool {
@@ -252,6 +468,123 @@ mod tests {
 
     fn m(p: &str, path: &str) -> Option<Captures> {
         PathPattern::parse(p).unwrap().matches(path).unwrap()
+    }
+
+    fn render(
+        k: &KeyTemplate,
+        captures: &Captures,
+        query: Option<&str>,
+        headers: &[(&str, &str)],
+    ) -> Result<String, KeyError> {
+        let mut h = HeaderMap::new();
+        for (n, v) in headers {
+            h.append(
+                HeaderName::from_bytes(n.as_bytes()).unwrap(),
+                v.parse().unwrap(),
+            );
+        }
+        k.render(&KeySource {
+            captures,
+            query,
+            headers: &h,
+        })
+    }
+
+    #[test]
+    fn literals_match_decoded_and_optionally_in_any_case() {
+        assert_eq!(
+            m("/docs/{id}", "/%64ocs/7"),
+            Some(vec![("id".into(), "7".into())])
+        );
+        assert_eq!(m("/docs/{id}", "/DOCS/7"), None);
+        let p = PathPattern::parse("/docs/{id}").unwrap().ignoring_case();
+        assert!(p.matches("/DoCs/7").unwrap().is_some());
+    }
+
+    #[test]
+    fn ambiguous_spellings_are_named() {
+        for bad in [
+            "/docs/report;x=1",
+            "/docs/a%2Fb",
+            "/docs/a%2fb",
+            "/docs/a%5Cb",
+            "/docs/a%5cb",
+            "/docs/a\\b",
+            "/docs//a",
+            "/docs/a%00",
+            "/docs/a%1f",
+            "/docs/a%7F",
+            "/docs/a%",
+            "/docs/a%4",
+            "/docs/a%zz",
+        ] {
+            assert!(ambiguity(bad).is_some(), "{bad} passed");
+        }
+        for good in [
+            "/docs/a",
+            "/docs/%61",
+            "/docs/a%20b",
+            "/docs/%E2%9C%93",
+            "/",
+            "/docs/a/",
+        ] {
+            assert_eq!(ambiguity(good), None, "{good}");
+        }
+    }
+
+    #[test]
+    fn query_and_header_parts() {
+        let p = PathPattern::parse("/docs/{id}").unwrap();
+        let k = KeyTemplate::parse("doc:{query.tenant}:{id}:{header.x-region}", &p).unwrap();
+        let caps = p.matches("/docs/9").unwrap().unwrap();
+        let region = [("x-region", "eu")];
+        assert_eq!(
+            render(&k, &caps, Some("a=1&tenant=ac%6De"), &region),
+            Ok("doc:acme:9:eu".into())
+        );
+        // Names are compared decoded, so a re-encoded name is a repeat.
+        assert!(matches!(
+            render(&k, &caps, Some("tenant=a&ten%61nt=b"), &region),
+            Err(KeyError::Repeated(_))
+        ));
+        for (query, headers) in [
+            (Some("tenant=a;tenant=b"), &region[..]),
+            (Some("tenant=a+b"), &region[..]),
+            (Some("tenant=a%zz"), &region[..]),
+            (Some("tenant=a"), &[("x-region", "eu, us")][..]),
+        ] {
+            assert!(
+                matches!(
+                    render(&k, &caps, query, headers),
+                    Err(KeyError::Ambiguous(..))
+                ),
+                "{query:?} {headers:?}"
+            );
+        }
+        for (query, headers) in [
+            (None, &region[..]),
+            (Some("tenant="), &region[..]),
+            (Some("tenant=a"), &[][..]),
+        ] {
+            assert!(
+                matches!(render(&k, &caps, query, headers), Err(KeyError::Missing(_))),
+                "{query:?} {headers:?}"
+            );
+        }
+        assert!(matches!(
+            render(
+                &k,
+                &caps,
+                Some("tenant=a"),
+                &[("x-region", "eu"), ("x-region", "us")]
+            ),
+            Err(KeyError::Repeated(_))
+        ));
+        let lower = KeyTemplate::parse("Doc:{id}", &p).unwrap().lower_cased();
+        let caps = p.matches("/docs/AbC").unwrap().unwrap();
+        assert_eq!(render(&lower, &caps, None, &[]), Ok("doc:abc".into()));
+        assert!(KeyTemplate::parse("{query.}", &p).is_err());
+        assert!(KeyTemplate::parse("{header.a b}", &p).is_err());
     }
 
     #[test]
@@ -302,11 +635,110 @@ mod tests {
         let p = PathPattern::parse("/t/{tenant}/docs/{id}").unwrap();
         let k = KeyTemplate::parse("doc:{tenant}:{id}", &p).unwrap();
         let caps = p.matches("/t/acme/docs/9").unwrap().unwrap();
-        assert_eq!(k.render(&caps), "doc:acme:9");
+        assert_eq!(render(&k, &caps, None, &[]), Ok("doc:acme:9".into()));
         assert!(KeyTemplate::parse("doc:{nope}", &p)
             .unwrap_err()
             .contains("{nope}"));
         assert!(KeyTemplate::parse("doc:{id", &p).is_err());
         assert!(KeyTemplate::parse("", &p).is_err());
+    }
+
+    /// What a back end makes of a raw path: percent-decoded, and for the
+    /// chosen back end's quirks: servlet containers strip `;` parameters
+    /// from each segment (and, with Spring's helper, decode `%2F`), IIS
+    /// reads `\\` as `/`, nginx merges slashes; all resolve dot segments.
+    fn normalized(raw: &str, servlet: bool, merge_slashes: bool, drop_trailing: bool) -> String {
+        let mut segs: Vec<String> = Vec::new();
+        let stripped: Vec<String> = raw
+            .split('/')
+            .map(|seg| {
+                let seg = if servlet {
+                    seg.split(';').next().unwrap_or("")
+                } else {
+                    seg
+                };
+                percent_encoding::percent_decode_str(seg)
+                    .decode_utf8_lossy()
+                    .replace('\\', "/")
+            })
+            .collect();
+        let joined = stripped.join("/");
+        let all: Vec<&str> = joined.split('/').skip(1).collect();
+        for (i, seg) in all.iter().enumerate() {
+            let last = i + 1 == all.len();
+            match *seg {
+                "." => {}
+                ".." => {
+                    segs.pop();
+                }
+                "" if last && drop_trailing => {}
+                "" if !last && merge_slashes => {}
+                s => segs.push(s.to_string()),
+            }
+        }
+        format!("/{}", segs.join("/"))
+    }
+
+    /// A decoded path as a request would spell it.
+    fn encoded(path: &str) -> String {
+        const RESERVED: &percent_encoding::AsciiSet = &percent_encoding::CONTROLS
+            .add(b' ')
+            .add(b'%')
+            .add(b';')
+            .add(b'\\')
+            .add(b'?')
+            .add(b'#')
+            .add(b'+');
+        percent_encoding::utf8_percent_encode(path, RESERVED).to_string()
+    }
+
+    /// The key a strict `/docs/{*rest}` route gives a raw path, or `None`
+    /// when it refuses it or does not match it.
+    fn strict_key(path: &str) -> Option<String> {
+        let pattern = PathPattern::parse("/docs/{*rest}").unwrap();
+        let template = KeyTemplate::parse("doc:{rest}", &pattern).unwrap();
+        if ambiguity(path).is_some() {
+            return None;
+        }
+        let captures = pattern.matches(path).ok()??;
+        render(&template, &captures, None, &[]).ok()
+    }
+
+    fn spelling() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        let piece = prop::sample::select(vec![
+            "a", "b", "Z", "%61", "%41", "é", "%C3%A9", "%20", "+", "-", "_", "~", "/", "//", ";",
+            ";x=1", "%3B", "%2F", "%2f", "%5C", "%5c", "\\", ".", "..", "%2e", "%2E%2E", "%", "%4",
+            "%zz", "%00", "%1F", "%7f",
+        ]);
+        prop::collection::vec(piece, 1..8).prop_map(|p| format!("/docs/{}", p.concat()))
+    }
+
+    proptest::proptest! {
+        /// Any path a strict route accepts names, at every kind of back end,
+        /// the very resource its key names; every other spelling is refused.
+        /// Whatever a back end makes of an accepted path, spelled plainly,
+        /// gets the same key: two spellings of one resource never get two
+        /// keys.
+        #[test]
+        fn accepted_paths_name_one_resource(path in spelling()) {
+            let Some(key) = strict_key(&path) else {
+                return Ok(());
+            };
+            for (servlet, merge, trailing) in [
+                (true, false, false),
+                (false, true, false),
+                (false, false, true),
+                (false, false, false),
+            ] {
+                let upstream = normalized(&path, servlet, merge, trailing);
+                let plain = strict_key(&encoded(&upstream));
+                proptest::prop_assert_eq!(
+                    Some(&key), plain.as_ref(),
+                    "{} is {} at a back end (servlet {}, merging slashes {}, dropping a trailing one {})",
+                    path, upstream, servlet, merge, trailing
+                );
+            }
+        }
     }
 }

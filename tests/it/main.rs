@@ -10,6 +10,7 @@ mod exchange_lifetime;
 mod group_commit;
 mod headers;
 mod jwt_tokens;
+mod key_integrity;
 mod locks_api;
 mod locks_redis;
 mod ordering;
