@@ -66,6 +66,8 @@ struct Core {
     limits: Limits,
     /// `[server] workers`: threads serving the traffic listener.
     workers: usize,
+    /// `[server.tls]`, when the traffic listener speaks HTTPS.
+    tls: Option<Arc<crate::tls::Tls>>,
 }
 
 impl Application {
@@ -140,6 +142,7 @@ impl Application {
                 gate: fence.gate.clone(),
                 tasks,
                 workers: config.server.workers,
+                tls: config.server.tls.clone(),
                 limits: Limits {
                     header_read_timeout: config.server.header_read_timeout,
                     max_connections: config.server.max_connections,
@@ -179,8 +182,14 @@ impl Application {
         self,
         shutdown: impl Future<Output = ()> + Send + 'static,
     ) -> Result<(), StartError> {
-        let Application { listeners, core } = self;
+        let Application {
+            listeners,
+            mut core,
+        } = self;
         let stop = Stop::new();
+        if let Some(tls) = core.tls.clone() {
+            core.tasks.push(tokio::spawn(reload_on_hangup(tls)));
+        }
         let workers = match core.start_traffic(listeners.traffic, &stop) {
             Ok(w) => w,
             Err(e) => {
@@ -240,9 +249,14 @@ impl Core {
             })
             .collect();
         let gate = self.gate.clone();
-        server::Workers::start(listener, services, self.limits, stop.stopped(), move || {
-            settled(gate.clone())
-        })
+        server::Workers::start(
+            listener,
+            services,
+            self.tls.clone(),
+            self.limits,
+            stop.stopped(),
+            move || settled(gate.clone()),
+        )
     }
 
     /// Records a clean stop, but only if no write of ours can still reach an
@@ -270,6 +284,31 @@ impl Core {
         }
         self.admin_state.store.close().await;
     }
+}
+
+/// SIGHUP: re-reads the TLS certificate, key and CA files for new
+/// connections. A file that fails to load keeps the current ones in use.
+async fn reload_on_hangup(tls: Arc<crate::tls::Tls>) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let Ok(mut hangups) = signal(SignalKind::hangup()) else {
+            tracing::warn!("cannot listen for SIGHUP; TLS files will not be reloaded");
+            return;
+        };
+        while hangups.recv().await.is_some() {
+            match tls.reload() {
+                Ok(()) => tracing::info!(
+                    "SIGHUP: TLS certificate, key and CA reloaded for new connections"
+                ),
+                Err(e) => {
+                    tracing::error!(error = %e, "SIGHUP: TLS files not reloaded; the current ones stay in use")
+                }
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = tls;
 }
 
 /// The shutdown signal, fanned out to every listener.

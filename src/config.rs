@@ -96,11 +96,36 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// How long in-flight requests may run after SIGTERM before we exit.
     pub shutdown_grace: Duration,
+    /// `[server.tls]`: the traffic listener speaks only HTTPS. Loaded (and
+    /// checked) with the config; SIGHUP reloads its files.
+    pub tls: Option<std::sync::Arc<crate::tls::Tls>>,
     /// Threads serving the traffic listener, each with its own runtime and
     /// upstream pool, taking accepted connections in turn from one acceptor,
     /// so a request's client and upstream connections are driven by one
     /// thread without cross-thread wake-ups. Defaults to the number of CPUs.
     pub workers: usize,
+}
+
+/// `[server.tls]` as written, with paths resolved against the config file's
+/// directory.
+#[derive(Debug, Clone)]
+pub struct TlsConfig {
+    pub cert_file: PathBuf,
+    pub key_file: PathBuf,
+    /// Client certificates are asked for (and verified against this CA)
+    /// only when it is set.
+    pub client_ca_file: Option<PathBuf>,
+    pub client_auth: ClientAuth,
+}
+
+/// `[server.tls] client_auth`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ClientAuth {
+    /// A client may present a certificate; one that does is verified.
+    Optional,
+    /// The handshake fails without a verified client certificate.
+    Required,
 }
 
 /// `[store]`: the durable record of the highest token per key.
@@ -287,6 +312,16 @@ struct RawServer {
     max_connections: u64,
     shutdown_grace_ms: u64,
     workers: Option<u64>,
+    tls: Option<RawTls>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RawTls {
+    cert_file: Option<String>,
+    key_file: Option<String>,
+    client_ca_file: Option<String>,
+    client_auth: Option<Choice<ClientAuth>>,
 }
 
 impl Default for RawServer {
@@ -299,6 +334,7 @@ impl Default for RawServer {
             max_connections: 4096,
             shutdown_grace_ms: 30_000,
             workers: None,
+            tls: None,
         }
     }
 }
@@ -741,7 +777,7 @@ impl Validator<'_> {
     }
 
     fn config(&mut self, file: &str, raw: RawConfig) -> Config {
-        let server = self.server(raw.server);
+        let server = self.server(file, raw.server);
         let store = self.store(raw.store);
         let locks = self.locks(raw.locks);
         let tokens = raw.tokens.and_then(|t| self.tokens(file, t));
@@ -876,21 +912,8 @@ impl Validator<'_> {
         file: &str,
         raw: RawTokens,
     ) -> Option<std::sync::Arc<crate::jwt::JwtKeys>> {
-        // Key files are relative to the config file's directory.
-        let base = Path::new(file)
-            .parent()
-            .map(Path::to_path_buf)
-            .unwrap_or_default();
-        let resolve = |p: Option<String>| {
-            p.map(|p| {
-                let p = PathBuf::from(p);
-                if p.is_absolute() {
-                    p
-                } else {
-                    base.join(p)
-                }
-            })
-        };
+        let base = config_dir(file);
+        let resolve = |p: Option<String>| p.map(|p| relative_to(&base, &p));
         let settings = crate::jwt::TokensSettings {
             issuer: raw.issuer,
             signing_kid: raw.signing_kid,
@@ -927,8 +950,10 @@ impl Validator<'_> {
         }
     }
 
-    fn server(&mut self, raw: RawServer) -> ServerConfig {
+    fn server(&mut self, file: &str, raw: RawServer) -> ServerConfig {
+        let tls = raw.tls.and_then(|t| self.tls(file, t));
         ServerConfig {
+            tls,
             listen: self.addr("server.listen", &raw.listen),
             admin_listen: self.addr("server.admin_listen", &raw.admin_listen),
             max_body_bytes: self.positive("server.max_body_bytes", raw.max_body_bytes, 1 << 40),
@@ -948,6 +973,56 @@ impl Validator<'_> {
                 Some(n) => self.positive("server.workers", n, 1024) as usize,
                 None => std::thread::available_parallelism().map_or(1, |n| n.get()),
             },
+        }
+    }
+
+    fn tls(&mut self, file: &str, raw: RawTls) -> Option<std::sync::Arc<crate::tls::Tls>> {
+        let base = config_dir(file);
+        let cert = raw.cert_file.map(|p| relative_to(&base, &p));
+        let key = raw.key_file.map(|p| relative_to(&base, &p));
+        if cert.is_none() {
+            self.problem(
+                "server.tls.cert_file",
+                "missing: [server.tls] needs a certificate chain (PEM)",
+            );
+        }
+        if key.is_none() {
+            self.problem(
+                "server.tls.key_file",
+                "missing: [server.tls] needs a private key (PEM)",
+            );
+        }
+        let client_ca_file = raw.client_ca_file.map(|p| relative_to(&base, &p));
+        let client_auth = match raw.client_auth {
+            None => ClientAuth::Optional,
+            Some(c) => {
+                if client_ca_file.is_none() {
+                    self.problem(
+                        "server.tls.client_auth",
+                        "needs server.tls.client_ca_file: client certificates are verified against it",
+                    );
+                }
+                self.choice(
+                    "server.tls.client_auth",
+                    c,
+                    "a client-certificate policy",
+                    "\"optional\" or \"required\"",
+                    ClientAuth::Optional,
+                )
+            }
+        };
+        let files = TlsConfig {
+            cert_file: cert?,
+            key_file: key?,
+            client_ca_file,
+            client_auth,
+        };
+        match crate::tls::Tls::load(&files) {
+            Ok(t) => Some(std::sync::Arc::new(t)),
+            Err(why) => {
+                self.problem("server.tls", why);
+                None
+            }
         }
     }
 
@@ -1159,6 +1234,24 @@ impl Validator<'_> {
             }
         }
         routes
+    }
+}
+
+/// The directory files named in a config are relative to: the config
+/// file's own.
+fn config_dir(file: &str) -> PathBuf {
+    Path::new(file)
+        .parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+}
+
+fn relative_to(base: &Path, p: &str) -> PathBuf {
+    let p = PathBuf::from(p);
+    if p.is_absolute() {
+        p
+    } else {
+        base.join(p)
     }
 }
 

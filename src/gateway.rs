@@ -78,12 +78,17 @@ pub struct GatewayState {
     pub store_runtime: tokio::runtime::Handle,
 }
 
+/// Who sent a request, as the upstream is told (`X-Forwarded-For`,
+/// `X-Forwarded-Proto`).
+#[derive(Debug, Clone, Copy)]
+pub struct Downstream {
+    pub addr: Option<SocketAddr>,
+    /// Over TLS.
+    pub https: bool,
+}
+
 /// Every proxied request's answer: the upstream's, or a problem document.
-pub async fn respond(
-    state: Arc<GatewayState>,
-    req: Request<Body>,
-    peer: Option<SocketAddr>,
-) -> Response {
+pub async fn respond(state: Arc<GatewayState>, req: Request<Body>, peer: Downstream) -> Response {
     let retry_after = state.retry_after;
     let has_body = declares_body(req.headers());
     let result = match admit(&state, req) {
@@ -367,7 +372,7 @@ impl FencedWrite {
     async fn run(
         self,
         state: Arc<GatewayState>,
-        peer: Option<SocketAddr>,
+        peer: Downstream,
     ) -> Result<Response, GatewayError> {
         let (answer, answered) = oneshot::channel();
         let runtime = state
@@ -394,7 +399,7 @@ impl FencedWrite {
     async fn decide_and_forward(
         self,
         state: &GatewayState,
-        peer: Option<SocketAddr>,
+        peer: Downstream,
         answer: &oneshot::Sender<Result<Response, GatewayError>>,
     ) -> (bool, Result<Response, GatewayError>) {
         let decided = Instant::now();
@@ -434,7 +439,7 @@ async fn forward(
     state: &GatewayState,
     route: &GatedRoute,
     req: Request<Body>,
-    peer: Option<SocketAddr>,
+    peer: Downstream,
     permit: Option<Admission>,
 ) -> Result<Response, GatewayError> {
     let started = Instant::now();

@@ -17,6 +17,8 @@
 //!
 //! * [`server`]: the accept loop (header-read timeout, connection limit,
 //!   graceful shutdown) and the traffic listener's worker threads.
+//! * [`tls`]: HTTPS on the traffic listener: certificates, SIGHUP reload,
+//!   client identities.
 //! * [`traffic`]: a worker's service: proxied requests in place, the
 //!   reserved prefix (lock API) on the store's runtime.
 //! * [`gateway`]: one proxied request's phases, from route match to the
@@ -61,5 +63,6 @@ pub mod proxy;
 pub mod routing;
 pub mod server;
 pub mod store;
+pub mod tls;
 pub mod token;
 pub mod traffic;

@@ -4,7 +4,6 @@
 
 use std::fmt::Write as _;
 use std::future::Future;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
@@ -84,7 +83,7 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 pub fn upstream_request(
     mut req: Request<Body>,
     upstream: &Upstream,
-    peer: Option<SocketAddr>,
+    peer: crate::gateway::Downstream,
 ) -> Result<Request<Body>, http::Error> {
     let path_and_query = match req.uri().path_and_query() {
         // The common case shares the client's bytes instead of copying them.
@@ -105,7 +104,7 @@ pub fn upstream_request(
     if let Some(host) = headers.insert(header::HOST, upstream.host.clone()) {
         headers.insert(X_FORWARDED_HOST, host);
     }
-    if let Some(peer) = peer {
+    if let Some(peer) = peer.addr {
         // One buffer, handed to the header without another copy.
         let mut value = String::with_capacity(48);
         if let Some(prev) = headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
@@ -119,7 +118,8 @@ pub fn upstream_request(
             headers.insert(X_FORWARDED_FOR, v);
         }
     }
-    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+    let proto = if peer.https { "https" } else { "http" };
+    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static(proto));
     Ok(req)
 }
 

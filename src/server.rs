@@ -27,7 +27,7 @@ use axum::Router;
 use hyper::body::Incoming;
 use hyper::server::conn::http1;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
+use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
 use tower::ServiceExt;
@@ -40,8 +40,16 @@ pub struct Limits {
     pub shutdown_grace: Duration,
 }
 
-/// A service for one accepted connection, given its peer's address.
-pub trait MakeService: Send + 'static {
+/// What a service knows of the connection it serves.
+#[derive(Debug, Clone)]
+pub struct ConnInfo {
+    pub peer: SocketAddr,
+    /// Set on a TLS connection, after the handshake.
+    pub tls: Option<crate::tls::TlsPeer>,
+}
+
+/// A service for one accepted connection.
+pub trait MakeService: Clone + Send + 'static {
     type Service: hyper::service::Service<
             http::Request<Incoming>,
             Response = http::Response<axum::body::Body>,
@@ -50,20 +58,21 @@ pub trait MakeService: Send + 'static {
         > + Send
         + 'static;
 
-    fn make(&self, peer: SocketAddr) -> Self::Service;
+    fn make(&self, conn: ConnInfo) -> Self::Service;
 }
 
 /// An axum router as a [`MakeService`]; handlers see the peer as
 /// `ConnectInfo<SocketAddr>`.
+#[derive(Clone)]
 pub struct RouterService(pub Router);
 
 impl MakeService for RouterService {
     type Service = RouterConnection;
 
-    fn make(&self, peer: SocketAddr) -> RouterConnection {
+    fn make(&self, conn: ConnInfo) -> RouterConnection {
         RouterConnection {
             router: self.0.clone(),
-            peer,
+            peer: conn.peer,
         }
     }
 }
@@ -98,7 +107,7 @@ pub async fn serve(
     let graceful = GracefulShutdown::new();
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     accept(listener, slots, shutdown, |stream, peer, permit| {
-        connection(stream, peer, &service, limits, &graceful, permit);
+        connection(stream, peer, &service, limits, &graceful, permit, None);
     })
     .await;
     drain(graceful, limits).await;
@@ -142,7 +151,9 @@ async fn accept(
 }
 
 /// Serves one connection in a task of the current runtime; its slot is
-/// freed when it ends.
+/// freed when it ends. With `tls`, the handshake runs first, in the same
+/// task and bounded by the header-read timeout (a client that stalls its
+/// handshake is a slow-loris client too).
 fn connection(
     stream: TcpStream,
     peer: SocketAddr,
@@ -150,19 +161,69 @@ fn connection(
     limits: Limits,
     graceful: &GracefulShutdown,
     permit: OwnedSemaphorePermit,
+    tls: Option<&Arc<crate::tls::Tls>>,
 ) {
+    let watcher = graceful.watcher();
+    let Some(tls) = tls else {
+        let service = service.make(ConnInfo { peer, tls: None });
+        tokio::spawn(async move {
+            serve_io(TokioIo::new(stream), service, limits, watcher, peer).await;
+            drop(permit);
+        });
+        return;
+    };
+    let acceptor = tls.acceptor();
+    // Made after the handshake, which tells who the client is; the
+    // service factory is cloned into the task for that.
+    let make = service.clone();
+    tokio::spawn(async move {
+        let handshake =
+            tokio::time::timeout(limits.header_read_timeout, acceptor.accept(stream)).await;
+        let stream = match handshake {
+            Ok(Ok(s)) => s,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, %peer, "TLS handshake failed");
+                return;
+            }
+            Err(_) => {
+                tracing::debug!(%peer, "TLS handshake timed out");
+                return;
+            }
+        };
+        let info = ConnInfo {
+            peer,
+            tls: Some(crate::tls::peer_of(stream.get_ref().1)),
+        };
+        serve_io(TokioIo::new(stream), make.make(info), limits, watcher, peer).await;
+        drop(permit);
+    });
+}
+
+/// Serves HTTP/1.1 on one connection until it ends.
+async fn serve_io<I, S>(
+    io: TokioIo<I>,
+    service: S,
+    limits: Limits,
+    watcher: Watcher,
+    peer: SocketAddr,
+) where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+    S: hyper::service::Service<
+            http::Request<Incoming>,
+            Response = http::Response<axum::body::Body>,
+            Error = std::convert::Infallible,
+            Future: Send,
+        > + Send
+        + 'static,
+{
     let conn = http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout)
         .keep_alive(true)
-        .serve_connection(TokioIo::new(stream), service.make(peer));
-    let conn = graceful.watch(conn);
-    tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, %peer, "connection ended with an error");
-        }
-        drop(permit);
-    });
+        .serve_connection(io, service);
+    if let Err(e) = watcher.watch(conn).await {
+        tracing::debug!(error = %e, %peer, "connection ended with an error");
+    }
 }
 
 /// Lets open connections finish their requests, for up to the grace period.
@@ -197,6 +258,7 @@ impl Workers {
     pub fn start<M: MakeService, D>(
         listener: TcpListener,
         services: Vec<M>,
+        tls: Option<Arc<crate::tls::Tls>>,
         limits: Limits,
         shutdown: impl Future<Output = ()> + Send + 'static,
         settled: impl Fn() -> D,
@@ -213,6 +275,7 @@ impl Workers {
             let (give, mut take) = mpsc::unbounded_channel::<HandOff>();
             let (tx, rx) = oneshot::channel();
             let settle = settled();
+            let tls = tls.clone();
             std::thread::Builder::new()
                 .name(format!("fencegate-worker-{i}"))
                 .spawn(move || {
@@ -222,7 +285,15 @@ impl Workers {
                         while let Some((stream, peer, permit)) = take.recv().await {
                             // Registers the socket with this thread's runtime.
                             match TcpStream::from_std(stream) {
-                                Ok(s) => connection(s, peer, &service, limits, &graceful, permit),
+                                Ok(s) => connection(
+                                    s,
+                                    peer,
+                                    &service,
+                                    limits,
+                                    &graceful,
+                                    permit,
+                                    tls.as_ref(),
+                                ),
                                 Err(e) => {
                                     tracing::warn!(error = %e, "worker cannot take a connection")
                                 }

@@ -22,8 +22,8 @@ use tower::ServiceExt;
 
 use crate::config::is_reserved;
 use crate::error::GatewayError;
-use crate::gateway::{self, GatewayState};
-use crate::server::MakeService;
+use crate::gateway::{self, Downstream, GatewayState};
+use crate::server::{ConnInfo, MakeService};
 
 type BoxFuture = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send + 'static>>;
 
@@ -39,10 +39,14 @@ pub struct Traffic {
 impl MakeService for Traffic {
     type Service = Connection;
 
-    fn make(&self, peer: SocketAddr) -> Connection {
+    fn make(&self, conn: ConnInfo) -> Connection {
         Connection {
             traffic: self.clone(),
-            peer,
+            downstream: Downstream {
+                addr: Some(conn.peer),
+                https: conn.tls.is_some(),
+            },
+            conn: Arc::new(conn),
         }
     }
 }
@@ -50,7 +54,9 @@ impl MakeService for Traffic {
 /// The service of one client connection.
 pub struct Connection {
     traffic: Traffic,
-    peer: SocketAddr,
+    downstream: Downstream,
+    /// For the reserved prefix: who the client is (the lock API's auth).
+    conn: Arc<ConnInfo>,
 }
 
 impl hyper::service::Service<Request<Incoming>> for Connection {
@@ -63,11 +69,12 @@ impl hyper::service::Service<Request<Incoming>> for Connection {
         if is_reserved(req.uri().path()) {
             let mut req = req;
             req.extensions_mut()
-                .insert(ConnectInfo::<SocketAddr>(self.peer));
+                .insert(ConnectInfo::<SocketAddr>(self.conn.peer));
+            req.extensions_mut().insert(self.conn.clone());
             return self.traffic.reserved.call(req);
         }
-        let (gateway, peer) = (self.traffic.gateway.clone(), self.peer);
-        Box::pin(async move { Ok(gateway::respond(gateway, req, Some(peer)).await) })
+        let (gateway, downstream) = (self.traffic.gateway.clone(), self.downstream);
+        Box::pin(async move { Ok(gateway::respond(gateway, req, downstream).await) })
     }
 }
 

@@ -19,5 +19,6 @@ mod raw_upstream_selftest;
 mod server_limits;
 mod shared_mode;
 mod support;
+mod tls;
 mod unknown_outcomes;
 mod upstream_selftest;

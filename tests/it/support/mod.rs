@@ -4,6 +4,7 @@ pub mod app;
 pub mod db;
 pub mod holders;
 pub mod pg;
+pub mod pki;
 pub mod process;
 pub mod raw_upstream;
 pub mod redis;

@@ -118,6 +118,11 @@ impl GatewayProcess {
     pub fn log(&self) -> String {
         self.log.lock().unwrap().clone()
     }
+
+    /// Whether the process has not exited.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
 }
 
 impl Drop for GatewayProcess {

@@ -1,0 +1,138 @@
+//! TLS on the traffic listener: loading the certificate, key and client CA,
+//! reloading them on SIGHUP, and the handshake that turns an accepted TCP
+//! connection into an HTTPS one with, optionally, a verified client identity.
+//!
+//! The crypto provider is rustls' `ring` (a pure build: no cmake, no C
+//! toolchain beyond what `ring` itself needs). Only HTTP/1.1 is offered
+//! (ALPN `http/1.1`).
+//!
+//! Reloading swaps the whole `ServerConfig` for new connections; connections
+//! already open keep the config they were accepted with. Files that fail to
+//! load leave the current config in place, so a half-written certificate
+//! never takes the listener down.
+
+use std::path::Path;
+use std::sync::{Arc, RwLock};
+
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{RootCertStore, ServerConfig};
+
+use crate::config::{ClientAuth, TlsConfig};
+
+/// The traffic listener's TLS state: the files it comes from and the config
+/// new connections get.
+pub struct Tls {
+    files: TlsConfig,
+    current: RwLock<Arc<ServerConfig>>,
+}
+
+/// What a TLS connection tells the requests on it.
+#[derive(Debug, Clone, Default)]
+pub struct TlsPeer {
+    /// The common name of the client certificate, when one was presented and
+    /// verified against `client_ca_file`.
+    pub client_cn: Option<String>,
+}
+
+impl std::fmt::Debug for Tls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tls").field("files", &self.files).finish()
+    }
+}
+
+impl Tls {
+    /// Loads the files; an error names the file and what is wrong with it.
+    pub fn load(files: &TlsConfig) -> Result<Self, String> {
+        let config = build(files)?;
+        Ok(Self {
+            files: files.clone(),
+            current: RwLock::new(config),
+        })
+    }
+
+    /// Re-reads the files for new connections; on failure the current ones
+    /// stay and the error says why.
+    pub fn reload(&self) -> Result<(), String> {
+        let config = build(&self.files)?;
+        *self.current.write().unwrap_or_else(|e| e.into_inner()) = config;
+        Ok(())
+    }
+
+    /// The acceptor for a new connection.
+    pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
+        let config = self
+            .current
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        tokio_rustls::TlsAcceptor::from(config)
+    }
+}
+
+/// Reads a finished handshake's client identity.
+pub fn peer_of(conn: &rustls::ServerConnection) -> TlsPeer {
+    let client_cn = conn
+        .peer_certificates()
+        .and_then(|chain| chain.first())
+        .and_then(|cert| common_name(cert));
+    TlsPeer { client_cn }
+}
+
+/// The subject's first common name, if it is valid UTF-8.
+fn common_name(cert: &CertificateDer<'_>) -> Option<String> {
+    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref()).ok()?;
+    let cn = parsed.subject().iter_common_name().next()?;
+    cn.as_str().ok().map(str::to_string)
+}
+
+fn build(files: &TlsConfig) -> Result<Arc<ServerConfig>, String> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let certs = read_certs(&files.cert_file)?;
+    let key = PrivateKeyDer::from_pem_file(&files.key_file)
+        .map_err(|e| format!("{}: no usable private key: {e}", files.key_file.display()))?;
+    let builder = ServerConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| format!("TLS protocol versions: {e}"))?;
+    let builder = match &files.client_ca_file {
+        None => builder.with_no_client_auth(),
+        Some(ca) => {
+            let mut roots = RootCertStore::empty();
+            for cert in read_certs(ca)? {
+                roots
+                    .add(cert)
+                    .map_err(|e| format!("{}: not a usable CA certificate: {e}", ca.display()))?;
+            }
+            let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider);
+            let verifier = match files.client_auth {
+                ClientAuth::Optional => verifier.allow_unauthenticated(),
+                ClientAuth::Required => verifier,
+            };
+            let verifier = verifier
+                .build()
+                .map_err(|e| format!("{}: {e}", ca.display()))?;
+            builder.with_client_cert_verifier(verifier)
+        }
+    };
+    let mut config = builder.with_single_cert(certs, key).map_err(|e| {
+        format!(
+            "{} and {}: the certificate and key do not make a usable pair: {e}",
+            files.cert_file.display(),
+            files.key_file.display()
+        )
+    })?;
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
+fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| format!("{}: {e}", path.display()))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| format!("{}: not a PEM certificate chain: {e}", path.display()))?;
+    if certs.is_empty() {
+        return Err(format!("{}: holds no certificate", path.display()));
+    }
+    Ok(certs)
+}

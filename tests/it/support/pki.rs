@@ -1,0 +1,166 @@
+//! Certificates made in the test: a CA, server certificates for 127.0.0.1
+//! and client certificates with a chosen common name, as PEM files in a temp
+//! dir, plus clients that trust them (reqwest, and a bare rustls handshake
+//! that reports the server's certificate).
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use rcgen::{
+    BasicConstraints, Certificate, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa,
+    KeyPair, KeyUsagePurpose,
+};
+
+/// A test certificate authority.
+pub struct Ca {
+    cert: Certificate,
+    key: KeyPair,
+    pub dir: tempfile::TempDir,
+}
+
+/// A certificate and its key, as PEM.
+pub struct Issued {
+    pub cert_pem: String,
+    pub key_pem: String,
+}
+
+impl Ca {
+    pub fn new(name: &str) -> Ca {
+        let mut params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        params.distinguished_name.push(DnType::CommonName, name);
+        params.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::CrlSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let key = KeyPair::generate().unwrap();
+        let cert = params.self_signed(&key).unwrap();
+        Ca {
+            cert,
+            key,
+            dir: tempfile::tempdir().unwrap(),
+        }
+    }
+
+    pub fn pem(&self) -> String {
+        self.cert.pem()
+    }
+
+    fn issue(&self, cn: &str, sans: Vec<String>, usage: ExtendedKeyUsagePurpose) -> Issued {
+        let mut params = CertificateParams::new(sans).unwrap();
+        params.distinguished_name.push(DnType::CommonName, cn);
+        params.extended_key_usages = vec![usage];
+        let key = KeyPair::generate().unwrap();
+        let cert = params.signed_by(&key, &self.cert, &self.key).unwrap();
+        Issued {
+            cert_pem: cert.pem(),
+            key_pem: key.serialize_pem(),
+        }
+    }
+
+    /// A server certificate for 127.0.0.1 and localhost.
+    pub fn server(&self, cn: &str) -> Issued {
+        self.issue(
+            cn,
+            vec!["127.0.0.1".into(), "localhost".into()],
+            ExtendedKeyUsagePurpose::ServerAuth,
+        )
+    }
+
+    /// A client certificate whose subject CN is `cn`.
+    pub fn client(&self, cn: &str) -> Issued {
+        self.issue(cn, Vec::new(), ExtendedKeyUsagePurpose::ClientAuth)
+    }
+
+    /// Writes `text` to `name` in this CA's temp dir; returns the path.
+    pub fn write(&self, name: &str, text: &str) -> PathBuf {
+        let path = self.dir.path().join(name);
+        std::fs::write(&path, text).unwrap();
+        path
+    }
+
+    /// Writes the CA certificate and a server certificate: (ca, cert, key).
+    pub fn server_files(&self, cn: &str) -> (PathBuf, PathBuf, PathBuf) {
+        let server = self.server(cn);
+        (
+            self.write("ca.pem", &self.pem()),
+            self.write("server.pem", &server.cert_pem),
+            self.write("server.key", &server.key_pem),
+        )
+    }
+}
+
+/// `[server.tls]` naming these files (absolute paths), and optionally a CA
+/// for client certificates with a policy.
+pub fn tls_section(cert: &Path, key: &Path, clients: Option<(&Path, &str)>) -> String {
+    let mut s = format!(
+        "[server.tls]\ncert_file = \"{}\"\nkey_file = \"{}\"\n",
+        cert.display(),
+        key.display()
+    );
+    if let Some((ca, policy)) = clients {
+        s.push_str(&format!(
+            "client_ca_file = \"{}\"\nclient_auth = \"{policy}\"\n",
+            ca.display()
+        ));
+    }
+    s
+}
+
+/// An HTTPS client that trusts `ca`, optionally presenting `identity`.
+pub fn client(ca: &Ca, identity: Option<&Issued>) -> reqwest::Client {
+    let mut b = reqwest::Client::builder()
+        .use_rustls_tls()
+        .tls_built_in_root_certs(false)
+        .add_root_certificate(reqwest::Certificate::from_pem(ca.pem().as_bytes()).unwrap());
+    if let Some(id) = identity {
+        let pem = format!("{}{}", id.cert_pem, id.key_pem);
+        b = b.identity(reqwest::Identity::from_pem(pem.as_bytes()).unwrap());
+    }
+    b.build().unwrap()
+}
+
+/// A bare TLS handshake with `addr` trusting `ca_pem`: the server's leaf
+/// certificate (DER), or why the handshake failed.
+pub async fn server_certificate(
+    addr: std::net::SocketAddr,
+    ca_pem: &str,
+) -> Result<Vec<u8>, String> {
+    use rustls::pki_types::pem::PemObject;
+    use rustls::pki_types::{CertificateDer, ServerName};
+    let mut roots = rustls::RootCertStore::empty();
+    for c in CertificateDer::pem_slice_iter(ca_pem.as_bytes()) {
+        roots.add(c.unwrap()).unwrap();
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .unwrap()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let connector = tokio_rustls::TlsConnector::from(Arc::new(config));
+    let tcp = tokio::net::TcpStream::connect(addr)
+        .await
+        .map_err(|e| e.to_string())?;
+    let name = ServerName::try_from("127.0.0.1").unwrap();
+    let tls = connector
+        .connect(name, tcp)
+        .await
+        .map_err(|e| e.to_string())?;
+    let (_, conn) = tls.get_ref();
+    Ok(conn
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| c.as_ref().to_vec())
+        .unwrap_or_default())
+}
+
+/// The DER of a PEM certificate.
+pub fn der(pem: &str) -> Vec<u8> {
+    use rustls::pki_types::pem::PemObject;
+    rustls::pki_types::CertificateDer::from_pem_slice(pem.as_bytes())
+        .unwrap()
+        .as_ref()
+        .to_vec()
+}
