@@ -45,6 +45,8 @@ pub struct Config {
     pub tokens: Option<std::sync::Arc<crate::jwt::JwtKeys>>,
     /// A built-in demo backend to start next to the gateway, if any.
     pub demo: Option<DemoConfig>,
+    /// `[[auth.clients]]`: who may use the lock API and admin actions.
+    pub auth: crate::auth::Clients,
     /// Deprecated keys in use, each with what to write instead; `serve` and
     /// `check-config` print them.
     pub deprecations: Vec<String>,
@@ -294,6 +296,7 @@ enum LockBackendKind {
 #[derive(Debug, Default, Deserialize)]
 #[serde(default)]
 struct RawConfig {
+    auth: RawAuth,
     server: RawServer,
     store: RawStore,
     locks: RawLocks,
@@ -313,6 +316,22 @@ struct RawServer {
     shutdown_grace_ms: u64,
     workers: Option<u64>,
     tls: Option<RawTls>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RawAuth {
+    clients: Vec<RawAuthClient>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct RawAuthClient {
+    name: String,
+    api_key_sha256: Option<String>,
+    tls_subject: Option<String>,
+    locks: Vec<String>,
+    admin: bool,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -782,6 +801,11 @@ impl Validator<'_> {
         let locks = self.locks(raw.locks);
         let tokens = raw.tokens.and_then(|t| self.tokens(file, t));
         let routes = self.routes(raw.routes);
+        let client_certs = server
+            .tls
+            .as_ref()
+            .is_some_and(|t| t.files().client_ca_file.is_some());
+        let auth = self.auth(raw.auth, client_certs);
         if tokens.is_none() {
             for (i, r) in routes.iter().enumerate() {
                 if r.token == TokenKind::Jwt {
@@ -822,6 +846,7 @@ impl Validator<'_> {
             locks,
             tokens,
             demo,
+            auth,
             deprecations: Vec::new(),
         }
     }
@@ -974,6 +999,42 @@ impl Validator<'_> {
                 None => std::thread::available_parallelism().map_or(1, |n| n.get()),
             },
         }
+    }
+
+    fn auth(&mut self, raw: RawAuth, client_certs: bool) -> crate::auth::Clients {
+        let mut names = HashSet::new();
+        let mut clients = Vec::new();
+        for (i, c) in raw.clients.into_iter().enumerate() {
+            let at = |k: &str| format!("auth.clients[{i}].{k}");
+            if c.name.trim().is_empty() {
+                self.problem(at("name"), "missing: every client needs a name");
+            } else if !names.insert(c.name.clone()) {
+                self.problem(at("name"), format!("duplicate client name '{}'", c.name));
+            }
+            if c.tls_subject.is_some() && !client_certs {
+                self.problem(
+                    at("tls_subject"),
+                    "needs [server.tls] client_ca_file: client certificates are only asked for then",
+                );
+            }
+            if c.locks.is_empty() && !c.admin {
+                self.problem(
+                    at("locks"),
+                    "lists no lock name and the client is no admin: it could do nothing",
+                );
+            }
+            match crate::auth::Client::new(
+                c.name,
+                c.api_key_sha256.as_deref(),
+                c.tls_subject,
+                &c.locks,
+                c.admin,
+            ) {
+                Ok(client) => clients.push(client),
+                Err(why) => self.problem(at("api_key_sha256"), why),
+            }
+        }
+        crate::auth::Clients::new(clients)
     }
 
     fn tls(&mut self, file: &str, raw: RawTls) -> Option<std::sync::Arc<crate::tls::Tls>> {

@@ -37,6 +37,8 @@
 //! * [`error`]: errors by origin and their one mapping to problem documents.
 //! * [`locks`]: the lock API: leases whose grants carry fences, on the
 //!   store, Redis or Redlock.
+//! * [`auth`]: the API clients: bearer keys, client certificates, lock-name
+//!   globs, the admin flag.
 //! * [`admin`]: the admin listener: health, readiness, metrics, fences.
 //! * [`metrics`]: every metric, with typed labels.
 //! * [`config`]: typed, validated TOML with environment overrides.
@@ -47,6 +49,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod auth;
 pub mod cli;
 pub mod client;
 pub mod config;

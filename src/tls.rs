@@ -52,6 +52,11 @@ impl Tls {
         })
     }
 
+    /// The files it was loaded from.
+    pub fn files(&self) -> &TlsConfig {
+        &self.files
+    }
+
     /// Re-reads the files for new connections; on failure the current ones
     /// stay and the error says why.
     pub fn reload(&self) -> Result<(), String> {
