@@ -148,6 +148,14 @@ struct Slot {
     /// Arrived at again since it was cached or the eviction clock last
     /// passed (its second chance).
     used: bool,
+    /// `token = "issued"` routes: the highest fence the lock API is known to
+    /// have granted for the lock of this name (a lower bound; fences only
+    /// grow, but for a reset).
+    issued: Option<i64>,
+    /// Admin resets of this key seen while the slot lived. A store answer
+    /// read before a reset may be above the reset value; a ticket that saw
+    /// another count does not note it.
+    resets: u64,
 }
 
 impl Slot {
@@ -181,6 +189,8 @@ pub struct Ticket {
     live: bool,
     /// A store call for this ticket is in flight (see [`Arrival::Record`]).
     recording: bool,
+    /// The slot's reset count when the ticket was taken.
+    resets: u64,
 }
 
 /// The right to have one write in flight for a key with a token.
@@ -240,6 +250,7 @@ impl Gate {
         let slot = slots.map.entry(key.clone()).or_default();
         slot.refs += 1;
         slot.used = seen;
+        let resets = slot.resets;
         let recorded = self.exact && slot.durable == Some(token) && slot.settled(Instant::now());
         if !recorded {
             slot.recording += 1;
@@ -252,12 +263,27 @@ impl Gate {
             key,
             live: true,
             recording: !recorded,
+            resets,
         };
         Ok(if recorded {
             Arrival::Recorded(ticket)
         } else {
             Arrival::Record(ticket)
         })
+    }
+
+    /// An admin reset set `key`'s highest token (possibly lower): forget
+    /// what memory knew of it, so nothing cached refuses the tokens the reset
+    /// allows again. Writes in flight keep the key closed to other tokens
+    /// until they are done, as always.
+    pub fn forget(&self, key: &str) {
+        let mut slots = self.lock();
+        if let Some(s) = slots.map.get_mut(key) {
+            s.durable = None;
+            s.issued = None;
+            s.highest = 0;
+            s.resets += 1;
+        }
     }
 
     /// Keys with requests in flight or waiting; for metrics and shutdown.
@@ -327,8 +353,31 @@ impl Ticket {
         if let Some(s) = slots.map.get_mut(&self.key) {
             s.recording -= 1;
             match answer {
+                // An answer from before a reset may be above its value.
+                Some(_) if s.resets != self.resets => {}
                 Some(highest) => s.durable = Some(s.durable.map_or(highest, |d| d.max(highest))),
                 None => s.unsettled_until = Some(Instant::now() + self.gate.unsettled_for),
+            }
+        }
+    }
+
+    /// `token = "issued"`: whether memory knows a fence at least `token` was
+    /// granted for this key's lock.
+    pub fn known_issued(&self, token: i64) -> bool {
+        let slots = self.gate.lock();
+        slots
+            .map
+            .get(&self.key)
+            .and_then(|s| s.issued)
+            .is_some_and(|i| i >= token)
+    }
+
+    /// Remembers that a fence `issued` was granted for this key's lock.
+    pub fn note_issued(&self, issued: i64) {
+        let mut slots = self.gate.lock();
+        if let Some(s) = slots.map.get_mut(&self.key) {
+            if s.resets == self.resets {
+                s.issued = Some(s.issued.map_or(issued, |i| i.max(issued)));
             }
         }
     }
@@ -563,6 +612,35 @@ mod cache_tests {
         assert!(gate.lock().map.contains_key("j"), "unsettled keys stay");
         assert!(matches!(gate.arrive("k", 5), Ok(Arrival::Record(_))));
         tokio::time::sleep(UNSETTLED + Duration::from_millis(20)).await;
+        assert!(matches!(gate.arrive("k", 5), Ok(Arrival::Recorded(_))));
+    }
+
+    /// A reset may lower a key: memory forgets it, and an answer read
+    /// before the reset is not noted after it.
+    #[tokio::test]
+    async fn a_reset_forgets_the_key() {
+        let gate = Gate::new(100, true, UNSETTLED);
+        record(&gate, "k", 9).settle(Some(9));
+        let in_flight = match gate.arrive("k", 9) {
+            Ok(Arrival::Recorded(t)) => t.admit(9).await.unwrap(),
+            _ => panic!("9 is recorded"),
+        };
+        let mut before = record(&gate, "k", 10);
+        before.note_issued(12);
+        gate.forget("k");
+        before.settle(Some(10));
+        before.note_issued(12);
+        drop(before);
+        assert_eq!(gate.durable("k"), None);
+        // 5 (the reset allows it) waits for 9's write to finish.
+        let mut five = record(&gate, "k", 5);
+        assert!(!five.known_issued(5));
+        five.settle(Some(5));
+        let waiting = tokio::spawn(five.admit(5));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiting.is_finished(), "5 must wait for 9's write");
+        drop(in_flight);
+        drop(waiting.await.unwrap().unwrap());
         assert!(matches!(gate.arrive("k", 5), Ok(Arrival::Recorded(_))));
     }
 
