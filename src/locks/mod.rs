@@ -2,9 +2,9 @@
 //!
 //! [`LockService`] is the facade the HTTP handlers ([`api`]) use. It checks
 //! bounds, makes lease ids, runs the blocking-acquire loop, signs tokens and
-//! counts metrics; the backends ([`store`], and the Redis ones) only grant,
-//! renew, release and report, each taking its fences from, or checking them
-//! against, the durable store.
+//! counts metrics; the backends ([`table`], [`single_redis`], [`redlock`])
+//! only grant, renew, release and report, each taking its fences from, or
+//! checking them against, the durable store.
 //!
 //! Fences are per lock name, and the lock name is the resource key the token
 //! fences: a grant's fence is always above the highest token the gateway has
@@ -13,9 +13,10 @@
 pub mod api;
 pub mod backend;
 pub mod notify;
-pub mod redis;
+pub mod redis_node;
 pub mod redlock;
-pub mod store;
+pub mod single_redis;
+pub mod table;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,7 +27,7 @@ use rand::RngCore;
 use crate::metrics::Metrics;
 pub use backend::{Lease, LockError, LockState};
 use notify::Notifier;
-use store::StoreLocks;
+use table::TableLocks;
 
 /// Bounds on what clients may ask for.
 #[derive(Debug, Clone, Copy)]
@@ -40,8 +41,8 @@ pub struct LockLimits {
 /// The backend in use.
 #[derive(Clone)]
 pub enum Backend {
-    Store(StoreLocks),
-    Redis(redis::RedisLocks),
+    Table(TableLocks),
+    Redis(single_redis::RedisLocks),
     Redlock(redlock::Redlock),
 }
 
@@ -49,7 +50,7 @@ pub enum Backend {
 macro_rules! dispatch {
     ($self:expr, $b:ident => $call:expr) => {
         match $self {
-            Backend::Store($b) => $call,
+            Backend::Table($b) => $call,
             Backend::Redis($b) => $call,
             Backend::Redlock($b) => $call,
         }
@@ -59,7 +60,8 @@ macro_rules! dispatch {
 impl Backend {
     fn label(&self) -> &'static str {
         match self {
-            Backend::Store(_) => "store",
+            // Named after the config value (`backend = "store"`).
+            Backend::Table(_) => "store",
             Backend::Redis(_) => "redis",
             Backend::Redlock(_) => "redlock",
         }
@@ -89,7 +91,7 @@ impl Backend {
     async fn ping(&self) -> Result<(), LockError> {
         match self {
             // The store's own readiness is checked by /readyz already.
-            Backend::Store(_) => Ok(()),
+            Backend::Table(_) => Ok(()),
             Backend::Redis(b) => b.ping().await,
             Backend::Redlock(b) => b.ping().await,
         }

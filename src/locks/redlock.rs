@@ -26,13 +26,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
-use ::redis::Script;
 use futures_util::future::join_all;
+use redis::Script;
 use tokio::sync::watch;
 
 use super::backend::{Lease, LockError, LockState};
 use super::notify::Notifier;
-use super::redis::{
+use super::redis_node::{
     lock_key, parse_value, pttl, spawn_subscriber, ttl_ms, wait_subscribed, AbortOnDrop, Node,
     RELEASED_CHANNEL,
 };

@@ -240,7 +240,7 @@ impl PgStore {
         self.key_locks.is_some()
     }
 
-    /// The pool, for the lock API's store backend.
+    /// The pool, for the table lock backend.
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }

@@ -158,7 +158,7 @@ impl SqliteStore {
         self.timeout
     }
 
-    /// The pool, for the lock API's store backend.
+    /// The pool, for the table lock backend.
     pub fn pool(&self) -> &SqlitePool {
         &self.pool
     }

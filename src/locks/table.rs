@@ -83,9 +83,9 @@ fn sqlite_status() -> String {
     )
 }
 
-/// The store backend: a handle on the gateway's fence store.
+/// The table backend: leases in the `locks` table of the fence store.
 #[derive(Clone)]
-pub struct StoreLocks {
+pub struct TableLocks {
     store: FenceStore,
     timeout: Duration,
 }
@@ -94,7 +94,7 @@ fn ms(v: i64) -> Duration {
     Duration::from_millis(v.max(0) as u64)
 }
 
-impl StoreLocks {
+impl TableLocks {
     pub fn new(store: FenceStore, timeout: Duration) -> Self {
         Self { store, timeout }
     }
