@@ -25,7 +25,7 @@ use chrono::{DateTime, Utc};
 use rand::RngCore;
 
 use crate::metrics::Metrics;
-pub use backend::{Lease, LockError, LockState};
+pub use backend::{Lease, LockBackend, LockError, LockState};
 use notify::Notifier;
 use table::TableLocks;
 
@@ -38,7 +38,7 @@ pub struct LockLimits {
     pub max_wait: Duration,
 }
 
-/// The backend in use.
+/// The configured backend, dispatched statically.
 #[derive(Clone)]
 pub enum Backend {
     Table(TableLocks),
@@ -46,7 +46,6 @@ pub enum Backend {
     Redlock(redlock::Redlock),
 }
 
-/// Dispatches one call to whichever backend is configured.
 macro_rules! dispatch {
     ($self:expr, $b:ident => $call:expr) => {
         match $self {
@@ -66,7 +65,9 @@ impl Backend {
             Backend::Redlock(_) => "redlock",
         }
     }
+}
 
+impl LockBackend for Backend {
     async fn try_acquire(
         &self,
         name: &str,
@@ -89,12 +90,7 @@ impl Backend {
     }
 
     async fn ping(&self) -> Result<(), LockError> {
-        match self {
-            // The store's own readiness is checked by /readyz already.
-            Backend::Table(_) => Ok(()),
-            Backend::Redis(b) => b.ping().await,
-            Backend::Redlock(b) => b.ping().await,
-        }
+        dispatch!(self, b => b.ping().await)
     }
 }
 

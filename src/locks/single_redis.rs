@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use redis::Script;
 use tokio::sync::watch;
 
-use super::backend::{Lease, LockError, LockState};
+use super::backend::{Lease, LockBackend, LockError, LockState};
 use super::notify::Notifier;
 use super::redis_node::{
     fence_key, lock_key, parse_value, pttl, spawn_subscriber, ttl_ms, wait_subscribed, AbortOnDrop,
@@ -119,7 +119,47 @@ impl RedisLocks {
         *self.inner.subscribed.borrow()
     }
 
-    pub async fn try_acquire(
+    async fn acquire_script(
+        &self,
+        name: &str,
+        lease: &str,
+        ttl: Duration,
+        floor: i64,
+    ) -> Result<Acquired, LockError> {
+        let (lock, fence) = (lock_key(name), fence_key(name));
+        let ms = ttl_ms(ttl);
+        let (granted, n): (i64, i64) = self
+            .inner
+            .node
+            .run(|mut c| async move {
+                ACQUIRE
+                    .key(&lock)
+                    .key(&fence)
+                    .arg(lease)
+                    .arg(ms)
+                    .arg(floor)
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(if granted == 1 {
+            Acquired::Granted(n)
+        } else {
+            Acquired::Held(pttl(n))
+        })
+    }
+
+    /// Takes back a grant that must not leave the gateway. Best effort: if
+    /// Redis cannot be reached the key expires with its ttl.
+    async fn withdraw(&self, name: &str, lease: &str) {
+        if let Err(e) = self.inner.node.release(name, lease).await {
+            tracing::warn!(lock = name, error = %e, "cannot withdraw a grant; it will expire with its ttl");
+        }
+    }
+}
+
+impl LockBackend for RedisLocks {
+    async fn try_acquire(
         &self,
         name: &str,
         lease: &str,
@@ -190,45 +230,7 @@ impl RedisLocks {
         ))
     }
 
-    async fn acquire_script(
-        &self,
-        name: &str,
-        lease: &str,
-        ttl: Duration,
-        floor: i64,
-    ) -> Result<Acquired, LockError> {
-        let (lock, fence) = (lock_key(name), fence_key(name));
-        let ms = ttl_ms(ttl);
-        let (granted, n): (i64, i64) = self
-            .inner
-            .node
-            .run(|mut c| async move {
-                ACQUIRE
-                    .key(&lock)
-                    .key(&fence)
-                    .arg(lease)
-                    .arg(ms)
-                    .arg(floor)
-                    .invoke_async(&mut c)
-                    .await
-            })
-            .await?;
-        Ok(if granted == 1 {
-            Acquired::Granted(n)
-        } else {
-            Acquired::Held(pttl(n))
-        })
-    }
-
-    /// Takes back a grant that must not leave the gateway. Best effort: if
-    /// Redis cannot be reached the key expires with its ttl.
-    async fn withdraw(&self, name: &str, lease: &str) {
-        if let Err(e) = self.inner.node.release(name, lease).await {
-            tracing::warn!(lock = name, error = %e, "cannot withdraw a grant; it will expire with its ttl");
-        }
-    }
-
-    pub async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
+    async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
         let started = Instant::now();
         match self.inner.node.renew(name, lease, ttl).await? {
             Some(fence) => Ok(Lease {
@@ -243,7 +245,7 @@ impl RedisLocks {
 
     /// Releases and publishes the name (in the same script), so waiters on
     /// every gateway wake.
-    pub async fn release(&self, name: &str, lease: &str) -> Result<(), LockError> {
+    async fn release(&self, name: &str, lease: &str) -> Result<(), LockError> {
         if self.inner.node.release(name, lease).await? {
             Ok(())
         } else {
@@ -251,7 +253,7 @@ impl RedisLocks {
         }
     }
 
-    pub async fn status(&self, name: &str) -> Result<LockState, LockError> {
+    async fn status(&self, name: &str) -> Result<LockState, LockError> {
         let (lock, fence) = (lock_key(name), fence_key(name));
         let (value, left, counter): (Option<String>, i64, Option<i64>) = self
             .inner
@@ -288,7 +290,7 @@ impl RedisLocks {
     }
 
     /// Readiness: Redis answers PING within the op timeout.
-    pub async fn ping(&self) -> Result<(), LockError> {
+    async fn ping(&self) -> Result<(), LockError> {
         self.inner.node.ping().await
     }
 }

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use super::backend::{Lease, LockError, LockState};
+use super::backend::{Lease, LockBackend, LockError, LockState};
 use crate::store::FenceStore;
 
 /// Postgres: take the lock if it is free or expired.
@@ -159,33 +159,6 @@ impl TableLocks {
         }
     }
 
-    pub async fn try_acquire(
-        &self,
-        name: &str,
-        lease: &str,
-        ttl: Duration,
-    ) -> Result<Lease, LockError> {
-        match self
-            .lease_statement(PG_ACQUIRE, &sqlite_acquire(), name, lease, ttl)
-            .await?
-        {
-            Some(row) => Ok(Self::lease(name, lease, row)),
-            None => Err(LockError::Held {
-                expires_in: self.status(name).await?.expires_in,
-            }),
-        }
-    }
-
-    pub async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
-        match self
-            .lease_statement(PG_RENEW, &sqlite_renew(), name, lease, ttl)
-            .await?
-        {
-            Some(row) => Ok(Self::lease(name, lease, row)),
-            None => Err(self.refusal(name, lease).await),
-        }
-    }
-
     /// Why a renew or release by `lease` matched no row: the lease is still
     /// recorded (so it expired), or it is not (someone else's, or released).
     async fn refusal(&self, name: &str, lease: &str) -> LockError {
@@ -214,11 +187,40 @@ impl TableLocks {
             _ => LockError::NotHolder,
         }
     }
+}
+
+impl LockBackend for TableLocks {
+    async fn try_acquire(
+        &self,
+        name: &str,
+        lease: &str,
+        ttl: Duration,
+    ) -> Result<Lease, LockError> {
+        match self
+            .lease_statement(PG_ACQUIRE, &sqlite_acquire(), name, lease, ttl)
+            .await?
+        {
+            Some(row) => Ok(Self::lease(name, lease, row)),
+            None => Err(LockError::Held {
+                expires_in: self.status(name).await?.expires_in,
+            }),
+        }
+    }
+
+    async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
+        match self
+            .lease_statement(PG_RENEW, &sqlite_renew(), name, lease, ttl)
+            .await?
+        {
+            Some(row) => Ok(Self::lease(name, lease, row)),
+            None => Err(self.refusal(name, lease).await),
+        }
+    }
 
     /// Releases the lease; `NotHolder` or `Expired` when it held nothing.
     /// The caller wakes local waiters; Postgres also notifies other
     /// instances.
-    pub async fn release(&self, name: &str, lease: &str) -> Result<(), LockError> {
+    async fn release(&self, name: &str, lease: &str) -> Result<(), LockError> {
         self.store.check_writer()?;
         let released = match &self.store {
             FenceStore::Postgres(s) => self
@@ -249,7 +251,7 @@ impl TableLocks {
         }
     }
 
-    pub async fn status(&self, name: &str) -> Result<LockState, LockError> {
+    async fn status(&self, name: &str) -> Result<LockState, LockError> {
         let row: Option<(i64, Option<bool>, Option<i64>)> = match &self.store {
             FenceStore::Postgres(s) => {
                 self.bounded(
