@@ -16,6 +16,7 @@
 //! it is down are missed; waiters then find the lock free at their bounded
 //! re-check instead.
 
+use std::fmt::Display;
 use std::future::Future;
 use std::sync::{Arc, LazyLock};
 use std::time::Duration;
@@ -27,6 +28,7 @@ use tokio::sync::{watch, OnceCell};
 
 use super::backend::LockError;
 use super::notify::Notifier;
+use crate::store::bounded;
 
 /// The channel releases are published on; the payload is the lock name.
 pub const RELEASED_CHANNEL: &str = "fencegate:released";
@@ -137,18 +139,18 @@ impl Node {
         F: FnOnce(ConnectionManager) -> Fut,
         Fut: Future<Output = RedisResult<T>>,
     {
+        let unavailable =
+            |why: &dyn Display| LockError::Unavailable(format!("redis {}: {why}", self.label));
         let work = async {
             let conn = self.manager().await?;
             op(conn).await
         };
-        match tokio::time::timeout(self.timeout, work).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(LockError::Unavailable(format!("redis {}: {e}", self.label))),
-            Err(_) => Err(LockError::Unavailable(format!(
-                "redis {}: no answer within {:?}",
-                self.label, self.timeout
-            ))),
-        }
+        bounded(
+            self.timeout,
+            |limit| unavailable(&format_args!("no answer within {limit:?}")),
+            async { work.await.map_err(|e| unavailable(&e)) },
+        )
+        .await
     }
 
     pub(crate) async fn ping(&self) -> Result<(), LockError> {

@@ -6,10 +6,12 @@
 //! it survives release and expiry, and each grant takes one above both it
 //! and the highest token the gateway recorded for the resource key.
 
+use std::fmt::Display;
+use std::future::Future;
 use std::time::Duration;
 
 use super::backend::{Lease, LockBackend, LockError, LockState};
-use crate::store::FenceStore;
+use crate::store::{bounded, FenceStore, StoreError};
 
 /// Postgres: take the lock if it is free or expired.
 const PG_ACQUIRE: &str = "\
@@ -99,18 +101,18 @@ impl TableLocks {
         Self { store, timeout }
     }
 
-    async fn bounded<T>(
+    /// Runs one statement within the store's bound (`[store] timeout_ms`).
+    async fn run<T>(
         &self,
-        fut: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+        statement: impl Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, LockError> {
-        match tokio::time::timeout(self.timeout, fut).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(LockError::Unavailable(format!("fence store: {e}"))),
-            Err(_) => Err(LockError::Unavailable(format!(
-                "fence store: no answer within {:?}",
-                self.timeout
-            ))),
-        }
+        let unavailable = |why: &dyn Display| LockError::Unavailable(format!("fence store: {why}"));
+        bounded(
+            self.timeout,
+            |limit| unavailable(&StoreError::Timeout(limit)),
+            async { statement.await.map_err(|e| unavailable(&e)) },
+        )
+        .await
     }
 
     /// Runs the acquire or renew statement: the lease's `(fence, valid ms)`
@@ -127,7 +129,7 @@ impl TableLocks {
         let ttl_ms = ttl.as_millis() as i64;
         match &self.store {
             FenceStore::Postgres(s) => {
-                self.bounded(
+                self.run(
                     sqlx::query_as(pg_sql)
                         .bind(name)
                         .bind(lease)
@@ -138,7 +140,7 @@ impl TableLocks {
             }
             // fetch_all: see the `store::sqlite` module docs on commit errors.
             FenceStore::Sqlite(s) => self
-                .bounded(
+                .run(
                     sqlx::query_as(sqlite_sql)
                         .bind(name)
                         .bind(lease)
@@ -164,7 +166,7 @@ impl TableLocks {
     async fn refusal(&self, name: &str, lease: &str) -> LockError {
         let ours: Result<Option<bool>, LockError> = match &self.store {
             FenceStore::Postgres(s) => {
-                self.bounded(
+                self.run(
                     sqlx::query_scalar("SELECT lease = $2 FROM locks WHERE name = $1")
                         .bind(name)
                         .bind(lease)
@@ -173,7 +175,7 @@ impl TableLocks {
                 .await
             }
             FenceStore::Sqlite(s) => {
-                self.bounded(
+                self.run(
                     sqlx::query_scalar("SELECT lease = ?2 FROM locks WHERE name = ?1")
                         .bind(name)
                         .bind(lease)
@@ -224,7 +226,7 @@ impl LockBackend for TableLocks {
         self.store.check_writer()?;
         let released = match &self.store {
             FenceStore::Postgres(s) => self
-                .bounded(
+                .run(
                     sqlx::query(PG_RELEASE)
                         .bind(name)
                         .bind(lease)
@@ -233,7 +235,7 @@ impl LockBackend for TableLocks {
                 .await?
                 .is_some(),
             FenceStore::Sqlite(s) => self
-                .bounded(
+                .run(
                     sqlx::query(&sqlite_release())
                         .bind(name)
                         .bind(lease)
@@ -254,7 +256,7 @@ impl LockBackend for TableLocks {
     async fn status(&self, name: &str) -> Result<LockState, LockError> {
         let row: Option<(i64, Option<bool>, Option<i64>)> = match &self.store {
             FenceStore::Postgres(s) => {
-                self.bounded(
+                self.run(
                     sqlx::query_as(PG_STATUS)
                         .bind(name)
                         .fetch_optional(s.pool()),
@@ -262,7 +264,7 @@ impl LockBackend for TableLocks {
                 .await?
             }
             FenceStore::Sqlite(s) => {
-                self.bounded(
+                self.run(
                     sqlx::query_as(&sqlite_status())
                         .bind(name)
                         .fetch_optional(s.pool()),

@@ -194,14 +194,17 @@ impl FenceStore {
 /// configured `timeout_ms` before the store itself gives up on it.
 pub(crate) const STATEMENT_TIMEOUTS: u32 = 2;
 
-/// Runs a store future with the configured bound.
-async fn bounded<T>(
+/// Runs `fut` for at most `limit`, the bound on every call to the store and
+/// to a lock backend's servers: one that hangs turns into a prompt error
+/// (`timed_out(limit)`) instead of a pile of stuck requests.
+pub(crate) async fn bounded<T, E>(
     limit: Duration,
-    fut: impl Future<Output = Result<T, sqlx::Error>>,
-) -> Result<T, StoreError> {
+    timed_out: impl FnOnce(Duration) -> E,
+    fut: impl Future<Output = Result<T, E>>,
+) -> Result<T, E> {
     match tokio::time::timeout(limit, fut).await {
-        Ok(r) => r.map_err(StoreError::from),
-        Err(_) => Err(StoreError::Timeout(limit)),
+        Ok(r) => r,
+        Err(_) => Err(timed_out(limit)),
     }
 }
 

@@ -150,28 +150,28 @@ impl PgStore {
 
     pub async fn issue_fence(&self, name: &str) -> Result<i64, StoreError> {
         self.check_owner()?;
-        bounded(self.timeout, async {
-            sqlx::query_scalar(ISSUE_FENCE)
+        bounded(self.timeout, StoreError::Timeout, async {
+            Ok(sqlx::query_scalar(ISSUE_FENCE)
                 .bind(name)
                 .fetch_one(&self.pool)
-                .await
+                .await?)
         })
         .await
     }
 
     pub async fn fence_floor(&self, name: &str) -> Result<i64, StoreError> {
-        bounded(self.timeout, async {
-            sqlx::query_scalar(FENCE_FLOOR)
+        bounded(self.timeout, StoreError::Timeout, async {
+            Ok(sqlx::query_scalar(FENCE_FLOOR)
                 .bind(name)
                 .fetch_one(&self.pool)
-                .await
+                .await?)
         })
         .await
     }
 
     pub async fn record_fence(&self, name: &str, fence: i64) -> Result<bool, StoreError> {
         self.check_owner()?;
-        bounded(self.timeout, async {
+        bounded(self.timeout, StoreError::Timeout, async {
             let raised: Option<i64> = sqlx::query_scalar(RECORD_FENCE)
                 .bind(name)
                 .bind(fence)
@@ -203,7 +203,7 @@ impl PgStore {
     /// Marks the store as in use by a running single-mode instance; returns
     /// whether the previous instance stopped cleanly.
     pub async fn begin_run(&self) -> Result<bool, StoreError> {
-        bounded(self.timeout, async {
+        bounded(self.timeout, StoreError::Timeout, async {
             let was_running: Option<bool> =
                 sqlx::query_scalar("SELECT running FROM gateway_state WHERE id = 1")
                     .fetch_optional(&self.pool)
@@ -221,11 +221,13 @@ impl PgStore {
 
     /// Marks a clean stop: nothing of ours is in flight any more.
     pub async fn end_run(&self) -> Result<(), StoreError> {
-        bounded(self.timeout, async {
-            sqlx::query("UPDATE gateway_state SET running = false, changed_at = now() WHERE id = 1")
-                .execute(&self.pool)
-                .await
-                .map(|_| ())
+        bounded(self.timeout, StoreError::Timeout, async {
+            sqlx::query(
+                "UPDATE gateway_state SET running = false, changed_at = now() WHERE id = 1",
+            )
+            .execute(&self.pool)
+            .await?;
+            Ok(())
         })
         .await
     }
@@ -246,7 +248,7 @@ impl PgStore {
     }
 
     pub async fn get(&self, key: &str) -> Result<Option<FenceRecord>, StoreError> {
-        bounded(self.timeout, async {
+        bounded(self.timeout, StoreError::Timeout, async {
             let row = sqlx::query(
                 "SELECT resource_key, highest_token, updated_at FROM fences WHERE resource_key = $1",
             )
@@ -267,11 +269,9 @@ impl PgStore {
 
     pub async fn ping(&self) -> Result<(), StoreError> {
         self.check_owner()?;
-        bounded(self.timeout, async {
-            sqlx::query("SELECT 1")
-                .execute(&self.pool)
-                .await
-                .map(|_| ())
+        bounded(self.timeout, StoreError::Timeout, async {
+            sqlx::query("SELECT 1").execute(&self.pool).await?;
+            Ok(())
         })
         .await
     }
@@ -344,7 +344,7 @@ async fn try_lock(
     opts: &PgConnectOptions,
     timeout: Duration,
 ) -> Result<Option<PgConnection>, StoreError> {
-    bounded(timeout, async {
+    bounded(timeout, StoreError::Timeout, async {
         let mut conn = PgConnection::connect_with(opts).await?;
         let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
             .bind(LOCK_NAMESPACE)
@@ -458,11 +458,10 @@ impl KeyLockPool {
     ) -> Result<Entered, StoreError> {
         let deadline = tokio::time::Instant::now() + self.wait + timeout;
         loop {
-            let mut conn = match tokio::time::timeout(timeout, self.pool.acquire()).await {
-                Ok(Ok(c)) => c,
-                Ok(Err(e)) => return Err(e.into()),
-                Err(_) => return Err(StoreError::Timeout(timeout)),
-            };
+            let mut conn = bounded(timeout, StoreError::Timeout, async {
+                Ok(self.pool.acquire().await?)
+            })
+            .await?;
             // The statement starts on the server after this; with the time
             // it reports between its start and the marker, this gives a
             // local lower bound of the marker's end.

@@ -71,7 +71,7 @@ impl SqliteStore {
     }
 
     pub async fn issue_fence(&self, name: &str) -> Result<i64, StoreError> {
-        bounded(self.timeout, async {
+        bounded(self.timeout, StoreError::Timeout, async {
             sqlx::query_scalar(
                 "INSERT INTO locks (name, fence) \
                  VALUES (?1, COALESCE((SELECT highest_token FROM fences WHERE resource_key = ?1), 0) + 1) \
@@ -84,26 +84,26 @@ impl SqliteStore {
             .await?
             .into_iter()
             .next()
-            .ok_or(sqlx::Error::RowNotFound)
+            .ok_or(sqlx::Error::RowNotFound.into())
         })
         .await
     }
 
     pub async fn fence_floor(&self, name: &str) -> Result<i64, StoreError> {
-        bounded(self.timeout, async {
-            sqlx::query_scalar(
+        bounded(self.timeout, StoreError::Timeout, async {
+            Ok(sqlx::query_scalar(
                 "SELECT MAX(COALESCE((SELECT fence FROM locks WHERE name = ?1), 0), \
                             COALESCE((SELECT highest_token FROM fences WHERE resource_key = ?1), 0))",
             )
             .bind(name)
             .fetch_one(&self.pool)
-            .await
+            .await?)
         })
         .await
     }
 
     pub async fn record_fence(&self, name: &str, fence: i64) -> Result<bool, StoreError> {
-        bounded(self.timeout, async {
+        bounded(self.timeout, StoreError::Timeout, async {
             let raised: Option<i64> = sqlx::query_scalar(
                 "INSERT INTO locks (name, fence) \
                  SELECT ?1, ?2 WHERE ?2 > COALESCE((SELECT highest_token FROM fences WHERE resource_key = ?1), 0) \
@@ -123,7 +123,7 @@ impl SqliteStore {
 
     /// See `PgStore::begin_run`.
     pub async fn begin_run(&self) -> Result<bool, StoreError> {
-        bounded(self.timeout, async {
+        bounded(self.timeout, StoreError::Timeout, async {
             let was_running: Option<i64> =
                 sqlx::query_scalar("SELECT running FROM gateway_state WHERE id = 1")
                     .fetch_optional(&self.pool)
@@ -141,13 +141,13 @@ impl SqliteStore {
 
     /// See `PgStore::end_run`.
     pub async fn end_run(&self) -> Result<(), StoreError> {
-        bounded(self.timeout, async {
+        bounded(self.timeout, StoreError::Timeout, async {
             sqlx::query(&format!(
                 "UPDATE gateway_state SET running = 0, changed_at = {NOW_MS} WHERE id = 1"
             ))
             .fetch_all(&self.pool)
-            .await
-            .map(|_| ())
+            .await?;
+            Ok(())
         })
         .await
     }
@@ -164,7 +164,7 @@ impl SqliteStore {
     }
 
     pub async fn get(&self, key: &str) -> Result<Option<FenceRecord>, StoreError> {
-        bounded(self.timeout, async {
+        bounded(self.timeout, StoreError::Timeout, async {
             let row = sqlx::query(
                 "SELECT resource_key, highest_token, updated_at FROM fences WHERE resource_key = ?1",
             )
@@ -185,11 +185,9 @@ impl SqliteStore {
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {
-        bounded(self.timeout, async {
-            sqlx::query("SELECT 1")
-                .execute(&self.pool)
-                .await
-                .map(|_| ())
+        bounded(self.timeout, StoreError::Timeout, async {
+            sqlx::query("SELECT 1").execute(&self.pool).await?;
+            Ok(())
         })
         .await
     }
