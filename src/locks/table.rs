@@ -11,19 +11,21 @@ use std::future::Future;
 use std::time::Duration;
 
 use super::backend::{Lease, LockBackend, LockError, LockState};
+use crate::store::sql::{highest_token, sqlite_now_ms};
 use crate::store::{bounded, FenceStore, StoreError};
 
 /// Postgres: take the lock if it is free or expired.
-const PG_ACQUIRE: &str = "\
+#[rustfmt::skip]
+const PG_ACQUIRE: &str = concat!("\
 INSERT INTO locks AS l (name, fence, lease, expires_at)
-VALUES ($1, COALESCE((SELECT highest_token FROM fences WHERE resource_key = $1), 0) + 1,
+VALUES ($1, ", highest_token!("$1"), " + 1,
         $2, now() + $3 * interval '1 millisecond')
 ON CONFLICT (name) DO UPDATE
-    SET fence = GREATEST(l.fence, COALESCE((SELECT highest_token FROM fences WHERE resource_key = $1), 0)) + 1,
+    SET fence = GREATEST(l.fence, ", highest_token!("$1"), ") + 1,
         lease = EXCLUDED.lease,
         expires_at = EXCLUDED.expires_at
     WHERE l.lease IS NULL OR l.expires_at <= now()
-RETURNING fence, GREATEST(0, (EXTRACT(EPOCH FROM (expires_at - now())) * 1000))::bigint";
+RETURNING fence, GREATEST(0, (EXTRACT(EPOCH FROM (expires_at - now())) * 1000))::bigint");
 
 /// Postgres: extend a lease that is still ours and still valid; an expired
 /// lease is never silently revived.
@@ -48,42 +50,38 @@ SELECT fence,
        GREATEST(0, (EXTRACT(EPOCH FROM (expires_at - now())) * 1000))::bigint
   FROM locks WHERE name = $1";
 
-/// SQLite's clock in Unix milliseconds.
-const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
+/// SQLite: see [`PG_ACQUIRE`].
+#[rustfmt::skip]
+const SQLITE_ACQUIRE: &str = concat!("\
+INSERT INTO locks (name, fence, lease, expires_at)
+VALUES (?1, ", highest_token!("?1"), " + 1, ?2, ", sqlite_now_ms!(), " + ?3)
+ON CONFLICT (name) DO UPDATE
+    SET fence = MAX(locks.fence, ", highest_token!("?1"), ") + 1,
+        lease = excluded.lease,
+        expires_at = excluded.expires_at
+    WHERE locks.lease IS NULL OR locks.expires_at <= ", sqlite_now_ms!(), "
+RETURNING fence, MAX(0, expires_at - ", sqlite_now_ms!(), ")");
 
-fn sqlite_acquire() -> String {
-    format!(
-        "INSERT INTO locks (name, fence, lease, expires_at) \
-         VALUES (?1, COALESCE((SELECT highest_token FROM fences WHERE resource_key = ?1), 0) + 1, ?2, {NOW_MS} + ?3) \
-         ON CONFLICT (name) DO UPDATE \
-            SET fence = MAX(locks.fence, COALESCE((SELECT highest_token FROM fences WHERE resource_key = ?1), 0)) + 1, \
-                lease = excluded.lease, expires_at = excluded.expires_at \
-            WHERE locks.lease IS NULL OR locks.expires_at <= {NOW_MS} \
-         RETURNING fence, MAX(0, expires_at - {NOW_MS})"
-    )
-}
+/// SQLite: see [`PG_RENEW`].
+#[rustfmt::skip]
+const SQLITE_RENEW: &str = concat!("\
+UPDATE locks SET expires_at = ", sqlite_now_ms!(), " + ?3
+ WHERE name = ?1 AND lease = ?2 AND expires_at > ", sqlite_now_ms!(), "
+RETURNING fence, MAX(0, expires_at - ", sqlite_now_ms!(), ")");
 
-fn sqlite_renew() -> String {
-    format!(
-        "UPDATE locks SET expires_at = {NOW_MS} + ?3 \
-         WHERE name = ?1 AND lease = ?2 AND expires_at > {NOW_MS} \
-         RETURNING fence, MAX(0, expires_at - {NOW_MS})"
-    )
-}
+/// SQLite: release (a single instance has no one else to notify).
+#[rustfmt::skip]
+const SQLITE_RELEASE: &str = concat!("\
+UPDATE locks SET lease = NULL, expires_at = NULL
+ WHERE name = ?1 AND lease = ?2 AND expires_at > ", sqlite_now_ms!(), "
+RETURNING name");
 
-fn sqlite_release() -> String {
-    format!(
-        "UPDATE locks SET lease = NULL, expires_at = NULL \
-         WHERE name = ?1 AND lease = ?2 AND expires_at > {NOW_MS} RETURNING name"
-    )
-}
-
-fn sqlite_status() -> String {
-    format!(
-        "SELECT fence, lease IS NOT NULL AND expires_at > {NOW_MS}, MAX(0, COALESCE(expires_at, 0) - {NOW_MS}) \
-         FROM locks WHERE name = ?1"
-    )
-}
+#[rustfmt::skip]
+const SQLITE_STATUS: &str = concat!("\
+SELECT fence,
+       lease IS NOT NULL AND expires_at > ", sqlite_now_ms!(), ",
+       MAX(0, COALESCE(expires_at, 0) - ", sqlite_now_ms!(), ")
+  FROM locks WHERE name = ?1");
 
 /// The table backend: leases in the `locks` table of the fence store.
 #[derive(Clone)]
@@ -199,7 +197,7 @@ impl LockBackend for TableLocks {
         ttl: Duration,
     ) -> Result<Lease, LockError> {
         match self
-            .lease_statement(PG_ACQUIRE, &sqlite_acquire(), name, lease, ttl)
+            .lease_statement(PG_ACQUIRE, SQLITE_ACQUIRE, name, lease, ttl)
             .await?
         {
             Some(row) => Ok(Self::lease(name, lease, row)),
@@ -211,7 +209,7 @@ impl LockBackend for TableLocks {
 
     async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
         match self
-            .lease_statement(PG_RENEW, &sqlite_renew(), name, lease, ttl)
+            .lease_statement(PG_RENEW, SQLITE_RENEW, name, lease, ttl)
             .await?
         {
             Some(row) => Ok(Self::lease(name, lease, row)),
@@ -236,7 +234,7 @@ impl LockBackend for TableLocks {
                 .is_some(),
             FenceStore::Sqlite(s) => self
                 .run(
-                    sqlx::query(&sqlite_release())
+                    sqlx::query(SQLITE_RELEASE)
                         .bind(name)
                         .bind(lease)
                         .fetch_all(s.pool()),
@@ -265,7 +263,7 @@ impl LockBackend for TableLocks {
             }
             FenceStore::Sqlite(s) => {
                 self.run(
-                    sqlx::query_as(&sqlite_status())
+                    sqlx::query_as(SQLITE_STATUS)
                         .bind(name)
                         .fetch_optional(s.pool()),
                 )

@@ -12,6 +12,7 @@
 
 pub mod batch;
 mod postgres;
+pub(crate) mod sql;
 mod sqlite;
 
 use std::future::Future;

@@ -9,6 +9,7 @@ use sqlx::{Connection, PgConnection, PgPool, Row};
 
 use tokio::task::JoinHandle;
 
+use super::sql::highest_token;
 use super::{bounded, FenceRecord, StoreError};
 use crate::config::{redact_url, StoreConfig};
 
@@ -23,29 +24,32 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres")
 
 /// Next fence for a lock name: above every fence issued for it and above the
 /// highest token recorded for the resource key of the same name.
-const ISSUE_FENCE: &str = "\
+#[rustfmt::skip]
+const ISSUE_FENCE: &str = concat!("\
 INSERT INTO locks AS l (name, fence)
-VALUES ($1, COALESCE((SELECT highest_token FROM fences WHERE resource_key = $1), 0) + 1)
+VALUES ($1, ", highest_token!("$1"), " + 1)
 ON CONFLICT (name) DO UPDATE
-    SET fence = GREATEST(l.fence, COALESCE((SELECT highest_token FROM fences WHERE resource_key = $1), 0)) + 1
-RETURNING fence";
+    SET fence = GREATEST(l.fence, ", highest_token!("$1"), ") + 1
+RETURNING fence");
 
 /// The highest fence a grant for this name must exceed.
-const FENCE_FLOOR: &str = "\
+#[rustfmt::skip]
+const FENCE_FLOOR: &str = concat!("\
 SELECT GREATEST(
     COALESCE((SELECT fence FROM locks WHERE name = $1), 0),
-    COALESCE((SELECT highest_token FROM fences WHERE resource_key = $1), 0))";
+    ", highest_token!("$1"), ")");
 
 /// Records a fence issued elsewhere (Redis) if it is above the floor;
 /// returns a row only when it was.
-const RECORD_FENCE: &str = "\
+#[rustfmt::skip]
+const RECORD_FENCE: &str = concat!("\
 INSERT INTO locks AS l (name, fence)
 SELECT $1, $2
- WHERE $2 > COALESCE((SELECT highest_token FROM fences WHERE resource_key = $1), 0)
+ WHERE $2 > ", highest_token!("$1"), "
 ON CONFLICT (name) DO UPDATE
     SET fence = EXCLUDED.fence
     WHERE l.fence < EXCLUDED.fence
-RETURNING fence";
+RETURNING fence");
 
 /// A batch of decisions in one statement. Keys are deduplicated keeping
 /// the highest token (ON CONFLICT may not touch a row twice) and locked in
