@@ -42,7 +42,7 @@ pub fn router(state: LockApiState) -> Router {
         .with_state(state)
 }
 
-/// A refused request body: which field, and why.
+/// A refused request: which field, and why.
 struct BadBody {
     field: &'static str,
     why: String,

@@ -3,8 +3,8 @@
 //! [`LockService`] is the facade the HTTP handlers ([`api`]) use. It checks
 //! bounds, makes lease ids, runs the blocking-acquire loop, signs tokens and
 //! counts metrics; the backends ([`table`], [`single_redis`], [`redlock`])
-//! only grant, renew, release and report, each taking its fences from, or
-//! checking them against, the durable store.
+//! only grant, renew, release and report, under the contract of
+//! [`LockBackend`].
 //!
 //! Fences are per lock name, and the lock name is the resource key the token
 //! fences: a grant's fence is always above the highest token the gateway has
@@ -173,8 +173,8 @@ impl LockService {
         }
     }
 
-    /// Reachability of the backend, for `/readyz`.
-    /// Whether the backend answers; a failure counts as `unavailable`.
+    /// Whether the backend answers, for `/readyz`; a failure counts as
+    /// `unavailable`.
     pub async fn ping(&self) -> Result<(), LockError> {
         let pinged = self.inner.backend.ping().await;
         if pinged.is_err() {

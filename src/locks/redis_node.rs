@@ -10,7 +10,7 @@
 //! waiters for that name.
 //!
 //! A subscription runs in a background task that stops when its
-//! [`AbortOnDrop`] is dropped (with the last clone of the backend owning it).
+//! `AbortOnDrop` is dropped (with the last clone of the backend owning it).
 //! It reconnects with backoff when the subscription drops, and pings it so
 //! that a silently dead connection is noticed too. Releases published while
 //! it is down are missed; waiters then find the lock free at their bounded

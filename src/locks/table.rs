@@ -1,10 +1,15 @@
-//! `backend = "store"`: leases in the gateway's own database.
+//! `backend = "store"`: leases in the `locks` table of the fence store's
+//! database.
 //!
-//! Every operation is one statement, and expiry is judged by the database's
+//! Every change is one statement, and expiry is judged by the database's
 //! clock (`now()` on Postgres, `julianday('now')` on SQLite), never by a
 //! gateway's or a client's. The fence is a per-name counter in the same row:
 //! it survives release and expiry, and each grant takes one above both it
 //! and the highest token the gateway recorded for the resource key.
+//!
+//! On SQLite, statements that write are stepped to the end (`fetch_all`)
+//! even for one row, so that a failed commit is reported, never
+//! acknowledged (see the `store::sqlite` module docs).
 
 use std::fmt::Display;
 use std::future::Future;
@@ -136,7 +141,6 @@ impl TableLocks {
                 )
                 .await
             }
-            // fetch_all: see the `store::sqlite` module docs on commit errors.
             FenceStore::Sqlite(s) => self
                 .run(
                     sqlx::query_as(sqlite_sql)

@@ -187,10 +187,10 @@ impl PgStore {
     }
 
     /// Shared mode: admits a fenced write of `token` on `key` across every
-    /// instance (see migrations/postgres/0003_shared_mode.sql). On success
-    /// the returned lock must be held until the write has finished at the
-    /// upstream; `hold` bounds how long a crashed holder's write may be
-    /// assumed in flight.
+    /// instance (`fencegate_enter`: see migrations/postgres/0003 and 0005).
+    /// On success the returned lock must be held until the write has
+    /// finished at the upstream; `hold` bounds how long a crashed holder's
+    /// write may be assumed in flight.
     pub async fn enter(
         &self,
         key: &str,
