@@ -127,7 +127,15 @@ impl Node {
                     .set_number_of_retries(4)
                     .set_factor(50)
                     .set_max_delay(1000);
-                ConnectionManager::new_with_config(self.client.clone(), config).await
+                // Boxed, so that the future of every Redis call does not
+                // nest the deep type of connecting (the integration tests'
+                // futures reach the compiler's query depth limit then).
+                // Only connection attempts pay for the allocation.
+                Box::pin(ConnectionManager::new_with_config(
+                    self.client.clone(),
+                    config,
+                ))
+                .await
             })
             .await
             .cloned()
