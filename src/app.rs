@@ -14,9 +14,9 @@ use crate::fence::Fence;
 use crate::gateway::{self, GatewayState};
 use crate::locks::api::LockApiState;
 use crate::locks::notify::Notifier;
-use crate::locks::redis::RedisLocks;
 use crate::locks::redlock::Redlock;
-use crate::locks::store::StoreLocks;
+use crate::locks::single_redis::RedisLocks;
+use crate::locks::table::TableLocks;
 use crate::locks::{Backend, LockLimits, LockService};
 use crate::metrics::Metrics;
 use crate::server::{self, Limits};
@@ -343,12 +343,12 @@ async fn lock_service(
     let backend = match &config.locks.backend {
         LockBackendConfig::Store => {
             if let FenceStore::Postgres(pg) = store {
-                tasks.push(crate::locks::store::spawn_pg_listener(
+                tasks.push(crate::locks::table::spawn_pg_listener(
                     pg.pool().clone(),
                     notifier.clone(),
                 ));
             }
-            Backend::Store(StoreLocks::new(store.clone(), config.store.timeout))
+            Backend::Table(TableLocks::new(store.clone(), config.store.timeout))
         }
         LockBackendConfig::Redis { url } => Backend::Redis(
             RedisLocks::connect(

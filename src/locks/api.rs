@@ -1,10 +1,9 @@
 //! HTTP handlers of the lock API, under `/_fencegate/locks/{name}` on the
 //! traffic listener.
 //!
-//! Bodies are parsed by hand from JSON values rather than with a typed
-//! extractor, so that every refusal names the field and the reason in a
-//! problem document (`{"field": "ttl_ms", ...}`), and unknown fields are
-//! refused instead of ignored (`"ttl": 5000` is a typo, not a default).
+//! Every refusal of a request names the field and the reason in a problem
+//! document (`{"field": "ttl_ms", ...}`), and unknown fields are refused
+//! instead of ignored (`"ttl": 5000` is a typo, not a default).
 
 use std::time::Duration;
 
@@ -15,7 +14,9 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
 use http::{header, HeaderValue, StatusCode};
-use serde_json::{Map, Value};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer};
+use serde_json::Value;
 
 use super::{LockError, LockService};
 use crate::error::Problem;
@@ -41,7 +42,7 @@ pub fn router(state: LockApiState) -> Router {
         .with_state(state)
 }
 
-/// A refused request body: which field, and why.
+/// A refused request: which field, and why.
 struct BadBody {
     field: &'static str,
     why: String,
@@ -67,42 +68,130 @@ impl BadBody {
     }
 }
 
-fn parse_object(body: &Bytes, allowed: &[&str]) -> Result<Map<String, Value>, BadBody> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| BadBody::new("body", format!("not valid JSON: {e}")))?;
-    let Value::Object(map) = value else {
-        return Err(BadBody::new("body", "must be a JSON object"));
-    };
-    for key in map.keys() {
-        if !allowed.contains(&key.as_str()) {
-            return Err(BadBody::new(
-                "body",
-                format!("unknown field '{key}' (allowed: {})", allowed.join(", ")),
-            ));
+/// A lock request body: a JSON object with no fields but its struct's.
+trait Body: DeserializeOwned {
+    /// The struct's fields, for the refusal of an unknown one.
+    const FIELDS: &'static [&'static str];
+}
+
+/// `POST /_fencegate/locks/{name}`.
+#[derive(Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct AcquireBody {
+    ttl_ms: Field<Millis>,
+    wait_ms: Field<Millis>,
+}
+
+impl Body for AcquireBody {
+    const FIELDS: &'static [&'static str] = &["ttl_ms", "wait_ms"];
+}
+
+/// `POST /_fencegate/locks/{name}/renew`.
+#[derive(Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct RenewBody {
+    lease: Field<LeaseId>,
+    ttl_ms: Field<Millis>,
+}
+
+impl Body for RenewBody {
+    const FIELDS: &'static [&'static str] = &["lease", "ttl_ms"];
+}
+
+/// `POST /_fencegate/locks/{name}/release`.
+#[derive(Default, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct ReleaseBody {
+    lease: Field<LeaseId>,
+}
+
+impl Body for ReleaseBody {
+    const FIELDS: &'static [&'static str] = &["lease"];
+}
+
+/// A field as sent: absent or null, or a value that is a `T` or is not.
+/// Reading the body refuses only unknown fields; a field's own fault is
+/// reported when the handler takes the field, so that a body with several
+/// faults is refused for the first in the handler's order whatever the
+/// order of its keys.
+struct Field<T>(Option<Result<T, &'static str>>);
+
+impl<T> Default for Field<T> {
+    fn default() -> Self {
+        Self(None)
+    }
+}
+
+impl<'de, T: TryFrom<Value, Error = &'static str>> Deserialize<'de> for Field<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Ok(Self(match Value::deserialize(d)? {
+            Value::Null => None,
+            v => Some(T::try_from(v)),
+        }))
+    }
+}
+
+impl<T> Field<T> {
+    fn optional(self, name: &'static str) -> Result<Option<T>, BadBody> {
+        self.0.transpose().map_err(|why| BadBody::new(name, why))
+    }
+
+    fn required(self, name: &'static str) -> Result<T, BadBody> {
+        self.optional(name)?
+            .ok_or_else(|| BadBody::new(name, "missing"))
+    }
+}
+
+/// Milliseconds.
+struct Millis(u64);
+
+impl TryFrom<Value> for Millis {
+    type Error = &'static str;
+
+    fn try_from(v: Value) -> Result<Self, Self::Error> {
+        v.as_u64()
+            .map(Millis)
+            .ok_or("must be a non-negative integer number of milliseconds")
+    }
+}
+
+/// A lease id as a client sends it back.
+struct LeaseId(String);
+
+impl TryFrom<Value> for LeaseId {
+    type Error = &'static str;
+
+    fn try_from(v: Value) -> Result<Self, Self::Error> {
+        match v {
+            Value::String(s) if !s.is_empty() && s.len() <= 128 => Ok(LeaseId(s)),
+            Value::String(_) => Err("must be 1 to 128 characters"),
+            _ => Err("must be a string"),
         }
     }
-    Ok(map)
 }
 
-fn millis(
-    map: &Map<String, Value>,
-    field: &'static str,
-    required: bool,
-) -> Result<Option<u64>, BadBody> {
-    match map.get(field) {
-        None | Some(Value::Null) if !required => Ok(None),
-        None | Some(Value::Null) => Err(BadBody::new(field, "missing")),
-        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
-            BadBody::new(
-                field,
-                "must be a non-negative integer number of milliseconds",
-            )
-        }),
+fn parse<B: Body>(body: &Bytes) -> Result<B, BadBody> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| BadBody::new("body", format!("not valid JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(BadBody::new("body", "must be a JSON object"));
     }
+    // Fields never fail to deserialize: serde refuses only unknown ones.
+    serde_path_to_error::deserialize(value).map_err(|e| {
+        let key = e.path().iter().next().map(ToString::to_string);
+        BadBody::new(
+            "body",
+            format!(
+                "unknown field '{}' (allowed: {})",
+                key.unwrap_or_default(),
+                B::FIELDS.join(", ")
+            ),
+        )
+    })
 }
 
-fn ttl(locks: &LockService, map: &Map<String, Value>) -> Result<Duration, BadBody> {
-    let ms = millis(map, "ttl_ms", true)?.unwrap_or_default();
+fn ttl(locks: &LockService, ttl_ms: Field<Millis>) -> Result<Duration, BadBody> {
+    let Millis(ms) = ttl_ms.required("ttl_ms")?;
     let l = locks.limits();
     let d = Duration::from_millis(ms);
     if d < l.min_ttl || d > l.max_ttl {
@@ -116,15 +205,6 @@ fn ttl(locks: &LockService, map: &Map<String, Value>) -> Result<Duration, BadBod
         ));
     }
     Ok(d)
-}
-
-fn lease(map: &Map<String, Value>) -> Result<String, BadBody> {
-    match map.get("lease") {
-        None | Some(Value::Null) => Err(BadBody::new("lease", "missing")),
-        Some(Value::String(s)) if !s.is_empty() && s.len() <= 128 => Ok(s.clone()),
-        Some(Value::String(_)) => Err(BadBody::new("lease", "must be 1 to 128 characters")),
-        Some(_) => Err(BadBody::new("lease", "must be a string")),
-    }
 }
 
 fn check_name(name: &str) -> Result<(), BadBody> {
@@ -181,10 +261,9 @@ async fn acquire(State(s): State<LockApiState>, name: NameParam, body: BodyParam
         Ok(v) => v,
         Err(r) => return *r,
     };
-    let parsed = check_name(&name).and_then(|_| {
-        let map = parse_object(&body, &["ttl_ms", "wait_ms"])?;
-        let ttl = ttl(&s.locks, &map)?;
-        let wait = millis(&map, "wait_ms", false)?.unwrap_or(0);
+    let parsed = parse(&body).and_then(|b: AcquireBody| {
+        let ttl = ttl(&s.locks, b.ttl_ms)?;
+        let wait = b.wait_ms.optional("wait_ms")?.map_or(0, |Millis(ms)| ms);
         let max = s.locks.limits().max_wait;
         if Duration::from_millis(wait) > max {
             return Err(BadBody::new(
@@ -212,9 +291,9 @@ async fn renew(State(s): State<LockApiState>, name: NameParam, body: BodyParam) 
         Ok(v) => v,
         Err(r) => return *r,
     };
-    let parsed = check_name(&name).and_then(|_| {
-        let map = parse_object(&body, &["lease", "ttl_ms"])?;
-        Ok((lease(&map)?, ttl(&s.locks, &map)?))
+    let parsed = parse(&body).and_then(|b: RenewBody| {
+        let LeaseId(lease) = b.lease.required("lease")?;
+        Ok((lease, ttl(&s.locks, b.ttl_ms)?))
     });
     let (lease, ttl) = match parsed {
         Ok(v) => v,
@@ -231,8 +310,8 @@ async fn release(State(s): State<LockApiState>, name: NameParam, body: BodyParam
         Ok(v) => v,
         Err(r) => return *r,
     };
-    let parsed = check_name(&name).and_then(|_| lease(&parse_object(&body, &["lease"])?));
-    let lease = match parsed {
+    let parsed = parse(&body).and_then(|b: ReleaseBody| b.lease.required("lease"));
+    let LeaseId(lease) = match parsed {
         Ok(v) => v,
         Err(b) => return b.into_response(),
     };
@@ -314,4 +393,55 @@ pub async fn method_not_allowed() -> Response {
         "this method is not served on this path",
     )
     .into_response()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn refusal<T>(r: Result<T, BadBody>) -> String {
+        match r {
+            Ok(_) => panic!("accepted"),
+            Err(b) => format!("{}: {}", b.field, b.why),
+        }
+    }
+
+    /// `FIELDS` lists what the struct has: serde names the same fields when
+    /// it refuses an unknown one.
+    fn fields_are_the_structs<B: Body>() {
+        let serde_says = serde_json::from_str::<B>(r#"{"?": 0}"#)
+            .err()
+            .expect("an unknown field is refused")
+            .to_string();
+        for f in B::FIELDS {
+            assert!(serde_says.contains(&format!("`{f}`")), "{serde_says}");
+        }
+        assert_eq!(serde_says.matches('`').count(), 2 * (B::FIELDS.len() + 1));
+    }
+
+    #[test]
+    fn bodies_list_their_fields() {
+        fields_are_the_structs::<AcquireBody>();
+        fields_are_the_structs::<RenewBody>();
+        fields_are_the_structs::<ReleaseBody>();
+    }
+
+    #[test]
+    fn unknown_fields_first_then_fields_in_the_handlers_order() {
+        let body = Bytes::from_static(br#"{"ttl_ms": "x", "zzz": 1}"#);
+        assert_eq!(
+            refusal(parse::<AcquireBody>(&body)),
+            "body: unknown field 'zzz' (allowed: ttl_ms, wait_ms)"
+        );
+        let body = Bytes::from_static(br#"{"wait_ms": -1}"#);
+        let b: AcquireBody = parse(&body).unwrap_or_else(|_| panic!("parsed"));
+        assert_eq!(refusal(b.ttl_ms.required("ttl_ms")), "ttl_ms: missing");
+        let body = Bytes::from_static(br#"{"ttl_ms": 1.5, "lease": null}"#);
+        let b: RenewBody = parse(&body).unwrap_or_else(|_| panic!("parsed"));
+        assert_eq!(refusal(b.lease.required("lease")), "lease: missing");
+        assert_eq!(
+            refusal(b.ttl_ms.required("ttl_ms")),
+            "ttl_ms: must be a non-negative integer number of milliseconds"
+        );
+    }
 }

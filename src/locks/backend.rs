@@ -1,10 +1,69 @@
-//! What every lock backend provides, and the types they share.
-//!
-//! A backend only grants, renews, releases and reports leases. Fences come
-//! from (or are checked against) the durable store by the backend itself, so
-//! that no grant ever leaves the gateway without a durable fence.
+//! What every lock backend provides ([`LockBackend`]), and the types the
+//! backends share.
 
+use std::future::Future;
 use std::time::Duration;
+
+/// A lock backend: it grants, renews, releases and reports leases, and no
+/// more. [`LockService`](super::LockService) does the rest (bounds, lease
+/// ids, waiting, tokens, metrics).
+///
+/// Every backend keeps this contract:
+///
+/// - **Fences are durable before they leave.** A grant's fence comes from
+///   the fence store, or is checked against it and recorded there, before
+///   `try_acquire` answers. It is above every fence issued for the name and
+///   above the highest token the gateway recorded for the resource key of
+///   the same name, so a fresh holder can write at once, and fences keep
+///   growing whatever happens to the backend's own state.
+/// - **One clock judges expiry**: the backend's (the database's, Redis's,
+///   each Redlock node's), never a gateway's or a client's;
+///   [`Lease::valid_for`] is measured by it.
+/// - **An expired lease stays expired**: renewing or releasing it fails with
+///   [`LockError::NotHolder`] (or [`LockError::Expired`] where the backend
+///   can tell); it is never revived.
+/// - **Every call is bounded**: a store or server that is down or hung
+///   makes the call answer [`LockError::Unavailable`] promptly, never a
+///   grant.
+/// - `try_acquire` does not wait: a lock held by another lease answers
+///   [`LockError::Held`] at once, and the service does the waiting.
+/// - A release wakes waiters on other gateways through the backend's own
+///   channel (Postgres NOTIFY, Redis pub/sub); the service wakes local ones.
+pub trait LockBackend: Send + Sync {
+    /// Grants `name` to `lease` for `ttl` if no other lease holds it.
+    fn try_acquire(
+        &self,
+        name: &str,
+        lease: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Lease, LockError>> + Send;
+
+    /// Extends the lease `lease` holds on `name` to `ttl` from now, keeping
+    /// its fence.
+    fn renew(
+        &self,
+        name: &str,
+        lease: &str,
+        ttl: Duration,
+    ) -> impl Future<Output = Result<Lease, LockError>> + Send;
+
+    /// Ends the lease `lease` holds on `name`.
+    fn release(
+        &self,
+        name: &str,
+        lease: &str,
+    ) -> impl Future<Output = Result<(), LockError>> + Send;
+
+    /// Whether `name` is held, and its fence.
+    fn status(&self, name: &str) -> impl Future<Output = Result<LockState, LockError>> + Send;
+
+    /// Whether the backend answers, for `/readyz`. By default it does: a
+    /// backend kept in the fence store is as ready as the store, which
+    /// `/readyz` checks by itself.
+    fn ping(&self) -> impl Future<Output = Result<(), LockError>> + Send {
+        async { Ok(()) }
+    }
+}
 
 /// A granted lease.
 #[derive(Debug, Clone, PartialEq, Eq)]

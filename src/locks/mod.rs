@@ -2,9 +2,9 @@
 //!
 //! [`LockService`] is the facade the HTTP handlers ([`api`]) use. It checks
 //! bounds, makes lease ids, runs the blocking-acquire loop, signs tokens and
-//! counts metrics; the backends ([`store`], and the Redis ones) only grant,
-//! renew, release and report, each taking its fences from, or checking them
-//! against, the durable store.
+//! counts metrics; the backends ([`table`], [`single_redis`], [`redlock`])
+//! only grant, renew, release and report, under the contract of
+//! [`LockBackend`].
 //!
 //! Fences are per lock name, and the lock name is the resource key the token
 //! fences: a grant's fence is always above the highest token the gateway has
@@ -13,9 +13,10 @@
 pub mod api;
 pub mod backend;
 pub mod notify;
-pub mod redis;
+pub mod redis_node;
 pub mod redlock;
-pub mod store;
+pub mod single_redis;
+pub mod table;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -24,9 +25,9 @@ use chrono::{DateTime, Utc};
 use rand::RngCore;
 
 use crate::metrics::Metrics;
-pub use backend::{Lease, LockError, LockState};
+pub use backend::{Lease, LockBackend, LockError, LockState};
 use notify::Notifier;
-use store::StoreLocks;
+use table::TableLocks;
 
 /// Bounds on what clients may ask for.
 #[derive(Debug, Clone, Copy)]
@@ -37,19 +38,18 @@ pub struct LockLimits {
     pub max_wait: Duration,
 }
 
-/// The backend in use.
+/// The configured backend, dispatched statically.
 #[derive(Clone)]
 pub enum Backend {
-    Store(StoreLocks),
-    Redis(redis::RedisLocks),
+    Table(TableLocks),
+    Redis(single_redis::RedisLocks),
     Redlock(redlock::Redlock),
 }
 
-/// Dispatches one call to whichever backend is configured.
 macro_rules! dispatch {
     ($self:expr, $b:ident => $call:expr) => {
         match $self {
-            Backend::Store($b) => $call,
+            Backend::Table($b) => $call,
             Backend::Redis($b) => $call,
             Backend::Redlock($b) => $call,
         }
@@ -59,12 +59,15 @@ macro_rules! dispatch {
 impl Backend {
     fn label(&self) -> &'static str {
         match self {
-            Backend::Store(_) => "store",
+            // Named after the config value (`backend = "store"`).
+            Backend::Table(_) => "store",
             Backend::Redis(_) => "redis",
             Backend::Redlock(_) => "redlock",
         }
     }
+}
 
+impl LockBackend for Backend {
     async fn try_acquire(
         &self,
         name: &str,
@@ -87,12 +90,7 @@ impl Backend {
     }
 
     async fn ping(&self) -> Result<(), LockError> {
-        match self {
-            // The store's own readiness is checked by /readyz already.
-            Backend::Store(_) => Ok(()),
-            Backend::Redis(b) => b.ping().await,
-            Backend::Redlock(b) => b.ping().await,
-        }
+        dispatch!(self, b => b.ping().await)
     }
 }
 
@@ -175,8 +173,8 @@ impl LockService {
         }
     }
 
-    /// Reachability of the backend, for `/readyz`.
-    /// Whether the backend answers; a failure counts as `unavailable`.
+    /// Whether the backend answers, for `/readyz`; a failure counts as
+    /// `unavailable`.
     pub async fn ping(&self) -> Result<(), LockError> {
         let pinged = self.inner.backend.ping().await;
         if pinged.is_err() {

@@ -26,13 +26,13 @@ use std::collections::HashMap;
 use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
 
-use ::redis::Script;
 use futures_util::future::join_all;
+use redis::Script;
 use tokio::sync::watch;
 
-use super::backend::{Lease, LockError, LockState};
+use super::backend::{Lease, LockBackend, LockError, LockState};
 use super::notify::Notifier;
-use super::redis::{
+use super::redis_node::{
     lock_key, parse_value, pttl, spawn_subscriber, ttl_ms, wait_subscribed, AbortOnDrop, Node,
     RELEASED_CHANNEL,
 };
@@ -169,7 +169,14 @@ impl Redlock {
             .count()
     }
 
-    pub async fn try_acquire(
+    /// Compare-and-delete on every node at once, ignoring errors.
+    async fn release_everywhere(&self, name: &str, lease: &str) {
+        join_all(self.inner.nodes.iter().map(|n| n.release(name, lease))).await;
+    }
+}
+
+impl LockBackend for Redlock {
+    async fn try_acquire(
         &self,
         name: &str,
         lease: &str,
@@ -260,15 +267,10 @@ impl Redlock {
         }
     }
 
-    /// Compare-and-delete on every node at once, ignoring errors.
-    async fn release_everywhere(&self, name: &str, lease: &str) {
-        join_all(self.inner.nodes.iter().map(|n| n.release(name, lease))).await;
-    }
-
     /// Extends the lease on every node that still holds it. Succeeds only
     /// when a majority did within the validity time; otherwise the lease is
     /// released everywhere (best effort) and the answer is `NotHolder`.
-    pub async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
+    async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
         let started = Instant::now();
         let answers = join_all(self.inner.nodes.iter().map(|n| n.renew(name, lease, ttl))).await;
         let elapsed = started.elapsed();
@@ -300,7 +302,7 @@ impl Redlock {
     /// lease; the name is then published on every node that answered (the
     /// release script publishes where it deleted; the others get a PUBLISH),
     /// so every gateway hears of it whichever node it is subscribed to.
-    pub async fn release(&self, name: &str, lease: &str) -> Result<(), LockError> {
+    async fn release(&self, name: &str, lease: &str) -> Result<(), LockError> {
         let answers = join_all(self.inner.nodes.iter().map(|n| n.release(name, lease))).await;
         if answers.iter().any(|a| matches!(a, Ok(true))) {
             let others = self
@@ -341,7 +343,7 @@ impl Redlock {
     /// Held when a majority of nodes hold the same value; its fence, and the
     /// least time left among those nodes. When free, the fence is the
     /// store's floor (the store issues every Redlock fence).
-    pub async fn status(&self, name: &str) -> Result<LockState, LockError> {
+    async fn status(&self, name: &str) -> Result<LockState, LockError> {
         let key = lock_key(name);
         let answers = join_all(self.inner.nodes.iter().map(|node| {
             let key = &key;
@@ -392,7 +394,7 @@ impl Redlock {
     }
 
     /// Readiness: a majority of nodes answer PING.
-    pub async fn ping(&self) -> Result<(), LockError> {
+    async fn ping(&self) -> Result<(), LockError> {
         let answers = join_all(self.inner.nodes.iter().map(|n| n.ping())).await;
         let up = answers.iter().filter(|a| a.is_ok()).count();
         if up >= self.inner.quorum {

@@ -21,7 +21,7 @@ use std::time::Duration;
 use tokio::runtime::Handle;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
-use super::StoreError;
+use super::{bounded, StoreError};
 
 /// The answers of one batch: each key's highest token after the batch.
 pub type Answers = HashMap<String, i64>;
@@ -122,10 +122,7 @@ impl Batcher {
                 .map_err(|_| StoreError::Other("the batcher dropped a request".into()))?
                 .map_err(StoreError::Other)
         };
-        match tokio::time::timeout(self.timeout, wait).await {
-            Ok(r) => r,
-            Err(_) => Err(StoreError::Timeout(self.timeout)),
-        }
+        bounded(self.timeout, StoreError::Timeout, wait).await
     }
 }
 

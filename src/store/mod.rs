@@ -12,6 +12,7 @@
 
 pub mod batch;
 mod postgres;
+pub(crate) mod sql;
 mod sqlite;
 
 use std::future::Future;
@@ -63,6 +64,15 @@ pub enum FenceStore {
     Sqlite(SqliteStore),
 }
 
+macro_rules! dispatch {
+    ($self:expr, $s:ident => $call:expr) => {
+        match $self {
+            FenceStore::Postgres($s) => $call,
+            FenceStore::Sqlite($s) => $call,
+        }
+    };
+}
+
 impl FenceStore {
     /// Connects, applies migrations and, in `single` mode, takes the
     /// single-writer lock. Fails if another instance holds it.
@@ -80,47 +90,32 @@ impl FenceStore {
     /// highest token after the statement (equal to `token` iff accepted).
     /// The returned value is durable: the statement has committed.
     pub async fn record(&self, key: &str, token: i64) -> Result<i64, StoreError> {
-        match self {
-            Self::Postgres(s) => s.record(key, token).await,
-            Self::Sqlite(s) => s.record(key, token).await,
-        }
+        dispatch!(self, s => s.record(key, token).await)
     }
 
     /// Issues the next fence for a lock name, durably: above every fence
     /// issued for the name and above the highest token recorded for the
     /// resource key of the same name. Used by Redlock grants.
     pub async fn issue_fence(&self, name: &str) -> Result<i64, StoreError> {
-        match self {
-            Self::Postgres(s) => s.issue_fence(name).await,
-            Self::Sqlite(s) => s.issue_fence(name).await,
-        }
+        dispatch!(self, s => s.issue_fence(name).await)
     }
 
     /// The value every new fence for `name` must exceed: the last fence
     /// issued for it, or the highest token recorded for the key, whichever is
     /// higher (0 if neither exists).
     pub async fn fence_floor(&self, name: &str) -> Result<i64, StoreError> {
-        match self {
-            Self::Postgres(s) => s.fence_floor(name).await,
-            Self::Sqlite(s) => s.fence_floor(name).await,
-        }
+        dispatch!(self, s => s.fence_floor(name).await)
     }
 
     /// Durably records `fence` as issued for `name` if it is above the floor.
     /// Returns false (and records nothing) when it is not: a grant with that
     /// fence must then be withdrawn.
     pub async fn record_fence(&self, name: &str, fence: i64) -> Result<bool, StoreError> {
-        match self {
-            Self::Postgres(s) => s.record_fence(name, fence).await,
-            Self::Sqlite(s) => s.record_fence(name, fence).await,
-        }
+        dispatch!(self, s => s.record_fence(name, fence).await)
     }
 
     pub async fn get(&self, key: &str) -> Result<Option<FenceRecord>, StoreError> {
-        match self {
-            Self::Postgres(s) => s.get(key).await,
-            Self::Sqlite(s) => s.get(key).await,
-        }
+        dispatch!(self, s => s.get(key).await)
     }
 
     /// `shared` mode: several instances write this store.
@@ -137,10 +132,7 @@ impl FenceStore {
         // statement, and a batch waits once for the write lock and once to
         // commit). Double it, plus a margin for a statement that reached the
         // server late.
-        let timeout = match self {
-            Self::Postgres(s) => s.timeout(),
-            Self::Sqlite(s) => s.timeout(),
-        };
+        let timeout = dispatch!(self, s => s.timeout());
         timeout * (2 * STATEMENT_TIMEOUTS) + Duration::from_secs(5)
     }
 
@@ -175,18 +167,12 @@ impl FenceStore {
 
     /// Cheap reachability check for `/readyz`.
     pub async fn ping(&self) -> Result<(), StoreError> {
-        match self {
-            Self::Postgres(s) => s.ping().await,
-            Self::Sqlite(s) => s.ping().await,
-        }
+        dispatch!(self, s => s.ping().await)
     }
 
     /// Closes the pools (and releases the single-writer lock).
     pub async fn close(&self) {
-        match self {
-            Self::Postgres(s) => s.close().await,
-            Self::Sqlite(s) => s.close().await,
-        }
+        dispatch!(self, s => s.close().await)
     }
 }
 
@@ -194,14 +180,17 @@ impl FenceStore {
 /// configured `timeout_ms` before the store itself gives up on it.
 pub(crate) const STATEMENT_TIMEOUTS: u32 = 2;
 
-/// Runs a store future with the configured bound.
-async fn bounded<T>(
+/// Runs `fut` for at most `limit`, the bound on every call to the store and
+/// to a lock backend's servers: one that hangs turns into a prompt error
+/// (`timed_out(limit)`) instead of a pile of stuck requests.
+pub(crate) async fn bounded<T, E>(
     limit: Duration,
-    fut: impl Future<Output = Result<T, sqlx::Error>>,
-) -> Result<T, StoreError> {
+    timed_out: impl FnOnce(Duration) -> E,
+    fut: impl Future<Output = Result<T, E>>,
+) -> Result<T, E> {
     match tokio::time::timeout(limit, fut).await {
-        Ok(r) => r.map_err(StoreError::from),
-        Err(_) => Err(StoreError::Timeout(limit)),
+        Ok(r) => r,
+        Err(_) => Err(timed_out(limit)),
     }
 }
 

@@ -9,6 +9,7 @@ use sqlx::{Connection, PgConnection, PgPool, Row};
 
 use tokio::task::JoinHandle;
 
+use super::sql::highest_token;
 use super::{bounded, FenceRecord, StoreError};
 use crate::config::{redact_url, StoreConfig};
 
@@ -23,29 +24,32 @@ static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres")
 
 /// Next fence for a lock name: above every fence issued for it and above the
 /// highest token recorded for the resource key of the same name.
-const ISSUE_FENCE: &str = "\
+#[rustfmt::skip]
+const ISSUE_FENCE: &str = concat!("\
 INSERT INTO locks AS l (name, fence)
-VALUES ($1, COALESCE((SELECT highest_token FROM fences WHERE resource_key = $1), 0) + 1)
+VALUES ($1, ", highest_token!("$1"), " + 1)
 ON CONFLICT (name) DO UPDATE
-    SET fence = GREATEST(l.fence, COALESCE((SELECT highest_token FROM fences WHERE resource_key = $1), 0)) + 1
-RETURNING fence";
+    SET fence = GREATEST(l.fence, ", highest_token!("$1"), ") + 1
+RETURNING fence");
 
 /// The highest fence a grant for this name must exceed.
-const FENCE_FLOOR: &str = "\
+#[rustfmt::skip]
+const FENCE_FLOOR: &str = concat!("\
 SELECT GREATEST(
     COALESCE((SELECT fence FROM locks WHERE name = $1), 0),
-    COALESCE((SELECT highest_token FROM fences WHERE resource_key = $1), 0))";
+    ", highest_token!("$1"), ")");
 
 /// Records a fence issued elsewhere (Redis) if it is above the floor;
 /// returns a row only when it was.
-const RECORD_FENCE: &str = "\
+#[rustfmt::skip]
+const RECORD_FENCE: &str = concat!("\
 INSERT INTO locks AS l (name, fence)
 SELECT $1, $2
- WHERE $2 > COALESCE((SELECT highest_token FROM fences WHERE resource_key = $1), 0)
+ WHERE $2 > ", highest_token!("$1"), "
 ON CONFLICT (name) DO UPDATE
     SET fence = EXCLUDED.fence
     WHERE l.fence < EXCLUDED.fence
-RETURNING fence";
+RETURNING fence");
 
 /// A batch of decisions in one statement. Keys are deduplicated keeping
 /// the highest token (ON CONFLICT may not touch a row twice) and locked in
@@ -150,28 +154,28 @@ impl PgStore {
 
     pub async fn issue_fence(&self, name: &str) -> Result<i64, StoreError> {
         self.check_owner()?;
-        bounded(self.timeout, async {
-            sqlx::query_scalar(ISSUE_FENCE)
+        bounded(self.timeout, StoreError::Timeout, async {
+            Ok(sqlx::query_scalar(ISSUE_FENCE)
                 .bind(name)
                 .fetch_one(&self.pool)
-                .await
+                .await?)
         })
         .await
     }
 
     pub async fn fence_floor(&self, name: &str) -> Result<i64, StoreError> {
-        bounded(self.timeout, async {
-            sqlx::query_scalar(FENCE_FLOOR)
+        bounded(self.timeout, StoreError::Timeout, async {
+            Ok(sqlx::query_scalar(FENCE_FLOOR)
                 .bind(name)
                 .fetch_one(&self.pool)
-                .await
+                .await?)
         })
         .await
     }
 
     pub async fn record_fence(&self, name: &str, fence: i64) -> Result<bool, StoreError> {
         self.check_owner()?;
-        bounded(self.timeout, async {
+        bounded(self.timeout, StoreError::Timeout, async {
             let raised: Option<i64> = sqlx::query_scalar(RECORD_FENCE)
                 .bind(name)
                 .bind(fence)
@@ -183,10 +187,10 @@ impl PgStore {
     }
 
     /// Shared mode: admits a fenced write of `token` on `key` across every
-    /// instance (see migrations/postgres/0003_shared_mode.sql). On success
-    /// the returned lock must be held until the write has finished at the
-    /// upstream; `hold` bounds how long a crashed holder's write may be
-    /// assumed in flight.
+    /// instance (`fencegate_enter`: see migrations/postgres/0003 and 0005).
+    /// On success the returned lock must be held until the write has
+    /// finished at the upstream; `hold` bounds how long a crashed holder's
+    /// write may be assumed in flight.
     pub async fn enter(
         &self,
         key: &str,
@@ -203,7 +207,7 @@ impl PgStore {
     /// Marks the store as in use by a running single-mode instance; returns
     /// whether the previous instance stopped cleanly.
     pub async fn begin_run(&self) -> Result<bool, StoreError> {
-        bounded(self.timeout, async {
+        bounded(self.timeout, StoreError::Timeout, async {
             let was_running: Option<bool> =
                 sqlx::query_scalar("SELECT running FROM gateway_state WHERE id = 1")
                     .fetch_optional(&self.pool)
@@ -221,11 +225,13 @@ impl PgStore {
 
     /// Marks a clean stop: nothing of ours is in flight any more.
     pub async fn end_run(&self) -> Result<(), StoreError> {
-        bounded(self.timeout, async {
-            sqlx::query("UPDATE gateway_state SET running = false, changed_at = now() WHERE id = 1")
-                .execute(&self.pool)
-                .await
-                .map(|_| ())
+        bounded(self.timeout, StoreError::Timeout, async {
+            sqlx::query(
+                "UPDATE gateway_state SET running = false, changed_at = now() WHERE id = 1",
+            )
+            .execute(&self.pool)
+            .await?;
+            Ok(())
         })
         .await
     }
@@ -240,13 +246,13 @@ impl PgStore {
         self.key_locks.is_some()
     }
 
-    /// The pool, for the lock API's store backend.
+    /// The pool, for the table lock backend.
     pub fn pool(&self) -> &PgPool {
         &self.pool
     }
 
     pub async fn get(&self, key: &str) -> Result<Option<FenceRecord>, StoreError> {
-        bounded(self.timeout, async {
+        bounded(self.timeout, StoreError::Timeout, async {
             let row = sqlx::query(
                 "SELECT resource_key, highest_token, updated_at FROM fences WHERE resource_key = $1",
             )
@@ -267,11 +273,9 @@ impl PgStore {
 
     pub async fn ping(&self) -> Result<(), StoreError> {
         self.check_owner()?;
-        bounded(self.timeout, async {
-            sqlx::query("SELECT 1")
-                .execute(&self.pool)
-                .await
-                .map(|_| ())
+        bounded(self.timeout, StoreError::Timeout, async {
+            sqlx::query("SELECT 1").execute(&self.pool).await?;
+            Ok(())
         })
         .await
     }
@@ -344,7 +348,7 @@ async fn try_lock(
     opts: &PgConnectOptions,
     timeout: Duration,
 ) -> Result<Option<PgConnection>, StoreError> {
-    bounded(timeout, async {
+    bounded(timeout, StoreError::Timeout, async {
         let mut conn = PgConnection::connect_with(opts).await?;
         let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
             .bind(LOCK_NAMESPACE)
@@ -458,11 +462,10 @@ impl KeyLockPool {
     ) -> Result<Entered, StoreError> {
         let deadline = tokio::time::Instant::now() + self.wait + timeout;
         loop {
-            let mut conn = match tokio::time::timeout(timeout, self.pool.acquire()).await {
-                Ok(Ok(c)) => c,
-                Ok(Err(e)) => return Err(e.into()),
-                Err(_) => return Err(StoreError::Timeout(timeout)),
-            };
+            let mut conn = bounded(timeout, StoreError::Timeout, async {
+                Ok(self.pool.acquire().await?)
+            })
+            .await?;
             // The statement starts on the server after this; with the time
             // it reports between its start and the marker, this gives a
             // local lower bound of the marker's end.

@@ -24,13 +24,57 @@ use chrono::{DateTime, Utc};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{Row, SqlitePool};
 
+use super::sql::{highest_token, sqlite_now_ms};
 use super::{bounded, FenceRecord, StoreError};
 use crate::config::StoreConfig;
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
 
-/// SQLite's clock, in Unix milliseconds.
-const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
+/// See `postgres::ISSUE_FENCE`.
+#[rustfmt::skip]
+const ISSUE_FENCE: &str = concat!("\
+INSERT INTO locks (name, fence)
+VALUES (?1, ", highest_token!("?1"), " + 1)
+ON CONFLICT (name) DO UPDATE
+    SET fence = MAX(locks.fence, ", highest_token!("?1"), ") + 1
+RETURNING fence");
+
+/// See `postgres::FENCE_FLOOR`.
+#[rustfmt::skip]
+const FENCE_FLOOR: &str = concat!("\
+SELECT MAX(
+    COALESCE((SELECT fence FROM locks WHERE name = ?1), 0),
+    ", highest_token!("?1"), ")");
+
+/// See `postgres::RECORD_FENCE`.
+#[rustfmt::skip]
+const RECORD_FENCE: &str = concat!("\
+INSERT INTO locks (name, fence)
+SELECT ?1, ?2
+ WHERE ?2 > ", highest_token!("?1"), "
+ON CONFLICT (name) DO UPDATE
+    SET fence = excluded.fence
+    WHERE locks.fence < excluded.fence
+RETURNING fence");
+
+/// One decision of a batch: returns a row only when it raised the token.
+#[rustfmt::skip]
+const RECORD: &str = concat!("\
+INSERT INTO fences (resource_key, highest_token, updated_at)
+VALUES (?1, ?2, ", sqlite_now_ms!(), ")
+ON CONFLICT (resource_key) DO UPDATE
+    SET highest_token = excluded.highest_token, updated_at = excluded.updated_at
+    WHERE fences.highest_token < excluded.highest_token
+RETURNING highest_token");
+
+#[rustfmt::skip]
+const BEGIN_RUN: &str = concat!("\
+INSERT INTO gateway_state (id, running, changed_at) VALUES (1, 1, ", sqlite_now_ms!(), ")
+ON CONFLICT (id) DO UPDATE SET running = 1, changed_at = excluded.changed_at");
+
+#[rustfmt::skip]
+const END_RUN: &str = concat!("\
+UPDATE gateway_state SET running = 0, changed_at = ", sqlite_now_ms!(), " WHERE id = 1");
 
 #[derive(Clone)]
 pub struct SqliteStore {
@@ -71,51 +115,37 @@ impl SqliteStore {
     }
 
     pub async fn issue_fence(&self, name: &str) -> Result<i64, StoreError> {
-        bounded(self.timeout, async {
-            sqlx::query_scalar(
-                "INSERT INTO locks (name, fence) \
-                 VALUES (?1, COALESCE((SELECT highest_token FROM fences WHERE resource_key = ?1), 0) + 1) \
-                 ON CONFLICT (name) DO UPDATE \
-                    SET fence = MAX(locks.fence, COALESCE((SELECT highest_token FROM fences WHERE resource_key = ?1), 0)) + 1 \
-                 RETURNING fence",
-            )
-            .bind(name)
-            .fetch_all(&self.pool)
-            .await?
-            .into_iter()
-            .next()
-            .ok_or(sqlx::Error::RowNotFound)
+        bounded(self.timeout, StoreError::Timeout, async {
+            sqlx::query_scalar(ISSUE_FENCE)
+                .bind(name)
+                .fetch_all(&self.pool)
+                .await?
+                .into_iter()
+                .next()
+                .ok_or(sqlx::Error::RowNotFound.into())
         })
         .await
     }
 
     pub async fn fence_floor(&self, name: &str) -> Result<i64, StoreError> {
-        bounded(self.timeout, async {
-            sqlx::query_scalar(
-                "SELECT MAX(COALESCE((SELECT fence FROM locks WHERE name = ?1), 0), \
-                            COALESCE((SELECT highest_token FROM fences WHERE resource_key = ?1), 0))",
-            )
-            .bind(name)
-            .fetch_one(&self.pool)
-            .await
+        bounded(self.timeout, StoreError::Timeout, async {
+            Ok(sqlx::query_scalar(FENCE_FLOOR)
+                .bind(name)
+                .fetch_one(&self.pool)
+                .await?)
         })
         .await
     }
 
     pub async fn record_fence(&self, name: &str, fence: i64) -> Result<bool, StoreError> {
-        bounded(self.timeout, async {
-            let raised: Option<i64> = sqlx::query_scalar(
-                "INSERT INTO locks (name, fence) \
-                 SELECT ?1, ?2 WHERE ?2 > COALESCE((SELECT highest_token FROM fences WHERE resource_key = ?1), 0) \
-                 ON CONFLICT (name) DO UPDATE SET fence = excluded.fence WHERE locks.fence < excluded.fence \
-                 RETURNING fence",
-            )
-            .bind(name)
-            .bind(fence)
-            .fetch_all(&self.pool)
-            .await?
-            .into_iter()
-            .next();
+        bounded(self.timeout, StoreError::Timeout, async {
+            let raised: Option<i64> = sqlx::query_scalar(RECORD_FENCE)
+                .bind(name)
+                .bind(fence)
+                .fetch_all(&self.pool)
+                .await?
+                .into_iter()
+                .next();
             Ok(raised.is_some())
         })
         .await
@@ -123,17 +153,12 @@ impl SqliteStore {
 
     /// See `PgStore::begin_run`.
     pub async fn begin_run(&self) -> Result<bool, StoreError> {
-        bounded(self.timeout, async {
+        bounded(self.timeout, StoreError::Timeout, async {
             let was_running: Option<i64> =
                 sqlx::query_scalar("SELECT running FROM gateway_state WHERE id = 1")
                     .fetch_optional(&self.pool)
                     .await?;
-            sqlx::query(&format!(
-                "INSERT INTO gateway_state (id, running, changed_at) VALUES (1, 1, {NOW_MS}) \
-                 ON CONFLICT (id) DO UPDATE SET running = 1, changed_at = excluded.changed_at"
-            ))
-            .fetch_all(&self.pool)
-            .await?;
+            sqlx::query(BEGIN_RUN).fetch_all(&self.pool).await?;
             Ok(was_running != Some(1))
         })
         .await
@@ -141,13 +166,9 @@ impl SqliteStore {
 
     /// See `PgStore::end_run`.
     pub async fn end_run(&self) -> Result<(), StoreError> {
-        bounded(self.timeout, async {
-            sqlx::query(&format!(
-                "UPDATE gateway_state SET running = 0, changed_at = {NOW_MS} WHERE id = 1"
-            ))
-            .fetch_all(&self.pool)
-            .await
-            .map(|_| ())
+        bounded(self.timeout, StoreError::Timeout, async {
+            sqlx::query(END_RUN).fetch_all(&self.pool).await?;
+            Ok(())
         })
         .await
     }
@@ -158,13 +179,13 @@ impl SqliteStore {
         self.timeout
     }
 
-    /// The pool, for the lock API's store backend.
+    /// The pool, for the table lock backend.
     pub fn pool(&self) -> &SqlitePool {
         &self.pool
     }
 
     pub async fn get(&self, key: &str) -> Result<Option<FenceRecord>, StoreError> {
-        bounded(self.timeout, async {
+        bounded(self.timeout, StoreError::Timeout, async {
             let row = sqlx::query(
                 "SELECT resource_key, highest_token, updated_at FROM fences WHERE resource_key = ?1",
             )
@@ -185,11 +206,9 @@ impl SqliteStore {
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {
-        bounded(self.timeout, async {
-            sqlx::query("SELECT 1")
-                .execute(&self.pool)
-                .await
-                .map(|_| ())
+        bounded(self.timeout, StoreError::Timeout, async {
+            sqlx::query("SELECT 1").execute(&self.pool).await?;
+            Ok(())
         })
         .await
     }
@@ -260,18 +279,11 @@ async fn record_batch(
     pool: &SqlitePool,
     items: Vec<(String, i64)>,
 ) -> Result<super::batch::Answers, StoreError> {
-    let upsert = format!(
-        "INSERT INTO fences (resource_key, highest_token, updated_at) VALUES (?1, ?2, {NOW_MS}) \
-         ON CONFLICT (resource_key) DO UPDATE \
-            SET highest_token = excluded.highest_token, updated_at = excluded.updated_at \
-            WHERE fences.highest_token < excluded.highest_token \
-         RETURNING highest_token"
-    );
     let wanted = super::batch::max_per_key(&items);
     let mut tx = pool.begin().await?;
     let mut answers = super::batch::Answers::with_capacity(wanted.len());
     for (key, token) in wanted {
-        let raised: Option<i64> = sqlx::query_scalar(&upsert)
+        let raised: Option<i64> = sqlx::query_scalar(RECORD)
             .bind(key)
             .bind(token)
             .fetch_optional(&mut *tx)

@@ -6,10 +6,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fencegate::config::Config;
-use fencegate::locks::backend::{Lease, LockError};
+use fencegate::locks::backend::{Lease, LockBackend, LockError};
 use fencegate::locks::notify::Notifier;
-use fencegate::locks::redis::{fence_key, lock_key, RedisLocks};
+use fencegate::locks::redis_node::{fence_key, lock_key};
 use fencegate::locks::redlock::Redlock;
+use fencegate::locks::single_redis::RedisLocks;
 use fencegate::store::FenceStore;
 use sqlx::Connection;
 

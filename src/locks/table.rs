@@ -1,27 +1,36 @@
-//! `backend = "store"`: leases in the gateway's own database.
+//! `backend = "store"`: leases in the `locks` table of the fence store's
+//! database.
 //!
-//! Every operation is one statement, and expiry is judged by the database's
+//! Every change is one statement, and expiry is judged by the database's
 //! clock (`now()` on Postgres, `julianday('now')` on SQLite), never by a
 //! gateway's or a client's. The fence is a per-name counter in the same row:
 //! it survives release and expiry, and each grant takes one above both it
 //! and the highest token the gateway recorded for the resource key.
+//!
+//! On SQLite, statements that write are stepped to the end (`fetch_all`)
+//! even for one row, so that a failed commit is reported, never
+//! acknowledged (see the `store::sqlite` module docs).
 
+use std::fmt::Display;
+use std::future::Future;
 use std::time::Duration;
 
-use super::backend::{Lease, LockError, LockState};
-use crate::store::FenceStore;
+use super::backend::{Lease, LockBackend, LockError, LockState};
+use crate::store::sql::{highest_token, sqlite_now_ms};
+use crate::store::{bounded, FenceStore, StoreError};
 
 /// Postgres: take the lock if it is free or expired.
-const PG_ACQUIRE: &str = "\
+#[rustfmt::skip]
+const PG_ACQUIRE: &str = concat!("\
 INSERT INTO locks AS l (name, fence, lease, expires_at)
-VALUES ($1, COALESCE((SELECT highest_token FROM fences WHERE resource_key = $1), 0) + 1,
+VALUES ($1, ", highest_token!("$1"), " + 1,
         $2, now() + $3 * interval '1 millisecond')
 ON CONFLICT (name) DO UPDATE
-    SET fence = GREATEST(l.fence, COALESCE((SELECT highest_token FROM fences WHERE resource_key = $1), 0)) + 1,
+    SET fence = GREATEST(l.fence, ", highest_token!("$1"), ") + 1,
         lease = EXCLUDED.lease,
         expires_at = EXCLUDED.expires_at
     WHERE l.lease IS NULL OR l.expires_at <= now()
-RETURNING fence, GREATEST(0, (EXTRACT(EPOCH FROM (expires_at - now())) * 1000))::bigint";
+RETURNING fence, GREATEST(0, (EXTRACT(EPOCH FROM (expires_at - now())) * 1000))::bigint");
 
 /// Postgres: extend a lease that is still ours and still valid; an expired
 /// lease is never silently revived.
@@ -46,46 +55,42 @@ SELECT fence,
        GREATEST(0, (EXTRACT(EPOCH FROM (expires_at - now())) * 1000))::bigint
   FROM locks WHERE name = $1";
 
-/// SQLite's clock in Unix milliseconds.
-const NOW_MS: &str = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)";
+/// SQLite: see [`PG_ACQUIRE`].
+#[rustfmt::skip]
+const SQLITE_ACQUIRE: &str = concat!("\
+INSERT INTO locks (name, fence, lease, expires_at)
+VALUES (?1, ", highest_token!("?1"), " + 1, ?2, ", sqlite_now_ms!(), " + ?3)
+ON CONFLICT (name) DO UPDATE
+    SET fence = MAX(locks.fence, ", highest_token!("?1"), ") + 1,
+        lease = excluded.lease,
+        expires_at = excluded.expires_at
+    WHERE locks.lease IS NULL OR locks.expires_at <= ", sqlite_now_ms!(), "
+RETURNING fence, MAX(0, expires_at - ", sqlite_now_ms!(), ")");
 
-fn sqlite_acquire() -> String {
-    format!(
-        "INSERT INTO locks (name, fence, lease, expires_at) \
-         VALUES (?1, COALESCE((SELECT highest_token FROM fences WHERE resource_key = ?1), 0) + 1, ?2, {NOW_MS} + ?3) \
-         ON CONFLICT (name) DO UPDATE \
-            SET fence = MAX(locks.fence, COALESCE((SELECT highest_token FROM fences WHERE resource_key = ?1), 0)) + 1, \
-                lease = excluded.lease, expires_at = excluded.expires_at \
-            WHERE locks.lease IS NULL OR locks.expires_at <= {NOW_MS} \
-         RETURNING fence, MAX(0, expires_at - {NOW_MS})"
-    )
-}
+/// SQLite: see [`PG_RENEW`].
+#[rustfmt::skip]
+const SQLITE_RENEW: &str = concat!("\
+UPDATE locks SET expires_at = ", sqlite_now_ms!(), " + ?3
+ WHERE name = ?1 AND lease = ?2 AND expires_at > ", sqlite_now_ms!(), "
+RETURNING fence, MAX(0, expires_at - ", sqlite_now_ms!(), ")");
 
-fn sqlite_renew() -> String {
-    format!(
-        "UPDATE locks SET expires_at = {NOW_MS} + ?3 \
-         WHERE name = ?1 AND lease = ?2 AND expires_at > {NOW_MS} \
-         RETURNING fence, MAX(0, expires_at - {NOW_MS})"
-    )
-}
+/// SQLite: release (a single instance has no one else to notify).
+#[rustfmt::skip]
+const SQLITE_RELEASE: &str = concat!("\
+UPDATE locks SET lease = NULL, expires_at = NULL
+ WHERE name = ?1 AND lease = ?2 AND expires_at > ", sqlite_now_ms!(), "
+RETURNING name");
 
-fn sqlite_release() -> String {
-    format!(
-        "UPDATE locks SET lease = NULL, expires_at = NULL \
-         WHERE name = ?1 AND lease = ?2 AND expires_at > {NOW_MS} RETURNING name"
-    )
-}
+#[rustfmt::skip]
+const SQLITE_STATUS: &str = concat!("\
+SELECT fence,
+       lease IS NOT NULL AND expires_at > ", sqlite_now_ms!(), ",
+       MAX(0, COALESCE(expires_at, 0) - ", sqlite_now_ms!(), ")
+  FROM locks WHERE name = ?1");
 
-fn sqlite_status() -> String {
-    format!(
-        "SELECT fence, lease IS NOT NULL AND expires_at > {NOW_MS}, MAX(0, COALESCE(expires_at, 0) - {NOW_MS}) \
-         FROM locks WHERE name = ?1"
-    )
-}
-
-/// The store backend: a handle on the gateway's fence store.
+/// The table backend: leases in the `locks` table of the fence store.
 #[derive(Clone)]
-pub struct StoreLocks {
+pub struct TableLocks {
     store: FenceStore,
     timeout: Duration,
 }
@@ -94,23 +99,23 @@ fn ms(v: i64) -> Duration {
     Duration::from_millis(v.max(0) as u64)
 }
 
-impl StoreLocks {
+impl TableLocks {
     pub fn new(store: FenceStore, timeout: Duration) -> Self {
         Self { store, timeout }
     }
 
-    async fn bounded<T>(
+    /// Runs one statement within the store's bound (`[store] timeout_ms`).
+    async fn run<T>(
         &self,
-        fut: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+        statement: impl Future<Output = Result<T, sqlx::Error>>,
     ) -> Result<T, LockError> {
-        match tokio::time::timeout(self.timeout, fut).await {
-            Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(LockError::Unavailable(format!("fence store: {e}"))),
-            Err(_) => Err(LockError::Unavailable(format!(
-                "fence store: no answer within {:?}",
-                self.timeout
-            ))),
-        }
+        let unavailable = |why: &dyn Display| LockError::Unavailable(format!("fence store: {why}"));
+        bounded(
+            self.timeout,
+            |limit| unavailable(&StoreError::Timeout(limit)),
+            async { statement.await.map_err(|e| unavailable(&e)) },
+        )
+        .await
     }
 
     /// Runs the acquire or renew statement: the lease's `(fence, valid ms)`
@@ -127,7 +132,7 @@ impl StoreLocks {
         let ttl_ms = ttl.as_millis() as i64;
         match &self.store {
             FenceStore::Postgres(s) => {
-                self.bounded(
+                self.run(
                     sqlx::query_as(pg_sql)
                         .bind(name)
                         .bind(lease)
@@ -136,9 +141,8 @@ impl StoreLocks {
                 )
                 .await
             }
-            // fetch_all: see the `store::sqlite` module docs on commit errors.
             FenceStore::Sqlite(s) => self
-                .bounded(
+                .run(
                     sqlx::query_as(sqlite_sql)
                         .bind(name)
                         .bind(lease)
@@ -159,39 +163,12 @@ impl StoreLocks {
         }
     }
 
-    pub async fn try_acquire(
-        &self,
-        name: &str,
-        lease: &str,
-        ttl: Duration,
-    ) -> Result<Lease, LockError> {
-        match self
-            .lease_statement(PG_ACQUIRE, &sqlite_acquire(), name, lease, ttl)
-            .await?
-        {
-            Some(row) => Ok(Self::lease(name, lease, row)),
-            None => Err(LockError::Held {
-                expires_in: self.status(name).await?.expires_in,
-            }),
-        }
-    }
-
-    pub async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
-        match self
-            .lease_statement(PG_RENEW, &sqlite_renew(), name, lease, ttl)
-            .await?
-        {
-            Some(row) => Ok(Self::lease(name, lease, row)),
-            None => Err(self.refusal(name, lease).await),
-        }
-    }
-
     /// Why a renew or release by `lease` matched no row: the lease is still
     /// recorded (so it expired), or it is not (someone else's, or released).
     async fn refusal(&self, name: &str, lease: &str) -> LockError {
         let ours: Result<Option<bool>, LockError> = match &self.store {
             FenceStore::Postgres(s) => {
-                self.bounded(
+                self.run(
                     sqlx::query_scalar("SELECT lease = $2 FROM locks WHERE name = $1")
                         .bind(name)
                         .bind(lease)
@@ -200,7 +177,7 @@ impl StoreLocks {
                 .await
             }
             FenceStore::Sqlite(s) => {
-                self.bounded(
+                self.run(
                     sqlx::query_scalar("SELECT lease = ?2 FROM locks WHERE name = ?1")
                         .bind(name)
                         .bind(lease)
@@ -214,15 +191,44 @@ impl StoreLocks {
             _ => LockError::NotHolder,
         }
     }
+}
+
+impl LockBackend for TableLocks {
+    async fn try_acquire(
+        &self,
+        name: &str,
+        lease: &str,
+        ttl: Duration,
+    ) -> Result<Lease, LockError> {
+        match self
+            .lease_statement(PG_ACQUIRE, SQLITE_ACQUIRE, name, lease, ttl)
+            .await?
+        {
+            Some(row) => Ok(Self::lease(name, lease, row)),
+            None => Err(LockError::Held {
+                expires_in: self.status(name).await?.expires_in,
+            }),
+        }
+    }
+
+    async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
+        match self
+            .lease_statement(PG_RENEW, SQLITE_RENEW, name, lease, ttl)
+            .await?
+        {
+            Some(row) => Ok(Self::lease(name, lease, row)),
+            None => Err(self.refusal(name, lease).await),
+        }
+    }
 
     /// Releases the lease; `NotHolder` or `Expired` when it held nothing.
     /// The caller wakes local waiters; Postgres also notifies other
     /// instances.
-    pub async fn release(&self, name: &str, lease: &str) -> Result<(), LockError> {
+    async fn release(&self, name: &str, lease: &str) -> Result<(), LockError> {
         self.store.check_writer()?;
         let released = match &self.store {
             FenceStore::Postgres(s) => self
-                .bounded(
+                .run(
                     sqlx::query(PG_RELEASE)
                         .bind(name)
                         .bind(lease)
@@ -231,8 +237,8 @@ impl StoreLocks {
                 .await?
                 .is_some(),
             FenceStore::Sqlite(s) => self
-                .bounded(
-                    sqlx::query(&sqlite_release())
+                .run(
+                    sqlx::query(SQLITE_RELEASE)
                         .bind(name)
                         .bind(lease)
                         .fetch_all(s.pool()),
@@ -249,10 +255,10 @@ impl StoreLocks {
         }
     }
 
-    pub async fn status(&self, name: &str) -> Result<LockState, LockError> {
+    async fn status(&self, name: &str) -> Result<LockState, LockError> {
         let row: Option<(i64, Option<bool>, Option<i64>)> = match &self.store {
             FenceStore::Postgres(s) => {
-                self.bounded(
+                self.run(
                     sqlx::query_as(PG_STATUS)
                         .bind(name)
                         .fetch_optional(s.pool()),
@@ -260,8 +266,8 @@ impl StoreLocks {
                 .await?
             }
             FenceStore::Sqlite(s) => {
-                self.bounded(
-                    sqlx::query_as(&sqlite_status())
+                self.run(
+                    sqlx::query_as(SQLITE_STATUS)
                         .bind(name)
                         .fetch_optional(s.pool()),
                 )

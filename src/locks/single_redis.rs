@@ -1,0 +1,296 @@
+//! `backend = "redis"`: leases in one Redis, fences made durable in the store.
+//!
+//! The single-instance pattern, done right:
+//!
+//! - every state change is one Lua script (run by EVALSHA, loaded on
+//!   NOSCRIPT), so check-and-set is atomic and an expired key simply does not
+//!   exist: an expired lease can never be renewed or released;
+//! - expiry is judged by Redis's clock alone (`PX`, `PEXPIRE`, `PTTL`);
+//! - the Redis fence counter is only a fast path. Before a grant leaves the
+//!   gateway its fence is recorded in the durable store
+//!   ([`FenceStore::record_fence`]), and every grant's fence is above the
+//!   store's floor ([`FenceStore::fence_floor`]), so fences keep growing when
+//!   Redis loses its data (FLUSHALL, a restart without persistence, a
+//!   failover to a replica that missed the last INCR);
+//! - every Redis call is bounded by `op_timeout`: a Redis that is down or
+//!   hung answers [`LockError::Unavailable`] within that bound, never a grant.
+//!
+//! The keys, the renew and release scripts and the release subscription are
+//! shared with Redlock, in [`redis_node`](super::redis_node).
+
+use std::sync::{Arc, LazyLock};
+use std::time::{Duration, Instant};
+
+use redis::Script;
+use tokio::sync::watch;
+
+use super::backend::{Lease, LockBackend, LockError, LockState};
+use super::notify::Notifier;
+use super::redis_node::{
+    fence_key, lock_key, parse_value, pttl, spawn_subscriber, ttl_ms, wait_subscribed, AbortOnDrop,
+    Node, RELEASED_CHANNEL,
+};
+use crate::store::FenceStore;
+
+/// Acquire (single instance). KEYS[1] the lock, KEYS[2] the fence counter;
+/// ARGV[1] the lease, ARGV[2] the ttl in ms, ARGV[3] the store's floor.
+/// Returns `{1, fence}` when granted, `{0, pttl}` when held.
+///
+/// Numbers are formatted with `%d` before they become strings: Lua 5.1
+/// would write large numbers as `1e+15`.
+const ACQUIRE_LUA: &str = r#"
+if redis.call('EXISTS', KEYS[1]) == 1 then
+  return {0, redis.call('PTTL', KEYS[1])}
+end
+local f = redis.call('INCR', KEYS[2])
+local floor = tonumber(ARGV[3])
+if f <= floor then
+  f = floor + 1
+  redis.call('SET', KEYS[2], string.format('%d', f))
+end
+redis.call('SET', KEYS[1], ARGV[1] .. ':' .. string.format('%d', f), 'PX', ARGV[2])
+return {1, f}
+"#;
+
+static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE_LUA));
+
+/// The Redis backend (one server). Cheap to clone; the pub/sub task stops
+/// when the last clone is dropped.
+#[derive(Clone)]
+pub struct RedisLocks {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    node: Node,
+    store: FenceStore,
+    subscribed: watch::Receiver<bool>,
+    _subscriber: AbortOnDrop,
+}
+
+/// What the acquire script answered.
+enum Acquired {
+    Granted(i64),
+    Held(Option<Duration>),
+}
+
+impl RedisLocks {
+    /// Prepares the connection to `url` and subscribes to releases.
+    ///
+    /// Fails only on an invalid URL: the connection is made on first use, so
+    /// the gateway starts while Redis is down (see [`RedisLocks::ping`] for
+    /// readiness). Waits up to `op_timeout` for the release subscription, so
+    /// releases right after start-up already wake waiters.
+    pub async fn connect(
+        url: &str,
+        store: FenceStore,
+        op_timeout: Duration,
+        notifier: Arc<Notifier>,
+    ) -> Result<Self, LockError> {
+        let node = Node::new(url, op_timeout)?;
+        let (tx, rx) = watch::channel(false);
+        let subscriber = spawn_subscriber(
+            node.client().clone(),
+            node.label.clone(),
+            op_timeout,
+            notifier,
+            tx,
+        );
+        let this = Self {
+            inner: Arc::new(Inner {
+                node,
+                store,
+                subscribed: rx.clone(),
+                _subscriber: subscriber,
+            }),
+        };
+        let (ping, subscribed) =
+            tokio::join!(this.inner.node.ping(), wait_subscribed(rx, op_timeout));
+        if let Err(e) = ping {
+            tracing::warn!(error = %e, "Redis is not reachable yet; lock calls answer 503 until it is");
+        } else if !subscribed {
+            tracing::warn!(redis = %this.inner.node.label, "not subscribed to {RELEASED_CHANNEL} yet");
+        }
+        Ok(this)
+    }
+
+    /// Whether the release subscription is live now.
+    pub fn subscribed(&self) -> bool {
+        *self.inner.subscribed.borrow()
+    }
+
+    async fn acquire_script(
+        &self,
+        name: &str,
+        lease: &str,
+        ttl: Duration,
+        floor: i64,
+    ) -> Result<Acquired, LockError> {
+        let (lock, fence) = (lock_key(name), fence_key(name));
+        let ms = ttl_ms(ttl);
+        let (granted, n): (i64, i64) = self
+            .inner
+            .node
+            .run(|mut c| async move {
+                ACQUIRE
+                    .key(&lock)
+                    .key(&fence)
+                    .arg(lease)
+                    .arg(ms)
+                    .arg(floor)
+                    .invoke_async(&mut c)
+                    .await
+            })
+            .await?;
+        Ok(if granted == 1 {
+            Acquired::Granted(n)
+        } else {
+            Acquired::Held(pttl(n))
+        })
+    }
+
+    /// Takes back a grant that must not leave the gateway. Best effort: if
+    /// Redis cannot be reached the key expires with its ttl.
+    async fn withdraw(&self, name: &str, lease: &str) {
+        if let Err(e) = self.inner.node.release(name, lease).await {
+            tracing::warn!(lock = name, error = %e, "cannot withdraw a grant; it will expire with its ttl");
+        }
+    }
+}
+
+impl LockBackend for RedisLocks {
+    async fn try_acquire(
+        &self,
+        name: &str,
+        lease: &str,
+        ttl: Duration,
+    ) -> Result<Lease, LockError> {
+        let store = &self.inner.store;
+        store.check_writer()?;
+        // Twice at most: a refused record means the store's floor moved past
+        // what we read (Redis lost its counter while another grant was
+        // recorded, or the gateway recorded a higher token for the key).
+        // The second pass reads the new floor, which the script raises the
+        // Redis counter to.
+        for attempt in 0..2 {
+            let floor = store.fence_floor(name).await?;
+            let started = Instant::now();
+            let fence = match self.acquire_script(name, lease, ttl, floor).await {
+                Ok(Acquired::Held(expires_in)) => return Err(LockError::Held { expires_in }),
+                Ok(Acquired::Granted(f)) => f,
+                Err(e) => {
+                    // The script may have run and only its answer been lost
+                    // (timeout): take back a grant nobody will see. In the
+                    // background, so the answer keeps its time bound.
+                    let this = self.clone();
+                    let (name, lease) = (name.to_string(), lease.to_string());
+                    tokio::spawn(async move {
+                        if let Err(e) = this.inner.node.release(&name, &lease).await {
+                            tracing::debug!(lock = %name, error = %e, "cannot withdraw a possibly granted lease");
+                        }
+                    });
+                    return Err(e);
+                }
+            };
+            match store.record_fence(name, fence).await {
+                Ok(true) => {
+                    // The key's ttl started after `started`: what is left of
+                    // it now is at least this much.
+                    let valid_for = ttl.saturating_sub(started.elapsed());
+                    if valid_for.is_zero() {
+                        self.withdraw(name, lease).await;
+                        return Err(LockError::Unavailable(
+                            "the grant took longer than its ttl".into(),
+                        ));
+                    }
+                    return Ok(Lease {
+                        name: name.to_string(),
+                        lease: lease.to_string(),
+                        fence,
+                        valid_for,
+                    });
+                }
+                Ok(false) => {
+                    self.withdraw(name, lease).await;
+                    tracing::warn!(
+                        lock = name,
+                        fence,
+                        attempt,
+                        "Redis issued a fence the store had already passed; raising the Redis counter"
+                    );
+                }
+                Err(e) => {
+                    self.withdraw(name, lease).await;
+                    return Err(e.into());
+                }
+            }
+        }
+        Err(LockError::Unavailable(
+            "the store's fence floor kept moving past Redis's counter".into(),
+        ))
+    }
+
+    async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
+        let started = Instant::now();
+        match self.inner.node.renew(name, lease, ttl).await? {
+            Some(fence) => Ok(Lease {
+                name: name.to_string(),
+                lease: lease.to_string(),
+                fence,
+                valid_for: ttl.saturating_sub(started.elapsed()),
+            }),
+            None => Err(LockError::NotHolder),
+        }
+    }
+
+    /// Releases and publishes the name (in the same script), so waiters on
+    /// every gateway wake.
+    async fn release(&self, name: &str, lease: &str) -> Result<(), LockError> {
+        if self.inner.node.release(name, lease).await? {
+            Ok(())
+        } else {
+            Err(LockError::NotHolder)
+        }
+    }
+
+    async fn status(&self, name: &str) -> Result<LockState, LockError> {
+        let (lock, fence) = (lock_key(name), fence_key(name));
+        let (value, left, counter): (Option<String>, i64, Option<i64>) = self
+            .inner
+            .node
+            .run(|mut c| async move {
+                redis::pipe()
+                    .atomic()
+                    .get(&lock)
+                    .pttl(&lock)
+                    .get(&fence)
+                    .query_async(&mut c)
+                    .await
+            })
+            .await?;
+        if let Some((_, fence)) = value.as_deref().and_then(parse_value) {
+            return Ok(LockState {
+                held: true,
+                fence,
+                expires_in: pttl(left),
+            });
+        }
+        // Free: "the last fence issued". The Redis counter alone may be
+        // behind (Redis lost it; the next grant raises it to the floor), and
+        // the store's floor alone may be behind by a fence that Redis
+        // counted but whose grant was withdrawn (burnt, never used). The
+        // higher of the two is never below the last fence granted, and the
+        // next grant is above both.
+        let floor = self.inner.store.fence_floor(name).await?;
+        Ok(LockState {
+            held: false,
+            fence: floor.max(counter.unwrap_or(0)),
+            expires_in: None,
+        })
+    }
+
+    /// Readiness: Redis answers PING within the op timeout.
+    async fn ping(&self) -> Result<(), LockError> {
+        self.inner.node.ping().await
+    }
+}
