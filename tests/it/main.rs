@@ -1,6 +1,8 @@
 //! Integration tests: real gateways (in-process and as processes), real
 //! upstreams on port 0, real SQLite files and Postgres databases.
 
+#![recursion_limit = "256"]
+
 mod answer_table;
 mod chaos;
 mod client;
