@@ -348,7 +348,10 @@ async fn lock_service(
                     notifier.clone(),
                 ));
             }
-            Backend::Table(TableLocks::new(store.clone(), config.store.timeout))
+            Backend::Table(
+                TableLocks::new(store.clone(), config.store.timeout)
+                    .with_lock_delay(config.locks.lock_delay),
+            )
         }
         LockBackendConfig::Redis { url } => Backend::Redis(
             RedisLocks::connect(
@@ -357,7 +360,8 @@ async fn lock_service(
                 config.locks.redis_timeout,
                 notifier.clone(),
             )
-            .await?,
+            .await?
+            .with_lock_delay(config.locks.lock_delay),
         ),
         LockBackendConfig::Redlock { urls } => Backend::Redlock(
             Redlock::connect(
@@ -366,7 +370,8 @@ async fn lock_service(
                 config.locks.redis_timeout,
                 notifier.clone(),
             )
-            .await?,
+            .await?
+            .with_lock_delay(config.locks.lock_delay),
         ),
     };
     Ok(LockService::new(

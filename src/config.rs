@@ -68,6 +68,11 @@ pub struct LocksConfig {
     /// node's answer (`backend = "redlock"`): Redlock needs it short next to
     /// the ttl, since time spent waiting is taken from the lease's validity.
     pub redis_timeout: Duration,
+    /// How long a name stays ungrantable after a lease ends by expiry (not
+    /// by release): a holder that lost its lease involuntarily may still be
+    /// finishing a write it started in time, and the delay keeps the next
+    /// holder from starting its own on top of it (Chubby's lock-delay).
+    pub lock_delay: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -402,6 +407,7 @@ struct RawLocks {
     max_ttl_ms: u64,
     max_wait_ms: u64,
     redis_timeout_ms: Option<u64>,
+    lock_delay_ms: u64,
 }
 
 impl Default for RawLocks {
@@ -415,6 +421,7 @@ impl Default for RawLocks {
             max_ttl_ms: 600_000,
             max_wait_ms: 60_000,
             redis_timeout_ms: None,
+            lock_delay_ms: 0,
         }
     }
 }
@@ -704,6 +711,10 @@ fn set_in_value(
     }
 }
 
+/// The longest `[locks] lock_delay_ms`: a delay is a safety margin for a
+/// write in flight, not a way to keep a name locked.
+const MAX_LOCK_DELAY_MS: u64 = 60_000;
+
 /// `[store] key_lock_connections` when not set.
 const DEFAULT_KEY_LOCK_CONNECTIONS: u64 = 32;
 /// `[store] key_lock_wait_ms` when not set.
@@ -786,6 +797,14 @@ impl Validator<'_> {
             }
             (None, v) => v,
         }
+    }
+
+    /// A setting that may be 0, up to `max`.
+    fn at_most(&mut self, key: &str, value: u64, max: u64) -> u64 {
+        if value > max {
+            self.problem(key, format!("must be at most {max}, got {value}"));
+        }
+        value.min(max)
     }
 
     fn positive(&mut self, key: &str, value: u64, max: u64) -> u64 {
@@ -929,6 +948,11 @@ impl Validator<'_> {
             max_ttl: Duration::from_millis(max),
             max_wait: Duration::from_millis(raw.max_wait_ms.min(3_600_000)),
             redis_timeout: Duration::from_millis(redis_timeout),
+            lock_delay: Duration::from_millis(self.at_most(
+                "locks.lock_delay_ms",
+                raw.lock_delay_ms,
+                MAX_LOCK_DELAY_MS,
+            )),
         }
     }
 
@@ -1389,6 +1413,26 @@ mod tests {
         assert_eq!(c.routes[0].fenced_methods.len(), 4);
         assert_eq!(c.store.backend, StoreBackend::Sqlite("x.db".into()));
         assert_eq!(c.routes[0].timeout, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn lock_delay_is_bounded() {
+        assert_eq!(load(GOOD).unwrap().locks.lock_delay, Duration::ZERO);
+        let with = |ms: &str| {
+            GOOD.replace(
+                "[store]",
+                &format!("[locks]\nlock_delay_ms = {ms}\n[store]"),
+            )
+        };
+        let c = load(&with("60000")).unwrap();
+        assert_eq!(c.locks.lock_delay, Duration::from_secs(60));
+        let s = load(&with("60001")).unwrap_err().to_string();
+        assert!(
+            s.contains("locks.lock_delay_ms: must be at most 60000, got 60001"),
+            "{s}"
+        );
+        let s = load(&with("-1")).unwrap_err().to_string();
+        assert!(s.contains("lock_delay_ms"), "{s}");
     }
 
     /// Closed choices are typed, yet an unknown value is reported together

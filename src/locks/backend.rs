@@ -25,8 +25,20 @@ use std::time::Duration;
 /// - **Every call is bounded**: a store or server that is down or hung
 ///   makes the call answer [`LockError::Unavailable`] promptly, never a
 ///   grant.
-/// - `try_acquire` does not wait: a lock held by another lease answers
-///   [`LockError::Held`] at once, and the service does the waiting.
+/// - **Lock-delay after an expiry**: with a delay configured (`[locks]
+///   lock_delay_ms`, given to the backend when it is made), a lease that
+///   ends by expiry leaves its name ungrantable until its expiry plus the
+///   delay, judged by the same clock as the expiry. A release (or an admin
+///   break) ends a lease without a delay, and a release that comes too late
+///   (the lease expired) does not end a running delay. While a delay runs,
+///   `try_acquire` answers [`LockError::Held`] with the time left of the
+///   delay, and `status` reports it in [`LockState::delayed_for`]. With no
+///   delay configured nothing changes. A backend that loses its state (a
+///   Redis restart without persistence) may lose a running delay with it;
+///   fences still grow.
+/// - `try_acquire` does not wait: a lock held by another lease (or in its
+///   lock-delay) answers [`LockError::Held`] at once, and the service does
+///   the waiting.
 /// - A release wakes waiters on other gateways through the backend's own
 ///   channel (Postgres NOTIFY, Redis pub/sub); the service wakes local ones.
 pub trait LockBackend: Send + Sync {
@@ -88,12 +100,17 @@ pub struct LockState {
     pub fence: i64,
     /// Remaining lease time when held.
     pub expires_in: Option<Duration>,
+    /// When not held because the last lease expired and its lock-delay is
+    /// still running: the time left of the delay. Operators need it to tell
+    /// "free" from "free soon" (an acquire now would be refused).
+    pub delayed_for: Option<Duration>,
 }
 
 /// Why a lock operation did not succeed.
 #[derive(Debug, thiserror::Error)]
 pub enum LockError {
-    /// Someone else holds the lock; `expires_in` if known.
+    /// Someone else holds the lock, or its lock-delay runs; `expires_in`:
+    /// when it may be granted, if known.
     #[error("the lock is held by another holder")]
     Held { expires_in: Option<Duration> },
     /// Renew or release by a lease that does not hold the lock (never did,

@@ -118,6 +118,12 @@ pub struct Status {
     pub held: bool,
     pub fence: i64,
     pub expires_in_ms: Option<u64>,
+    /// While a lock-delay runs after an expiry: when the name may be granted
+    /// again (RFC 3339; the backend's clock decides, this is its reading
+    /// turned into wall time by the gateway). Absent otherwise, so answers
+    /// without a delay look as before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delayed_until: Option<DateTime<Utc>>,
 }
 
 impl std::fmt::Debug for Grant {
@@ -267,13 +273,13 @@ impl LockService {
             held: s.held,
             fence: s.fence,
             expires_in_ms: s.expires_in.map(|d| d.as_millis() as u64),
+            delayed_until: s.delayed_for.map(|d| Utc::now() + chrono_duration(d)),
         })
     }
 
     fn grant(&self, l: Lease, ttl: Duration) -> Result<Grant, LockError> {
         let now = Utc::now();
-        let expires_at = now
-            + chrono::Duration::from_std(l.valid_for).unwrap_or_else(|_| chrono::Duration::zero());
+        let expires_at = now + chrono_duration(l.valid_for);
         let token = match &self.inner.jwt {
             Some(keys) => {
                 // exp in whole seconds, rounded up so the token never ends
@@ -300,6 +306,12 @@ impl LockService {
             .metrics
             .lock_event(self.inner.backend.label(), event);
     }
+}
+
+/// A std duration as a chrono one (zero if it does not fit, which no lease
+/// or delay comes near).
+fn chrono_duration(d: Duration) -> chrono::Duration {
+    chrono::Duration::from_std(d).unwrap_or_else(|_| chrono::Duration::zero())
 }
 
 /// 128 random bits from the OS, as 32 hex characters.

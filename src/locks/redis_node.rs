@@ -3,11 +3,19 @@
 //! scripts, one server's connection, and the release subscription.
 //!
 //! Keys: the lock `fencegate:lock:{<name>}` holds `"<lease>:<fence>"`, the
-//! single-Redis fence counter is `fencegate:fence:{<name>}`. The braces are
-//! literal: they are a Redis Cluster hash tag, so a name's two keys live in
-//! the same slot and a script may touch both. Releases publish the name on
-//! `fencegate:released`; every gateway subscribed to it wakes its local
-//! waiters for that name.
+//! single-Redis fence counter is `fencegate:fence:{<name>}`, and with a
+//! lock-delay `fencegate:delay:{<name>}` holds the lease id and outlives the
+//! lock key by the delay. The braces are literal: they are a Redis Cluster
+//! hash tag, so a name's keys live in the same slot and a script may touch
+//! them all. Releases publish the name on `fencegate:released`; every
+//! gateway subscribed to it wakes its local waiters for that name.
+//!
+//! Lock-delay: Redis forgets an expired key, so the delay is arranged when
+//! the lease is granted or renewed: the delay key is set (or extended) with
+//! the lock key, for the ttl plus the delay. An acquire refuses while either
+//! exists; a release deletes both, so only an expiry leaves a delay behind.
+//! Anything else that ends a lease on purpose (an admin break) must delete
+//! both too.
 //!
 //! A subscription runs in a background task that stops when its
 //! `AbortOnDrop` is dropped (with the last clone of the backend owning it).
@@ -43,8 +51,15 @@ pub fn fence_key(name: &str) -> String {
     format!("fencegate:fence:{{{name}}}")
 }
 
-/// Renew. KEYS[1] the lock; ARGV[1] the lease, ARGV[2] the ttl in ms.
-/// Returns the fence when the lease holds the lock (and extends it), else -1.
+/// The lock-delay key of `name`: it exists from a grant until the lease's
+/// expiry plus the delay, unless the lease is released.
+pub fn delay_key(name: &str) -> String {
+    format!("fencegate:delay:{{{name}}}")
+}
+
+/// Renew. KEYS[1] the lock, KEYS[2] the delay key; ARGV[1] the lease,
+/// ARGV[2] the ttl in ms, ARGV[3] the lock-delay in ms (0: none). Returns
+/// the fence when the lease holds the lock (and extends it), else -1.
 /// The lease is everything before the last ':' (the fence is digits only).
 const RENEW_LUA: &str = r#"
 local v = redis.call('GET', KEYS[1])
@@ -52,17 +67,21 @@ if not v then return -1 end
 local lease, fence = string.match(v, '^(.*):(%d+)$')
 if lease ~= ARGV[1] then return -1 end
 redis.call('PEXPIRE', KEYS[1], ARGV[2])
+if tonumber(ARGV[3]) > 0 then
+  redis.call('SET', KEYS[2], ARGV[1], 'PX', string.format('%d', tonumber(ARGV[2]) + tonumber(ARGV[3])))
+end
 return tonumber(fence)
 "#;
 
-/// Release: compare-and-delete, then publish. KEYS[1] the lock; ARGV[1] the
-/// lease, ARGV[2] the channel, ARGV[3] the name. Returns 1 if released.
+/// Release: compare-and-delete (the lock-delay key with it), then publish.
+/// KEYS[1] the lock, KEYS[2] the delay key; ARGV[1] the lease, ARGV[2] the
+/// channel, ARGV[3] the name. Returns 1 if released.
 const RELEASE_LUA: &str = r#"
 local v = redis.call('GET', KEYS[1])
 if not v then return 0 end
 local lease = string.match(v, '^(.*):%d+$')
 if lease ~= ARGV[1] then return 0 end
-redis.call('DEL', KEYS[1])
+redis.call('DEL', KEYS[1], KEYS[2])
 redis.call('PUBLISH', ARGV[2], ARGV[3])
 return 1
 "#;
@@ -80,6 +99,11 @@ pub(crate) fn parse_value(v: &str) -> Option<(&str, i64)> {
 /// not remaining times).
 pub(crate) fn pttl(ms: i64) -> Option<Duration> {
     (ms >= 0).then(|| Duration::from_millis(ms as u64))
+}
+
+/// A lock-delay as milliseconds for the scripts (0: none).
+pub(crate) fn delay_ms(delay: Duration) -> u64 {
+    delay.as_millis().min(u64::MAX as u128) as u64
 }
 
 /// A ttl as Redis milliseconds (at least 1: `PX 0` is an error).
@@ -169,10 +193,11 @@ impl Node {
 
     /// The release script: compare-and-delete, publishing on success.
     pub(crate) async fn release(&self, name: &str, lease: &str) -> Result<bool, LockError> {
-        let key = lock_key(name);
+        let (key, delay) = (lock_key(name), delay_key(name));
         self.run(|mut c| async move {
             RELEASE
                 .key(&key)
+                .key(&delay)
                 .arg(lease)
                 .arg(RELEASED_CHANNEL)
                 .arg(name)
@@ -183,20 +208,25 @@ impl Node {
         .map(|n| n == 1)
     }
 
-    /// The renew script: the fence if `lease` holds the lock (now extended).
+    /// The renew script: the fence if `lease` holds the lock (now extended,
+    /// and its lock-delay key with it).
     pub(crate) async fn renew(
         &self,
         name: &str,
         lease: &str,
         ttl: Duration,
+        lock_delay: Duration,
     ) -> Result<Option<i64>, LockError> {
-        let key = lock_key(name);
+        let (key, delay) = (lock_key(name), delay_key(name));
         let ms = ttl_ms(ttl);
+        let delay_ms = delay_ms(lock_delay);
         self.run(|mut c| async move {
             RENEW
                 .key(&key)
+                .key(&delay)
                 .arg(lease)
                 .arg(ms)
+                .arg(delay_ms)
                 .invoke_async::<i64>(&mut c)
                 .await
         })

@@ -17,6 +17,12 @@
 //! node. Expiry is judged by each node's own clock; a lease is valid while
 //! a majority still holds its key.
 //!
+//! Lock-delay is kept on every node as for a single Redis (see
+//! [`redis_node`](super::redis_node)): a node whose delay key for the name
+//! exists refuses the name to other leases, so the name is granted again
+//! only once a majority of nodes have neither the lock nor a running delay,
+//! each by its own clock.
+//!
 //! Every node has its own `fencegate:released` subscription (a release is
 //! published on all of them); a message from any node wakes local waiters.
 //! The subscription tasks stop when the last clone of [`Redlock`] is
@@ -33,18 +39,19 @@ use tokio::sync::watch;
 use super::backend::{Lease, LockBackend, LockError, LockState};
 use super::notify::Notifier;
 use super::redis_node::{
-    lock_key, parse_value, pttl, spawn_subscriber, ttl_ms, wait_subscribed, AbortOnDrop, Node,
-    RELEASED_CHANNEL,
+    delay_key, delay_ms, lock_key, parse_value, pttl, spawn_subscriber, ttl_ms, wait_subscribed,
+    AbortOnDrop, Node, RELEASED_CHANNEL,
 };
 use crate::store::FenceStore;
 
-/// Acquire on one node. KEYS[1] the lock; ARGV[1] `"<lease>:<fence>"`,
-/// ARGV[2] the ttl in ms, ARGV[3] the lease. Returns `{1, 0}` when set,
-/// `{0, pttl}` when another lease holds the key.
+/// Acquire on one node. KEYS[1] the lock, KEYS[2] the delay key; ARGV[1]
+/// `"<lease>:<fence>"`, ARGV[2] the ttl in ms, ARGV[3] the lease, ARGV[4]
+/// the lock-delay in ms (0: none). Returns `{1, 0}` when set, `{0, pttl}`
+/// when another lease holds the key or its delay runs (the time left).
 ///
-/// A key already holding this same lease is overwritten: it is left over
-/// from an earlier attempt of the same acquire (a blocking acquire retries
-/// with one lease id) whose withdrawal did not reach this node.
+/// Keys already holding this same lease are overwritten: they are left
+/// over from an earlier attempt of the same acquire (a blocking acquire
+/// retries with one lease id) whose withdrawal did not reach this node.
 const NODE_ACQUIRE_LUA: &str = r#"
 local v = redis.call('GET', KEYS[1])
 if v then
@@ -53,7 +60,14 @@ if v then
     return {0, redis.call('PTTL', KEYS[1])}
   end
 end
+local d = redis.call('GET', KEYS[2])
+if d and d ~= ARGV[3] then
+  return {0, redis.call('PTTL', KEYS[2])}
+end
 redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+if tonumber(ARGV[4]) > 0 then
+  redis.call('SET', KEYS[2], ARGV[3], 'PX', string.format('%d', tonumber(ARGV[2]) + tonumber(ARGV[4])))
+end
 return {1, 0}
 "#;
 
@@ -70,6 +84,8 @@ enum NodeAcquire {
 #[derive(Clone)]
 pub struct Redlock {
     inner: Arc<Inner>,
+    /// `[locks] lock_delay_ms`; zero for none.
+    delay: Duration,
 }
 
 struct Inner {
@@ -133,6 +149,7 @@ impl Redlock {
                 subscribed,
                 _subscribers: subscribers,
             }),
+            delay: Duration::ZERO,
         };
         let pings = join_all(this.inner.nodes.iter().map(|n| n.ping()));
         let subs = join_all(
@@ -148,6 +165,12 @@ impl Redlock {
             }
         }
         Ok(this)
+    }
+
+    /// Keeps a name ungrantable for `delay` after a lease of it expires.
+    pub fn with_lock_delay(mut self, delay: Duration) -> Self {
+        self.delay = delay;
+        self
     }
 
     /// How many nodes a grant needs.
@@ -185,21 +208,24 @@ impl LockBackend for Redlock {
         let store = &self.inner.store;
         store.check_writer()?;
         let fence = store.issue_fence(name).await?;
-        let key = lock_key(name);
+        let (key, delay) = (lock_key(name), delay_key(name));
         let value = format!("{lease}:{fence}");
         let ms = ttl_ms(ttl);
+        let delay_ms = delay_ms(self.delay);
 
         let started = Instant::now();
         let answers = join_all(self.inner.nodes.iter().map(|node| {
-            let (key, value) = (&key, &value);
+            let (key, delay, value) = (&key, &delay, &value);
             async move {
                 let r = node
                     .run(|mut c| async move {
                         NODE_ACQUIRE
                             .key(key)
+                            .key(delay)
                             .arg(value)
                             .arg(ms)
                             .arg(lease)
+                            .arg(delay_ms)
                             .invoke_async::<(i64, i64)>(&mut c)
                             .await
                     })
@@ -272,7 +298,13 @@ impl LockBackend for Redlock {
     /// released everywhere (best effort) and the answer is `NotHolder`.
     async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
         let started = Instant::now();
-        let answers = join_all(self.inner.nodes.iter().map(|n| n.renew(name, lease, ttl))).await;
+        let answers = join_all(
+            self.inner
+                .nodes
+                .iter()
+                .map(|n| n.renew(name, lease, ttl, self.delay)),
+        )
+        .await;
         let elapsed = started.elapsed();
         let fences: Vec<i64> = answers
             .iter()
@@ -342,27 +374,40 @@ impl LockBackend for Redlock {
 
     /// Held when a majority of nodes hold the same value; its fence, and the
     /// least time left among those nodes. When free, the fence is the
-    /// store's floor (the store issues every Redlock fence).
+    /// store's floor (the store issues every Redlock fence); delayed while
+    /// some node's lock-delay runs and fewer than a majority of nodes could
+    /// take the name now, until a majority could.
     async fn status(&self, name: &str) -> Result<LockState, LockError> {
-        let key = lock_key(name);
+        let (key, delay) = (lock_key(name), delay_key(name));
         let answers = join_all(self.inner.nodes.iter().map(|node| {
-            let key = &key;
+            let (key, delay) = (&key, &delay);
             node.run(move |mut c| async move {
                 redis::pipe()
                     .atomic()
                     .get(key)
                     .pttl(key)
-                    .query_async::<(Option<String>, i64)>(&mut c)
+                    .pttl(delay)
+                    .query_async::<(Option<String>, i64, i64)>(&mut c)
                     .await
             })
         }))
         .await;
         let mut by_value: HashMap<&str, Vec<i64>> = HashMap::new();
         let mut failed = 0;
+        // Per answering node: how long until it would take the name.
+        let mut busy: Vec<Duration> = Vec::new();
+        let mut delaying = false;
         for a in &answers {
             match a {
-                Ok((Some(v), left)) => by_value.entry(v.as_str()).or_default().push(*left),
-                Ok((None, _)) => {}
+                Ok((value, left, delay_left)) => {
+                    if let Some(v) = value {
+                        by_value.entry(v.as_str()).or_default().push(*left);
+                    }
+                    let lock = value.as_ref().and(pttl(*left)).unwrap_or_default();
+                    let delay = pttl(*delay_left).unwrap_or_default();
+                    delaying |= delay > lock;
+                    busy.push(lock.max(delay));
+                }
                 Err(_) => failed += 1,
             }
         }
@@ -374,6 +419,7 @@ impl LockBackend for Redlock {
                         held: true,
                         fence,
                         expires_in: lefts.iter().copied().filter_map(pttl).min(),
+                        delayed_for: None,
                     });
                 }
             }
@@ -386,10 +432,16 @@ impl LockBackend for Redlock {
                 self.inner.nodes.len()
             )));
         }
+        busy.sort();
+        let delayed_for = busy
+            .get(self.inner.quorum - 1)
+            .copied()
+            .filter(|d| delaying && !d.is_zero());
         Ok(LockState {
             held: false,
             fence: self.inner.store.fence_floor(name).await?,
             expires_in: None,
+            delayed_for,
         })
     }
 

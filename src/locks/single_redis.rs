@@ -15,8 +15,9 @@
 //! - every Redis call is bounded by `op_timeout`: a Redis that is down or
 //!   hung answers [`LockError::Unavailable`] within that bound, never a grant.
 //!
-//! The keys, the renew and release scripts and the release subscription are
-//! shared with Redlock, in [`redis_node`](super::redis_node).
+//! The keys, the renew and release scripts, the release subscription and
+//! the way lock-delay is kept are shared with Redlock, in
+//! [`redis_node`](super::redis_node).
 
 use std::sync::{Arc, LazyLock};
 use std::time::{Duration, Instant};
@@ -27,20 +28,26 @@ use tokio::sync::watch;
 use super::backend::{Lease, LockBackend, LockError, LockState};
 use super::notify::Notifier;
 use super::redis_node::{
-    fence_key, lock_key, parse_value, pttl, spawn_subscriber, ttl_ms, wait_subscribed, AbortOnDrop,
-    Node, RELEASED_CHANNEL,
+    delay_key, delay_ms, fence_key, lock_key, parse_value, pttl, spawn_subscriber, ttl_ms,
+    wait_subscribed, AbortOnDrop, Node, RELEASED_CHANNEL,
 };
 use crate::store::FenceStore;
 
-/// Acquire (single instance). KEYS[1] the lock, KEYS[2] the fence counter;
-/// ARGV[1] the lease, ARGV[2] the ttl in ms, ARGV[3] the store's floor.
-/// Returns `{1, fence}` when granted, `{0, pttl}` when held.
+/// Acquire (single instance). KEYS[1] the lock, KEYS[2] the fence counter,
+/// KEYS[3] the delay key; ARGV[1] the lease, ARGV[2] the ttl in ms, ARGV[3]
+/// the store's floor, ARGV[4] the lock-delay in ms (0: none). Returns
+/// `{1, fence}` when granted, `{0, pttl}` when held or delayed (the time
+/// left of the lease or of the delay).
 ///
 /// Numbers are formatted with `%d` before they become strings: Lua 5.1
 /// would write large numbers as `1e+15`.
 const ACQUIRE_LUA: &str = r#"
 if redis.call('EXISTS', KEYS[1]) == 1 then
   return {0, redis.call('PTTL', KEYS[1])}
+end
+local delayed = redis.call('PTTL', KEYS[3])
+if delayed > 0 then
+  return {0, delayed}
 end
 local f = redis.call('INCR', KEYS[2])
 local floor = tonumber(ARGV[3])
@@ -49,6 +56,9 @@ if f <= floor then
   redis.call('SET', KEYS[2], string.format('%d', f))
 end
 redis.call('SET', KEYS[1], ARGV[1] .. ':' .. string.format('%d', f), 'PX', ARGV[2])
+if tonumber(ARGV[4]) > 0 then
+  redis.call('SET', KEYS[3], ARGV[1], 'PX', string.format('%d', tonumber(ARGV[2]) + tonumber(ARGV[4])))
+end
 return {1, f}
 "#;
 
@@ -59,6 +69,8 @@ static ACQUIRE: LazyLock<Script> = LazyLock::new(|| Script::new(ACQUIRE_LUA));
 #[derive(Clone)]
 pub struct RedisLocks {
     inner: Arc<Inner>,
+    /// `[locks] lock_delay_ms`; zero for none.
+    delay: Duration,
 }
 
 struct Inner {
@@ -103,6 +115,7 @@ impl RedisLocks {
                 subscribed: rx.clone(),
                 _subscriber: subscriber,
             }),
+            delay: Duration::ZERO,
         };
         let (ping, subscribed) =
             tokio::join!(this.inner.node.ping(), wait_subscribed(rx, op_timeout));
@@ -112,6 +125,12 @@ impl RedisLocks {
             tracing::warn!(redis = %this.inner.node.label, "not subscribed to {RELEASED_CHANNEL} yet");
         }
         Ok(this)
+    }
+
+    /// Keeps a name ungrantable for `delay` after a lease of it expires.
+    pub fn with_lock_delay(mut self, delay: Duration) -> Self {
+        self.delay = delay;
+        self
     }
 
     /// Whether the release subscription is live now.
@@ -126,8 +145,9 @@ impl RedisLocks {
         ttl: Duration,
         floor: i64,
     ) -> Result<Acquired, LockError> {
-        let (lock, fence) = (lock_key(name), fence_key(name));
+        let (lock, fence, delay) = (lock_key(name), fence_key(name), delay_key(name));
         let ms = ttl_ms(ttl);
+        let delay_ms = delay_ms(self.delay);
         let (granted, n): (i64, i64) = self
             .inner
             .node
@@ -135,9 +155,11 @@ impl RedisLocks {
                 ACQUIRE
                     .key(&lock)
                     .key(&fence)
+                    .key(&delay)
                     .arg(lease)
                     .arg(ms)
                     .arg(floor)
+                    .arg(delay_ms)
                     .invoke_async(&mut c)
                     .await
             })
@@ -232,7 +254,7 @@ impl LockBackend for RedisLocks {
 
     async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
         let started = Instant::now();
-        match self.inner.node.renew(name, lease, ttl).await? {
+        match self.inner.node.renew(name, lease, ttl, self.delay).await? {
             Some(fence) => Ok(Lease {
                 name: name.to_string(),
                 lease: lease.to_string(),
@@ -254,8 +276,8 @@ impl LockBackend for RedisLocks {
     }
 
     async fn status(&self, name: &str) -> Result<LockState, LockError> {
-        let (lock, fence) = (lock_key(name), fence_key(name));
-        let (value, left, counter): (Option<String>, i64, Option<i64>) = self
+        let (lock, fence, delay) = (lock_key(name), fence_key(name), delay_key(name));
+        let (value, left, counter, delay_left): (Option<String>, i64, Option<i64>, i64) = self
             .inner
             .node
             .run(|mut c| async move {
@@ -264,6 +286,7 @@ impl LockBackend for RedisLocks {
                     .get(&lock)
                     .pttl(&lock)
                     .get(&fence)
+                    .pttl(&delay)
                     .query_async(&mut c)
                     .await
             })
@@ -273,6 +296,7 @@ impl LockBackend for RedisLocks {
                 held: true,
                 fence,
                 expires_in: pttl(left),
+                delayed_for: None,
             });
         }
         // Free: "the last fence issued". The Redis counter alone may be
@@ -286,6 +310,7 @@ impl LockBackend for RedisLocks {
             held: false,
             fence: floor.max(counter.unwrap_or(0)),
             expires_in: None,
+            delayed_for: pttl(delay_left).filter(|d| !d.is_zero()),
         })
     }
 

@@ -7,6 +7,11 @@
 //! it survives release and expiry, and each grant takes one above both it
 //! and the highest token the gateway recorded for the resource key.
 //!
+//! Lock-delay needs no state of its own: a release clears the row's lease,
+//! an expiry leaves it in place, so a row whose lease is set but past its
+//! `expires_at` is one that expired, and it stays ungrantable until
+//! `expires_at` plus the delay.
+//!
 //! On SQLite, statements that write are stepped to the end (`fetch_all`)
 //! even for one row, so that a failed commit is reported, never
 //! acknowledged (see the `store::sqlite` module docs).
@@ -19,7 +24,8 @@ use super::backend::{Lease, LockBackend, LockError, LockState};
 use crate::store::sql::{highest_token, sqlite_now_ms};
 use crate::store::{bounded, FenceStore, StoreError};
 
-/// Postgres: take the lock if it is free or expired.
+/// Postgres: take the lock if it is released, or expired for longer than
+/// the lock-delay (`$4` ms).
 #[rustfmt::skip]
 const PG_ACQUIRE: &str = concat!("\
 INSERT INTO locks AS l (name, fence, lease, expires_at)
@@ -29,7 +35,7 @@ ON CONFLICT (name) DO UPDATE
     SET fence = GREATEST(l.fence, ", highest_token!("$1"), ") + 1,
         lease = EXCLUDED.lease,
         expires_at = EXCLUDED.expires_at
-    WHERE l.lease IS NULL OR l.expires_at <= now()
+    WHERE l.lease IS NULL OR l.expires_at + $4 * interval '1 millisecond' <= now()
 RETURNING fence, GREATEST(0, (EXTRACT(EPOCH FROM (expires_at - now())) * 1000))::bigint");
 
 /// Postgres: extend a lease that is still ours and still valid; an expired
@@ -49,10 +55,16 @@ WITH r AS (
 )
 SELECT pg_notify('fencegate_locks', name) FROM r";
 
+/// Postgres: the fence, whether held, the ms left of the lease, and (for an
+/// expired lease) the ms left of its lock-delay (`$2` ms), rounded up so a
+/// delay with a fraction of a millisecond left still shows.
 const PG_STATUS: &str = "\
 SELECT fence,
        lease IS NOT NULL AND expires_at > now(),
-       GREATEST(0, (EXTRACT(EPOCH FROM (expires_at - now())) * 1000))::bigint
+       GREATEST(0, (EXTRACT(EPOCH FROM (expires_at - now())) * 1000))::bigint,
+       CASE WHEN lease IS NOT NULL AND expires_at <= now() THEN
+           CEIL(EXTRACT(EPOCH FROM (expires_at + $2 * interval '1 millisecond' - now())) * 1000)::bigint
+       END
   FROM locks WHERE name = $1";
 
 /// SQLite: see [`PG_ACQUIRE`].
@@ -64,7 +76,7 @@ ON CONFLICT (name) DO UPDATE
     SET fence = MAX(locks.fence, ", highest_token!("?1"), ") + 1,
         lease = excluded.lease,
         expires_at = excluded.expires_at
-    WHERE locks.lease IS NULL OR locks.expires_at <= ", sqlite_now_ms!(), "
+    WHERE locks.lease IS NULL OR locks.expires_at + ?4 <= ", sqlite_now_ms!(), "
 RETURNING fence, MAX(0, expires_at - ", sqlite_now_ms!(), ")");
 
 /// SQLite: see [`PG_RENEW`].
@@ -81,18 +93,27 @@ UPDATE locks SET lease = NULL, expires_at = NULL
  WHERE name = ?1 AND lease = ?2 AND expires_at > ", sqlite_now_ms!(), "
 RETURNING name");
 
+/// SQLite: see [`PG_STATUS`] (`'now'` is one instant within a statement).
 #[rustfmt::skip]
 const SQLITE_STATUS: &str = concat!("\
 SELECT fence,
        lease IS NOT NULL AND expires_at > ", sqlite_now_ms!(), ",
-       MAX(0, COALESCE(expires_at, 0) - ", sqlite_now_ms!(), ")
+       MAX(0, COALESCE(expires_at, 0) - ", sqlite_now_ms!(), "),
+       CASE WHEN lease IS NOT NULL AND expires_at <= ", sqlite_now_ms!(), "
+            THEN expires_at + ?2 - ", sqlite_now_ms!(), " END
   FROM locks WHERE name = ?1");
+
+/// A status statement's row: the fence, whether held, the ms left of the
+/// lease, the ms left of a lock-delay.
+type StatusRow = (i64, Option<bool>, Option<i64>, Option<i64>);
 
 /// The table backend: leases in the `locks` table of the fence store.
 #[derive(Clone)]
 pub struct TableLocks {
     store: FenceStore,
     timeout: Duration,
+    /// `[locks] lock_delay_ms`; zero for none.
+    delay: Duration,
 }
 
 fn ms(v: i64) -> Duration {
@@ -101,7 +122,17 @@ fn ms(v: i64) -> Duration {
 
 impl TableLocks {
     pub fn new(store: FenceStore, timeout: Duration) -> Self {
-        Self { store, timeout }
+        Self {
+            store,
+            timeout,
+            delay: Duration::ZERO,
+        }
+    }
+
+    /// Keeps a name ungrantable for `delay` after a lease of it expires.
+    pub fn with_lock_delay(mut self, delay: Duration) -> Self {
+        self.delay = delay;
+        self
     }
 
     /// Runs one statement within the store's bound (`[store] timeout_ms`).
@@ -119,7 +150,8 @@ impl TableLocks {
     }
 
     /// Runs the acquire or renew statement: the lease's `(fence, valid ms)`
-    /// if it matched a row.
+    /// if it matched a row. `delay` is bound as the fourth parameter when
+    /// the statement has one (acquire).
     async fn lease_statement(
         &self,
         pg_sql: &str,
@@ -127,30 +159,34 @@ impl TableLocks {
         name: &str,
         lease: &str,
         ttl: Duration,
+        delay: Option<Duration>,
     ) -> Result<Option<(i64, i64)>, LockError> {
         self.store.check_writer()?;
         let ttl_ms = ttl.as_millis() as i64;
+        let delay_ms = delay.map(|d| d.as_millis() as i64);
         match &self.store {
             FenceStore::Postgres(s) => {
-                self.run(
-                    sqlx::query_as(pg_sql)
-                        .bind(name)
-                        .bind(lease)
-                        .bind(ttl_ms as f64)
-                        .fetch_optional(s.pool()),
-                )
-                .await
+                let mut q = sqlx::query_as(pg_sql)
+                    .bind(name)
+                    .bind(lease)
+                    .bind(ttl_ms as f64);
+                if let Some(d) = delay_ms {
+                    q = q.bind(d as f64);
+                }
+                self.run(q.fetch_optional(s.pool())).await
             }
-            FenceStore::Sqlite(s) => self
-                .run(
-                    sqlx::query_as(sqlite_sql)
-                        .bind(name)
-                        .bind(lease)
-                        .bind(ttl_ms)
-                        .fetch_all(s.pool()),
-                )
-                .await
-                .map(|rows| rows.into_iter().next()),
+            FenceStore::Sqlite(s) => {
+                let mut q = sqlx::query_as(sqlite_sql)
+                    .bind(name)
+                    .bind(lease)
+                    .bind(ttl_ms);
+                if let Some(d) = delay_ms {
+                    q = q.bind(d);
+                }
+                self.run(q.fetch_all(s.pool()))
+                    .await
+                    .map(|rows| rows.into_iter().next())
+            }
         }
     }
 
@@ -201,19 +237,29 @@ impl LockBackend for TableLocks {
         ttl: Duration,
     ) -> Result<Lease, LockError> {
         match self
-            .lease_statement(PG_ACQUIRE, SQLITE_ACQUIRE, name, lease, ttl)
+            .lease_statement(
+                PG_ACQUIRE,
+                SQLITE_ACQUIRE,
+                name,
+                lease,
+                ttl,
+                Some(self.delay),
+            )
             .await?
         {
             Some(row) => Ok(Self::lease(name, lease, row)),
-            None => Err(LockError::Held {
-                expires_in: self.status(name).await?.expires_in,
-            }),
+            None => {
+                let st = self.status(name).await?;
+                Err(LockError::Held {
+                    expires_in: st.expires_in.or(st.delayed_for),
+                })
+            }
         }
     }
 
     async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
         match self
-            .lease_statement(PG_RENEW, SQLITE_RENEW, name, lease, ttl)
+            .lease_statement(PG_RENEW, SQLITE_RENEW, name, lease, ttl, None)
             .await?
         {
             Some(row) => Ok(Self::lease(name, lease, row)),
@@ -256,11 +302,13 @@ impl LockBackend for TableLocks {
     }
 
     async fn status(&self, name: &str) -> Result<LockState, LockError> {
-        let row: Option<(i64, Option<bool>, Option<i64>)> = match &self.store {
+        let delay_ms = self.delay.as_millis() as i64;
+        let row: Option<StatusRow> = match &self.store {
             FenceStore::Postgres(s) => {
                 self.run(
                     sqlx::query_as(PG_STATUS)
                         .bind(name)
+                        .bind(delay_ms as f64)
                         .fetch_optional(s.pool()),
                 )
                 .await?
@@ -269,6 +317,7 @@ impl LockBackend for TableLocks {
                 self.run(
                     sqlx::query_as(SQLITE_STATUS)
                         .bind(name)
+                        .bind(delay_ms)
                         .fetch_optional(s.pool()),
                 )
                 .await?
@@ -279,13 +328,15 @@ impl LockBackend for TableLocks {
                 held: false,
                 fence: 0,
                 expires_in: None,
+                delayed_for: None,
             },
-            Some((fence, held, left)) => {
+            Some((fence, held, left, delay_left)) => {
                 let held = held.unwrap_or(false);
                 LockState {
                     held,
                     fence,
                     expires_in: if held { left.map(ms) } else { None },
+                    delayed_for: delay_left.filter(|&d| !held && d > 0).map(ms),
                 }
             }
         })

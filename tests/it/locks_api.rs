@@ -58,6 +58,7 @@ on_every_backend!(
     fences_start_above_recorded_tokens,
     expired_holder_is_fenced_off_end_to_end,
     bad_bodies_name_the_field,
+    lock_delay_follows_expiry_only,
 );
 
 struct Setup {
@@ -68,6 +69,11 @@ struct Setup {
 }
 
 async fn setup(l: Locks) -> Setup {
+    setup_with(l, "").await
+}
+
+/// `locks` goes into the `[locks]` section (after the backend's keys).
+async fn setup_with(l: Locks, locks: &str) -> Setup {
     let store = TestStore::new(if l == Locks::Postgres {
         Backend::Postgres
     } else {
@@ -88,20 +94,22 @@ async fn setup(l: Locks) -> Setup {
     .unwrap();
     let up = Upstream::start().await;
     let mut extra = docs_route(&up.url());
+    extra.push_str("[locks]\n");
     match l {
         Locks::Redis => extra.push_str(&format!(
-            "[locks]\nbackend = \"redis\"\nredis_url = \"{}\"\n",
+            "backend = \"redis\"\nredis_url = \"{}\"\n",
             redis[0].url()
         )),
         Locks::Redlock => {
             let urls: Vec<String> = redis.iter().map(|r| format!("\"{}\"", r.url())).collect();
             extra.push_str(&format!(
-                "[locks]\nbackend = \"redlock\"\nredis_urls = [{}]\n",
+                "backend = \"redlock\"\nredis_urls = [{}]\n",
                 urls.join(", ")
             ));
         }
         _ => {}
     }
+    extra.push_str(locks);
     let app = TestApp::spawn(&store.url, &extra).await;
     Setup {
         _store: store,
@@ -293,6 +301,77 @@ async fn blocking_acquire_wakes_on_release_and_expiry(l: Locks) {
     let first = granted(s.acquire("doc:x", 300, 0).await).await;
     let c = granted(s.acquire("doc:x", 5000, 8000).await).await;
     assert!(c["fence"].as_i64() > first["fence"].as_i64());
+}
+
+/// A wall-clock time from an answer (RFC 3339).
+fn time(v: &Value) -> chrono::DateTime<chrono::Utc> {
+    let text = v.as_str().unwrap_or_else(|| panic!("not a time: {v}"));
+    chrono::DateTime::parse_from_rfc3339(text)
+        .unwrap_or_else(|e| panic!("{text}: {e}"))
+        .to_utc()
+}
+
+/// `lock_delay_ms`: after an expiry (measured from the last renewal) the
+/// name is refused until expiry + delay, a late release does not end the
+/// delay, status shows `delayed_until` only while it runs, a waiter gets the
+/// name when it ends; after a release there is no delay.
+async fn lock_delay_follows_expiry_only(l: Locks) {
+    const DELAY_MS: i64 = 1000;
+    let s = setup_with(l, &format!("lock_delay_ms = {DELAY_MS}\n")).await;
+    let a = granted(s.acquire("doc:d", 300, 0).await).await;
+    let r = s
+        .post("doc:d/renew", json!({"lease": a["lease"], "ttl_ms": 300}))
+        .await;
+    assert_eq!(r.status(), 200);
+    let renewed: Value = r.json().await.unwrap();
+    let expires_at = time(&renewed["expires_at"]);
+
+    // Expired: not held, and delayed from the renewed expiry.
+    let mut st = s.status("doc:d").await;
+    for _ in 0..100 {
+        if st["held"] == false {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        st = s.status("doc:d").await;
+    }
+    assert_eq!(st["held"], false, "{st}");
+    assert_eq!(st["expires_in_ms"], Value::Null, "{st}");
+    let delayed_until = time(&st["delayed_until"]);
+    let off = (delayed_until - expires_at).num_milliseconds() - DELAY_MS;
+    assert!(off.abs() < 250, "delayed_until is {off} ms off: {st}");
+
+    // Refused while the delay runs, with the time left as the hint.
+    let refused = problem(s.acquire("doc:d", 5000, 0).await, 409).await;
+    let left = refused["expires_in_ms"].as_u64().unwrap_or_default();
+    assert!(left > 0 && left <= DELAY_MS as u64, "{refused}");
+    // The expired holder's release is refused and does not end the delay.
+    problem(
+        s.post("doc:d/release", json!({"lease": a["lease"]})).await,
+        409,
+    )
+    .await;
+    problem(s.acquire("doc:d", 5000, 0).await, 409).await;
+
+    // A waiter gets the name once the delay is over, not before.
+    let b = granted(s.acquire("doc:d", 5000, 4000).await).await;
+    let granted_at = chrono::Utc::now();
+    assert!(
+        (granted_at - delayed_until).num_milliseconds() > -100,
+        "granted {} ms before the delay ended",
+        (delayed_until - granted_at).num_milliseconds()
+    );
+    assert!(b["fence"].as_i64() > a["fence"].as_i64());
+    let st = s.status("doc:d").await;
+    assert_eq!(st["held"], true);
+    assert!(st.get("delayed_until").is_none(), "{st}");
+
+    // Released: no delay; the next acquire is granted at once.
+    let r = s.post("doc:d/release", json!({"lease": b["lease"]})).await;
+    assert_eq!(r.status(), 204);
+    let st = s.status("doc:d").await;
+    assert!(st.get("delayed_until").is_none(), "{st}");
+    granted(s.acquire("doc:d", 5000, 0).await).await;
 }
 
 async fn blocking_acquire_times_out(l: Locks) {
