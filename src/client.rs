@@ -6,6 +6,10 @@
 //! token to send as `X-Fence-Token` on writes through the gateway; its
 //! `lease` is the secret that proves ownership and is never printed.
 //!
+//! It speaks `http` and `https` (rustls; the CAs of [`ClientOptions`], else
+//! the system's CA bundle), and sends a bearer key when given one
+//! ([`ClientOptions::api_key`]), for gateways with `[[auth.clients]]`.
+//!
 //! [`LeaseKeeper`] renews a grant in the background and says, from the
 //! client's own monotonic clock, when the lease can no longer be trusted:
 //! as soon as a renewal is refused, or once the last successful renewal is
@@ -49,20 +53,27 @@
 
 use std::fmt;
 use std::future::Future;
+use std::path::Path;
+use std::pin::Pin;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use chrono::{DateTime, Utc};
 use http::{header, HeaderMap, HeaderValue, Method, Request, StatusCode, Uri};
 use http_body_util::{BodyExt, Full, Limited};
-use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
+use hyper_util::rt::{TokioExecutor, TokioIo};
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, ServerName};
 use serde_json::{json, Value};
+use tokio::net::TcpStream;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
+use tokio_rustls::TlsConnector;
 
 /// Default time limit for one request (plus the `wait` of an acquire).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -117,7 +128,7 @@ pub enum Error {
     #[error("lock request failed: {0}")]
     Http(String),
     /// An answer this client does not know what to do with.
-    #[error("unexpected answer from the lock API: {status}: {body}")]
+    #[error("unexpected answer from the gateway: {status}: {body}")]
     Unexpected {
         /// The HTTP status code.
         status: u16,
@@ -127,6 +138,20 @@ pub enum Error {
     /// The base URL given to [`LockClient::new`] is not usable.
     #[error("invalid base URL: {0}")]
     InvalidBaseUrl(String),
+    /// 401 or 403: the gateway does not know this client (no or a wrong
+    /// bearer key), or does not let it use this name.
+    #[error("{} by the gateway: {detail}", if *.status == 401 { "not authenticated" } else { "forbidden" })]
+    Denied {
+        /// 401 or 403.
+        status: u16,
+        /// The gateway's explanation.
+        detail: String,
+    },
+    /// The client cannot be set up as asked: a CA file that cannot be read
+    /// or holds no certificate, no trust roots for https, an API key that
+    /// cannot be sent in a header.
+    #[error("cannot set up the client: {0}")]
+    Setup(String),
 }
 
 fn expiry_note(d: &Option<Duration>) -> String {
@@ -152,14 +177,62 @@ impl Error {
     }
 }
 
+/// How a [`LockClient`] reaches its gateway, besides the URL.
+#[derive(Clone, Default)]
+pub struct ClientOptions {
+    /// PEM CA certificates trusted for https instead of the system's: a
+    /// gateway's certificate is often issued by a private CA.
+    trust_pem: Option<Vec<u8>>,
+    /// Sent as `Authorization: Bearer KEY`: gateways with `[[auth.clients]]`
+    /// refuse lock calls without a known key.
+    api_key: Option<String>,
+}
+
+impl fmt::Debug for ClientOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ClientOptions")
+            .field("trust_pem", &self.trust_pem.as_ref().map(|p| p.len()))
+            .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
+            .finish()
+    }
+}
+
+impl ClientOptions {
+    /// No custom CA (the system's bundle is used for https), no API key.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Trusts the CA certificates in `pem` for https, and no others.
+    pub fn trust_pem(mut self, pem: impl Into<Vec<u8>>) -> Self {
+        self.trust_pem = Some(pem.into());
+        self
+    }
+
+    /// Trusts the CA certificates in the PEM file at `path`, and no others.
+    pub fn trust_file(self, path: &Path) -> Result<Self, Error> {
+        let pem = std::fs::read(path)
+            .map_err(|e| Error::Setup(format!("cannot read {}: {e}", path.display())))?;
+        Ok(self.trust_pem(pem))
+    }
+
+    /// Sends `key` as `Authorization: Bearer KEY` on every call.
+    pub fn api_key(mut self, key: impl Into<String>) -> Self {
+        self.api_key = Some(key.into());
+        self
+    }
+}
+
 /// A client for the lock API of one gateway. Cheap to clone: clones share a
 /// connection pool.
 #[derive(Clone)]
 pub struct LockClient {
-    http: Client<HttpConnector, Full<Bytes>>,
-    /// `http://host:port` plus any path prefix, without a trailing `/`.
+    http: Client<Connector, Full<Bytes>>,
+    /// `http[s]://host:port` plus any path prefix, without a trailing `/`.
     base: Arc<str>,
     timeout: Duration,
+    /// `Bearer KEY`, marked sensitive; `None` without an API key.
+    authorization: Option<HeaderValue>,
 }
 
 impl fmt::Debug for LockClient {
@@ -174,21 +247,43 @@ impl fmt::Debug for LockClient {
 impl LockClient {
     /// A client for the gateway at `base_url`, e.g. `http://127.0.0.1:8080`
     /// (the traffic listener; a path prefix is kept, for a gateway mounted
-    /// under one). Only `http` is supported. Requests time out after
-    /// [`DEFAULT_TIMEOUT`]; see [`LockClient::with_timeout`].
+    /// under one). `https` URLs are verified against the system's CA
+    /// bundle; see [`LockClient::with_options`] for a CA of your own and an
+    /// API key. Requests time out after [`DEFAULT_TIMEOUT`]; see
+    /// [`LockClient::with_timeout`].
     pub fn new(base_url: &str) -> Result<Self, Error> {
+        Self::with_options(base_url, &ClientOptions::default())
+    }
+
+    /// Like [`LockClient::new`], with a CA to trust for https and an API key.
+    pub fn with_options(base_url: &str, options: &ClientOptions) -> Result<Self, Error> {
         let base = normalize_base(base_url)?;
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(Duration::from_secs(5)));
-        connector.enforce_http(true);
+        let tls = if base.starts_with("https:") {
+            Some(tls_connector(options.trust_pem.as_deref())?)
+        } else {
+            None
+        };
+        let authorization = match &options.api_key {
+            Some(key) => {
+                let mut v = HeaderValue::try_from(format!("Bearer {key}"))
+                    .map_err(|_| Error::Setup("the API key cannot be sent in a header".into()))?;
+                v.set_sensitive(true);
+                Some(v)
+            }
+            None => None,
+        };
+        let mut tcp = HttpConnector::new();
+        tcp.set_nodelay(true);
+        tcp.set_connect_timeout(Some(Duration::from_secs(5)));
+        tcp.enforce_http(false);
         let http = Client::builder(TokioExecutor::new())
             .pool_idle_timeout(Duration::from_secs(30))
-            .build(connector);
+            .build(Connector { tcp, tls });
         Ok(Self {
             http,
             base: base.into(),
             timeout: DEFAULT_TIMEOUT,
+            authorization,
         })
     }
 
@@ -307,8 +402,21 @@ impl LockClient {
         }
     }
 
-    /// One request; the whole exchange (connect, send, read the answer) is
-    /// bounded by `timeout`.
+    /// One request to `path` (from `/`, under the base URL) with an
+    /// optional JSON body, bounded by the client's timeout: the answer as it
+    /// came, whatever its status. For callers that want the body itself (the
+    /// command line prints it), or a call this client has no method for (the
+    /// admin API, with the admin listener as the base URL).
+    pub async fn send(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+    ) -> Result<Answer, Error> {
+        self.exchange(method, path, body, self.timeout).await
+    }
+
+    /// One lock API request on `name`.
     async fn call(
         &self,
         method: Method,
@@ -323,7 +431,20 @@ impl LockClient {
                 detail: "name: must not be empty".into(),
             });
         }
-        let url = format!("{}{}", self.base, lock_path(name, suffix));
+        self.exchange(method, &lock_path(name, suffix), body, timeout)
+            .await
+    }
+
+    /// One request; the whole exchange (connect, send, read the answer) is
+    /// bounded by `timeout`.
+    async fn exchange(
+        &self,
+        method: Method,
+        path: &str,
+        body: Option<Value>,
+        timeout: Duration,
+    ) -> Result<Answer, Error> {
+        let url = format!("{}{path}", self.base);
         let uri: Uri = url
             .parse()
             .map_err(|e| Error::Http(format!("cannot form a request URI: {e}")))?;
@@ -335,6 +456,9 @@ impl LockClient {
                 header::USER_AGENT,
                 concat!("fencegate-client/", env!("CARGO_PKG_VERSION")),
             );
+        if let Some(auth) = &self.authorization {
+            req = req.header(header::AUTHORIZATION, auth.clone());
+        }
         let bytes = match body {
             Some(v) => {
                 req = req.header(header::CONTENT_TYPE, "application/json");
@@ -373,17 +497,17 @@ impl LockClient {
     }
 }
 
-/// Checks and normalizes a base URL to `http://authority[/prefix]`.
+/// Checks and normalizes a base URL to `http[s]://authority[/prefix]`.
 fn normalize_base(base_url: &str) -> Result<String, Error> {
     let uri: Uri = base_url
         .trim()
         .parse()
         .map_err(|e| Error::InvalidBaseUrl(format!("{base_url:?}: {e}")))?;
-    match uri.scheme_str() {
-        Some("http") => {}
+    let scheme = match uri.scheme_str() {
+        Some(s @ ("http" | "https")) => s,
         Some(other) => {
             return Err(Error::InvalidBaseUrl(format!(
-                "{base_url:?}: scheme {other:?} is not supported (only http)"
+                "{base_url:?}: scheme {other:?} is not supported (http or https)"
             )))
         }
         None => {
@@ -391,7 +515,7 @@ fn normalize_base(base_url: &str) -> Result<String, Error> {
                 "{base_url:?}: expected an absolute URL such as http://127.0.0.1:8080"
             )))
         }
-    }
+    };
     let Some(authority) = uri.authority() else {
         return Err(Error::InvalidBaseUrl(format!("{base_url:?}: no host")));
     };
@@ -401,15 +525,168 @@ fn normalize_base(base_url: &str) -> Result<String, Error> {
         )));
     }
     let prefix = uri.path().trim_end_matches('/');
-    Ok(format!("http://{authority}{prefix}"))
+    Ok(format!("{scheme}://{authority}{prefix}"))
+}
+
+/// Where a system keeps its CA bundle, by distribution; `SSL_CERT_FILE`
+/// comes first, as for OpenSSL.
+const SYSTEM_CA_BUNDLES: &[&str] = &[
+    "/etc/ssl/certs/ca-certificates.crt",
+    "/etc/pki/tls/certs/ca-bundle.crt",
+    "/etc/ssl/ca-bundle.pem",
+    "/etc/ssl/cert.pem",
+];
+
+/// A TLS connector trusting `trust` (PEM), else the system's CA bundle.
+/// HTTP/1.1 only, as the gateway speaks.
+fn tls_connector(trust: Option<&[u8]>) -> Result<TlsConnector, Error> {
+    let mut roots = rustls::RootCertStore::empty();
+    match trust {
+        Some(pem) => {
+            for cert in CertificateDer::pem_slice_iter(pem) {
+                let cert =
+                    cert.map_err(|e| Error::Setup(format!("the CA file is not PEM: {e}")))?;
+                roots
+                    .add(cert)
+                    .map_err(|e| Error::Setup(format!("unusable CA certificate: {e}")))?;
+            }
+            if roots.is_empty() {
+                return Err(Error::Setup("the CA file holds no certificate".into()));
+            }
+        }
+        None => {
+            let from_env = std::env::var_os("SSL_CERT_FILE").map(std::path::PathBuf::from);
+            let bundle = from_env
+                .into_iter()
+                .chain(SYSTEM_CA_BUNDLES.iter().map(std::path::PathBuf::from))
+                .find_map(|p| std::fs::read(p).ok())
+                .unwrap_or_default();
+            // A system bundle may hold certificates rustls cannot use; the
+            // others still count.
+            roots.add_parsable_certificates(
+                CertificateDer::pem_slice_iter(&bundle).filter_map(Result::ok),
+            );
+            if roots.is_empty() {
+                return Err(Error::Setup(
+                    "https needs a CA to trust: no system CA bundle was found (give one, e.g. --cacert)"
+                        .into(),
+                ));
+            }
+        }
+    }
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut config = rustls::ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| Error::Setup(format!("TLS: {e}")))?
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(TlsConnector::from(Arc::new(config)))
+}
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// Connects over TCP, then TLS for `https` URLs.
+#[derive(Clone)]
+struct Connector {
+    tcp: HttpConnector,
+    /// Set when the base URL is https.
+    tls: Option<TlsConnector>,
+}
+
+impl tower::Service<Uri> for Connector {
+    type Response = Conn;
+    type Error = BoxError;
+    type Future = Pin<Box<dyn Future<Output = Result<Conn, BoxError>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), BoxError>> {
+        self.tcp.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, uri: Uri) -> Self::Future {
+        let tls = (uri.scheme_str() == Some("https")).then(|| self.tls.clone());
+        let host = uri
+            .host()
+            .unwrap_or_default()
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_string();
+        let connecting = self.tcp.call(uri);
+        Box::pin(async move {
+            let tcp = connecting.await?;
+            let Some(tls) = tls else {
+                return Ok(Conn::Plain(tcp));
+            };
+            let tls = tls.ok_or("an https URL, but the client was made for http")?;
+            let name = ServerName::try_from(host)?;
+            let stream = tls.connect(name, tcp.into_inner()).await?;
+            Ok(Conn::Tls(Box::new(TokioIo::new(stream))))
+        })
+    }
+}
+
+/// A connection to the gateway, plain or TLS.
+enum Conn {
+    Plain(TokioIo<TcpStream>),
+    /// Boxed: a TLS session is a kilobyte, a plain stream a few words.
+    Tls(Box<TokioIo<tokio_rustls::client::TlsStream<TcpStream>>>),
+}
+
+impl hyper::rt::Read for Conn {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: hyper::rt::ReadBufCursor<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(s) => Pin::new(s).poll_read(cx, buf),
+            Conn::Tls(s) => Pin::new(&mut **s).poll_read(cx, buf),
+        }
+    }
+}
+
+impl hyper::rt::Write for Conn {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        match self.get_mut() {
+            Conn::Plain(s) => Pin::new(s).poll_write(cx, buf),
+            Conn::Tls(s) => Pin::new(&mut **s).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(s) => Pin::new(s).poll_flush(cx),
+            Conn::Tls(s) => Pin::new(&mut **s).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        match self.get_mut() {
+            Conn::Plain(s) => Pin::new(s).poll_shutdown(cx),
+            Conn::Tls(s) => Pin::new(&mut **s).poll_shutdown(cx),
+        }
+    }
+}
+
+impl Connection for Conn {
+    fn connected(&self) -> Connected {
+        Connected::new()
+    }
 }
 
 /// `/_fencegate/locks/{name}{suffix}` with `name` as one encoded segment.
-fn lock_path(name: &str, suffix: &str) -> String {
-    format!(
-        "/_fencegate/locks/{}{suffix}",
-        utf8_percent_encode(name, SEGMENT)
-    )
+pub fn lock_path(name: &str, suffix: &str) -> String {
+    format!("/_fencegate/locks/{}{suffix}", segment(name))
+}
+
+/// `text` percent-encoded as one path segment (every `/`, `?`, `%` and `.`
+/// encoded), for names and keys in URLs.
+pub fn segment(text: &str) -> String {
+    utf8_percent_encode(text, SEGMENT).to_string()
 }
 
 /// A duration in whole milliseconds, saturating.
@@ -430,14 +707,34 @@ fn error_chain(e: &dyn std::error::Error) -> String {
     s
 }
 
-/// A received answer.
-struct Answer {
+/// An answer as received.
+pub struct Answer {
     status: StatusCode,
     headers: HeaderMap,
     body: Bytes,
 }
 
+impl fmt::Debug for Answer {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // The body may hold a lease id.
+        f.debug_struct("Answer")
+            .field("status", &self.status)
+            .field("body_bytes", &self.body.len())
+            .finish()
+    }
+}
+
 impl Answer {
+    /// The HTTP status.
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
+    /// The body (at most 64 KiB are read).
+    pub fn body(&self) -> &[u8] {
+        &self.body
+    }
+
     fn parse<T: serde::de::DeserializeOwned>(self, what: &str) -> Result<T, Error> {
         // The error names the place and the expectation; the body (which may
         // hold the lease id) is not repeated.
@@ -448,7 +745,7 @@ impl Answer {
     }
 
     /// Maps a non-success answer to an error, reading problem+json bodies.
-    fn into_error(self) -> Error {
+    pub fn into_error(self) -> Error {
         let problem: Option<Value> = serde_json::from_slice(&self.body).ok();
         let get = |k: &str| problem.as_ref().and_then(|p| p.get(k));
         let kind = get("type").and_then(Value::as_str).unwrap_or_default();
@@ -466,6 +763,12 @@ impl Answer {
                     .get(header::RETRY_AFTER)
                     .and_then(parse_retry_after),
             },
+            StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => Error::Denied {
+                status: self.status.as_u16(),
+                detail: detail
+                    .map(str::to_string)
+                    .unwrap_or_else(|| shorten(&self.body)),
+            },
             StatusCode::BAD_REQUEST => Error::BadRequest {
                 field: get("field").and_then(Value::as_str).map(str::to_string),
                 detail: detail
@@ -474,7 +777,9 @@ impl Answer {
             },
             status => Error::Unexpected {
                 status: status.as_u16(),
-                body: shorten(&self.body),
+                body: detail
+                    .map(str::to_string)
+                    .unwrap_or_else(|| shorten(&self.body)),
             },
         }
     }
@@ -804,7 +1109,11 @@ mod tests {
             normalize_base("http://gw.local/prefix/").unwrap(),
             "http://gw.local/prefix"
         );
-        for bad in ["https://gw", "127.0.0.1:8080", "http://gw/?q=1", "", "/x"] {
+        assert_eq!(
+            normalize_base("https://gw.local:8443/").unwrap(),
+            "https://gw.local:8443"
+        );
+        for bad in ["ftp://gw", "127.0.0.1:8080", "http://gw/?q=1", "", "/x"] {
             assert!(
                 matches!(normalize_base(bad), Err(Error::InvalidBaseUrl(_))),
                 "{bad}"

@@ -180,7 +180,7 @@ async fn bad_requests_name_the_field() {
         other => panic!("expected BadRequest on name, got {other:?}"),
     }
     assert!(matches!(
-        LockClient::new("https://example.com"),
+        LockClient::new("ftp://example.com"),
         Err(Error::InvalidBaseUrl(_))
     ));
 }
