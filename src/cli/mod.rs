@@ -1,4 +1,11 @@
-//! Command-line interface: `serve`, `check-config`, `migrate`, `demo-backend`.
+//! Command-line interface: `serve`, `check-config`, `migrate`,
+//! `demo-backend`, and the operators' commands: `lock run` ([`run`]), and
+//! `lock acquire|renew|release|status` and `fence get|reset` ([`calls`]),
+//! whose exit codes are in [`exit`].
+
+pub mod calls;
+pub mod exit;
+pub mod run;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -43,6 +50,18 @@ pub enum Command {
     DemoBackend {
         #[arg(long, default_value = "127.0.0.1:9000")]
         listen: SocketAddr,
+    },
+    /// Use a gateway's lock API: run a command under a lock, or make one
+    /// call and print its JSON answer.
+    Lock {
+        #[command(subcommand)]
+        command: calls::LockCommand,
+    },
+    /// Read or reset a key's fence on a gateway's admin listener; prints
+    /// the JSON answer.
+    Fence {
+        #[command(subcommand)]
+        command: calls::FenceCommand,
     },
 }
 
@@ -93,6 +112,8 @@ pub async fn run(cli: Cli) -> ExitCode {
             crate::demo::run(listener, shutdown_signal()).await;
             ExitCode::SUCCESS
         }
+        Command::Lock { command } => calls::lock(command).await,
+        Command::Fence { command } => calls::fence(command).await,
     }
 }
 

@@ -136,15 +136,7 @@ impl Setup {
     }
 
     async fn status(&self, name: &str) -> Value {
-        let r = self
-            .app
-            .http
-            .get(self.app.url(&format!("/_fencegate/locks/{name}")))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-        r.json().await.unwrap()
+        self.app.lock_status(name).await
     }
 }
 

@@ -13,6 +13,7 @@ mod group_commit;
 mod headers;
 mod jwt_tokens;
 mod key_integrity;
+mod lock_cli;
 mod locks_api;
 mod locks_redis;
 mod ordering;

@@ -100,6 +100,18 @@ impl TestApp {
         req.send().await.expect("gateway answered")
     }
 
+    /// `GET /_fencegate/locks/{name}`: the status document (200 asserted).
+    pub async fn lock_status(&self, name: &str) -> serde_json::Value {
+        let r = self
+            .http
+            .get(self.url(&format!("/_fencegate/locks/{name}")))
+            .send()
+            .await
+            .expect("gateway answered");
+        assert_eq!(r.status(), 200);
+        r.json().await.expect("status is JSON")
+    }
+
     /// Graceful stop; waits until the gateway has released its store.
     pub async fn stop(mut self) {
         if let Some(tx) = self.stop.take() {

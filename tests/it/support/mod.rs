@@ -1,6 +1,7 @@
 #![allow(dead_code)]
 
 pub mod app;
+pub mod cli;
 pub mod db;
 pub mod holders;
 pub mod pg;
