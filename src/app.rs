@@ -98,12 +98,14 @@ impl Application {
             );
             fence = fence.with_quarantine(std::time::Instant::now() + wait);
         }
-        let mut tasks = Vec::new();
+        let mut tasks: Vec<tokio::task::JoinHandle<()>> =
+            fence.watch_resets().into_iter().collect();
         let locks = if config.locks.enabled {
             let service = lock_service(&config, &store, &metrics, &mut tasks).await?;
             Some(LockApiState {
                 locks: service,
                 retry_after: config.store.retry_after,
+                auth: Arc::new(config.auth.clone()),
             })
         } else {
             None
@@ -128,6 +130,7 @@ impl Application {
             gate: fence.gate.clone(),
             retry_after: config.store.retry_after,
             locks: locks.as_ref().map(|l| l.locks.clone()),
+            auth: Arc::new(config.auth.clone()),
         };
         Ok(Self {
             listeners: Listeners {

@@ -216,6 +216,9 @@ pub enum TokenKind {
     /// A JWT signed by one of the `[tokens]` keys, whose `fence` claim is
     /// the number and whose `sub` must be the route's resource key.
     Jwt,
+    /// A decimal number that this gateway's lock API has granted (a fence at
+    /// least that high) for the lock named by the resource key.
+    Issued,
 }
 
 /// `[[routes]] paths`: what to do with path spellings that back ends
@@ -806,6 +809,14 @@ impl Validator<'_> {
             .as_ref()
             .is_some_and(|t| t.files().client_ca_file.is_some());
         let auth = self.auth(raw.auth, client_certs);
+        for (i, r) in routes.iter().enumerate() {
+            if r.token == TokenKind::Issued && !locks.enabled {
+                self.problem(
+                    format!("routes[{i}].token"),
+                    "\"issued\" checks tokens against the lock API's grants: it needs [locks] enabled = true",
+                );
+            }
+        }
         if tokens.is_none() {
             for (i, r) in routes.iter().enumerate() {
                 if r.token == TokenKind::Jwt {
@@ -1275,7 +1286,7 @@ impl Validator<'_> {
                 &at("token"),
                 r.token,
                 "a token kind",
-                "\"integer\" or \"jwt\"",
+                "\"integer\", \"jwt\" or \"issued\"",
                 TokenKind::Integer,
             );
             let timeout =

@@ -190,6 +190,7 @@ fn refusal_outcome(e: &GatewayError) -> Option<Outcome> {
             C::BadRequest(_) => Outcome::BadRequest,
             C::AmbiguousPath(_) => Outcome::AmbiguousPath,
             C::AmbiguousKey(_) => Outcome::AmbiguousKey,
+            C::UnissuedToken { .. } => Outcome::Unissued,
             // Not fenced writes: no route, or refused before the method
             // was known to be fenced.
             C::NoRoute { .. } | C::BadPath(_) | C::MethodNotAllowed { .. } => return None,
@@ -326,10 +327,12 @@ fn read_token(
         key: key.to_string(),
     };
     match route.token {
-        TokenKind::Integer => token::from_headers(headers).map_err(|e| match e {
-            TokenError::Missing => missing(),
-            TokenError::Malformed(why) => ClientError::MalformedToken(why),
-        }),
+        TokenKind::Integer | TokenKind::Issued => {
+            token::from_headers(headers).map_err(|e| match e {
+                TokenError::Missing => missing(),
+                TokenError::Malformed(why) => ClientError::MalformedToken(why),
+            })
+        }
         TokenKind::Jwt => {
             let raw = token::raw_from_headers(headers).map_err(|e| match e {
                 TokenError::Missing => missing(),
@@ -403,9 +406,14 @@ impl FencedWrite {
         answer: &oneshot::Sender<Result<Response, GatewayError>>,
     ) -> (bool, Result<Response, GatewayError>) {
         let decided = Instant::now();
-        let check = state
-            .fence
-            .check(&self.key, self.arrival, self.token, self.route.timeout);
+        let issued_only = self.route.token == TokenKind::Issued;
+        let check = state.fence.check(
+            &self.key,
+            self.arrival,
+            self.token,
+            self.route.timeout,
+            issued_only,
+        );
         let admission = match check.await {
             Ok(a) => a,
             Err(e) => return (false, Err(e)),

@@ -67,7 +67,16 @@ redis.call('PUBLISH', ARGV[2], ARGV[3])
 return 1
 "#;
 
+/// Break: delete whoever's lease, then publish. KEYS[1] the lock; ARGV[1]
+/// the channel, ARGV[2] the name. Returns 1 if a lease was held.
+const BREAK_LUA: &str = r#"
+if redis.call('DEL', KEYS[1]) == 0 then return 0 end
+redis.call('PUBLISH', ARGV[1], ARGV[2])
+return 1
+"#;
+
 static RENEW: LazyLock<Script> = LazyLock::new(|| Script::new(RENEW_LUA));
+static BREAK: LazyLock<Script> = LazyLock::new(|| Script::new(BREAK_LUA));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE_LUA));
 
 /// Splits a lock value `"<lease>:<fence>"` into its parts.
@@ -174,6 +183,21 @@ impl Node {
             RELEASE
                 .key(&key)
                 .arg(lease)
+                .arg(RELEASED_CHANNEL)
+                .arg(name)
+                .invoke_async::<i64>(&mut c)
+                .await
+        })
+        .await
+        .map(|n| n == 1)
+    }
+
+    /// The break script: true if a lease held the lock (now deleted).
+    pub(crate) async fn break_lease(&self, name: &str) -> Result<bool, LockError> {
+        let key = lock_key(name);
+        self.run(|mut c| async move {
+            BREAK
+                .key(&key)
                 .arg(RELEASED_CHANNEL)
                 .arg(name)
                 .invoke_async::<i64>(&mut c)
