@@ -117,7 +117,7 @@ impl Application {
                 .map(|r| Arc::new(gateway::GatedRoute::new(r.clone(), &metrics)))
                 .collect(),
             fence: fence.clone(),
-            client: crate::proxy::client(),
+            client: crate::upstream::UpstreamClient::new(),
             store_runtime: tokio::runtime::Handle::current(),
             metrics: metrics.clone(),
             max_body_bytes: config.server.max_body_bytes,
@@ -242,7 +242,7 @@ impl Core {
                 // driven by the worker's runtime, next to the requests using
                 // them.
                 gateway: Arc::new(GatewayState {
-                    client: crate::proxy::client(),
+                    client: crate::upstream::UpstreamClient::new(),
                     ..self.gateway.clone()
                 }),
                 reserved: OnRuntime {
