@@ -1,11 +1,15 @@
-//! The admin listener: health, readiness, metrics and fence inspection.
-//! Kept off the traffic listener so it can be bound to a private address.
+//! The admin listener: health, readiness, metrics, fence and lock
+//! inspection, and the break-glass admin actions. Kept off the traffic
+//! listener so it can be bound to a private address.
+//!
+//! Reads (GET) are open: the listener is private. Actions (POST) need an
+//! `admin = true` client's bearer key (see `auth`).
 
 use std::time::Duration;
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, post};
 use axum::{Json, Router};
 use http::{header, HeaderValue, StatusCode, Uri};
 
@@ -17,11 +21,14 @@ use crate::store::FenceStore;
 pub struct AdminState {
     pub store: FenceStore,
     pub metrics: Metrics,
+    /// This instance's gate: a reset makes it forget the key.
     pub gate: std::sync::Arc<crate::gate::Gate>,
     pub retry_after: Duration,
     /// Checked by `/readyz` too: a lock backend that cannot answer means the
     /// gateway cannot grant.
     pub locks: Option<crate::locks::LockService>,
+    /// Who may call the admin actions.
+    pub auth: std::sync::Arc<crate::auth::Clients>,
 }
 
 pub fn router(state: AdminState) -> Router {
@@ -29,11 +36,21 @@ pub fn router(state: AdminState) -> Router {
         .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .route("/fences/{*key}", get(fence))
+        .route("/fences", get(list_fences))
+        .route("/fences/{*key}", get(fence).post(fence_action))
+        .route("/locks", get(list_locks))
+        .route("/locks/{*name}", post(lock_action))
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
 }
+
+/// Largest admin request body; they are a few dozen bytes.
+const MAX_BODY: usize = 16 * 1024;
+/// The page size of a listing when none is asked for, and the largest.
+const DEFAULT_PAGE: usize = 100;
+const MAX_PAGE: usize = 1000;
 
 async fn healthz() -> impl IntoResponse {
     Json(serde_json::json!({"status": "ok"}))
@@ -77,21 +94,49 @@ async fn metrics(State(s): State<AdminState>) -> Response {
         .into_response()
 }
 
+/// The decoded rest of the path after `prefix`. Decoded by hand rather than
+/// with the `Path` extractor, whose rejection would not be a problem document.
+fn path_rest(uri: &Uri, prefix: &str) -> Result<String, Box<Response>> {
+    let raw = uri.path().strip_prefix(prefix).unwrap_or_default();
+    match percent_encoding::percent_decode_str(raw).decode_utf8() {
+        Ok(k) => Ok(k.into_owned()),
+        Err(_) => Err(Box::new(bad_request(
+            "path",
+            "the path does not decode to UTF-8".into(),
+        ))),
+    }
+}
+
+fn bad_request(field: &str, why: String) -> Response {
+    Problem::new(
+        StatusCode::BAD_REQUEST,
+        "bad-admin-request",
+        "Bad admin request",
+        format!("{field}: {why}"),
+    )
+    .with("field", field)
+    .into_response()
+}
+
+fn store_unavailable(s: &AdminState, op: StoreOp, e: impl std::fmt::Display) -> Response {
+    s.metrics.store_error(op);
+    Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "store-unavailable",
+        "Fence store unavailable",
+        format!("the fence store could not be reached: {e}"),
+    )
+    .header(
+        header::RETRY_AFTER,
+        HeaderValue::from(s.retry_after.as_secs().max(1)),
+    )
+    .into_response()
+}
+
 async fn fence(State(s): State<AdminState>, uri: Uri) -> Response {
-    // Decoded by hand rather than with the `Path` extractor, whose rejection
-    // would not be a problem document.
-    let raw = uri.path().strip_prefix("/fences/").unwrap_or_default();
-    let key = match percent_encoding::percent_decode_str(raw).decode_utf8() {
-        Ok(k) => k.into_owned(),
-        Err(_) => {
-            return Problem::new(
-                StatusCode::BAD_REQUEST,
-                "bad-path",
-                "Bad request path",
-                "the resource key does not decode to UTF-8",
-            )
-            .into_response()
-        }
+    let key = match path_rest(&uri, "/fences/") {
+        Ok(k) => k,
+        Err(r) => return *r,
     };
     match s.store.get(&key).await {
         Ok(Some(rec)) => Json(rec).into_response(),
@@ -103,20 +148,206 @@ async fn fence(State(s): State<AdminState>, uri: Uri) -> Response {
         )
         .with("resource_key", key)
         .into_response(),
-        Err(e) => {
-            s.metrics.store_error(StoreOp::Get);
-            Problem::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "store-unavailable",
-                "Fence store unavailable",
-                format!("the fence store could not be read: {e}"),
-            )
-            .header(
-                header::RETRY_AFTER,
-                HeaderValue::from(s.retry_after.as_secs().max(1)),
-            )
-            .into_response()
+        Err(e) => store_unavailable(&s, StoreOp::Get, e),
+    }
+}
+
+/// `?prefix=P&after=K&limit=N` of a listing.
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ListQuery {
+    #[serde(default)]
+    prefix: String,
+    after: Option<String>,
+    limit: Option<String>,
+}
+
+/// The listing parameters, or the 400 naming the bad one.
+fn list_query(uri: &Uri) -> Result<(String, Option<String>, usize), Box<Response>> {
+    let q: ListQuery =
+        serde_urlencoded::from_str(uri.query().unwrap_or_default()).map_err(|e| {
+            Box::new(bad_request(
+                "query",
+                format!("{e} (allowed: prefix, after, limit)"),
+            ))
+        })?;
+    let limit = match q.limit.as_deref() {
+        None => DEFAULT_PAGE,
+        Some(l) => match l.parse::<usize>() {
+            Ok(n) if (1..=MAX_PAGE).contains(&n) => n,
+            _ => {
+                return Err(Box::new(bad_request(
+                    "limit",
+                    format!("must be a whole number from 1 to {MAX_PAGE}"),
+                )))
+            }
+        },
+    };
+    Ok((q.prefix, q.after.filter(|a| !a.is_empty()), limit))
+}
+
+/// `GET /fences?prefix=P&after=K&limit=N`.
+async fn list_fences(State(s): State<AdminState>, uri: Uri) -> Response {
+    let (prefix, after, limit) = match list_query(&uri) {
+        Ok(q) => q,
+        Err(r) => return *r,
+    };
+    match s.store.list(&prefix, after.as_deref(), limit).await {
+        Ok(page) => {
+            Json(serde_json::json!({"fences": page.items, "next": page.next})).into_response()
         }
+        Err(e) => store_unavailable(&s, StoreOp::Get, e),
+    }
+}
+
+/// `GET /locks?prefix=P&after=K&limit=N`: every name a fence was issued
+/// for, with its status from the lock backend.
+async fn list_locks(State(s): State<AdminState>, uri: Uri) -> Response {
+    let (prefix, after, limit) = match list_query(&uri) {
+        Ok(q) => q,
+        Err(r) => return *r,
+    };
+    let Some(locks) = &s.locks else {
+        return lock_api_disabled();
+    };
+    let page = match s
+        .store
+        .list_lock_names(&prefix, after.as_deref(), limit)
+        .await
+    {
+        Ok(p) => p,
+        Err(e) => return store_unavailable(&s, StoreOp::Get, e),
+    };
+    let statuses =
+        futures_util::future::join_all(page.items.iter().map(|name| locks.status(name))).await;
+    let mut out = Vec::with_capacity(statuses.len());
+    for st in statuses {
+        match st {
+            Ok(st) => out.push(st),
+            Err(e) => return crate::locks::api::lock_error("(listing)", e, s.retry_after),
+        }
+    }
+    Json(serde_json::json!({"locks": out, "next": page.next})).into_response()
+}
+
+fn lock_api_disabled() -> Response {
+    Problem::new(
+        StatusCode::NOT_FOUND,
+        "locks-disabled",
+        "Lock API disabled",
+        "[locks] enabled = false: there are no locks to list or break",
+    )
+    .into_response()
+}
+
+/// The admin client calling an action, or the answer refusing it.
+fn admin_client<'a>(
+    s: &'a AdminState,
+    headers: &http::HeaderMap,
+) -> Result<&'a crate::auth::Client, Box<Response>> {
+    let creds = crate::auth::Credentials {
+        authorization: headers.get(header::AUTHORIZATION),
+        tls_subject: None,
+    };
+    s.auth
+        .admin(creds)
+        .map_err(|e| Box::new(crate::error::auth_problem(&e).into_response()))
+}
+
+/// `POST /fences/{key}/reset` `{"highest_token": N, "reason": "..."}`.
+async fn fence_action(
+    State(s): State<AdminState>,
+    uri: Uri,
+    headers: http::HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let admin = match admin_client(&s, &headers) {
+        Ok(c) => c,
+        Err(r) => return *r,
+    };
+    let rest = match path_rest(&uri, "/fences/") {
+        Ok(k) => k,
+        Err(r) => return *r,
+    };
+    let Some(key) = rest.strip_suffix("/reset").filter(|k| !k.is_empty()) else {
+        return not_found().await;
+    };
+    #[derive(serde::Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Reset {
+        highest_token: i64,
+        reason: String,
+    }
+    let reset: Reset = match serde_json::from_slice(&body) {
+        Ok(r) => r,
+        Err(e) => {
+            return bad_request(
+                "body",
+                format!("{e} (expected {{\"highest_token\": N, \"reason\": \"...\"}})"),
+            )
+        }
+    };
+    if reset.highest_token < 0 {
+        return bad_request("highest_token", "must not be negative".into());
+    }
+    let reason = reset.reason.trim();
+    if reason.is_empty() || reason.len() > 1000 {
+        return bad_request("reason", "must say why, in 1 to 1000 bytes".into());
+    }
+    match s
+        .store
+        .reset(key, reset.highest_token, &admin.name, reason)
+        .await
+    {
+        Ok(record) => {
+            // This instance at once; others within a second (they watch the
+            // store's reset log).
+            s.gate.forget(key);
+            let from = record.last_reset.as_ref().and_then(|r| r.from);
+            tracing::warn!(
+                resource_key = key,
+                from,
+                to = reset.highest_token,
+                by = %admin.name,
+                reason,
+                "fence reset by an admin"
+            );
+            Json(record).into_response()
+        }
+        Err(e) => store_unavailable(&s, StoreOp::Record, e),
+    }
+}
+
+/// `POST /locks/{name}/break`.
+async fn lock_action(State(s): State<AdminState>, uri: Uri, headers: http::HeaderMap) -> Response {
+    let admin = match admin_client(&s, &headers) {
+        Ok(c) => c,
+        Err(r) => return *r,
+    };
+    let rest = match path_rest(&uri, "/locks/") {
+        Ok(k) => k,
+        Err(r) => return *r,
+    };
+    let Some(name) = rest.strip_suffix("/break").filter(|k| !k.is_empty()) else {
+        return not_found().await;
+    };
+    let Some(locks) = &s.locks else {
+        return lock_api_disabled();
+    };
+    match locks.break_lease(name).await {
+        Ok(true) => {
+            tracing::warn!(lock = name, by = %admin.name, "lease broken by an admin");
+            StatusCode::NO_CONTENT.into_response()
+        }
+        Ok(false) => Problem::new(
+            StatusCode::NOT_FOUND,
+            "not-held",
+            "Lock not held",
+            format!("no lease holds the lock '{name}'"),
+        )
+        .with("name", name)
+        .into_response(),
+        Err(e) => crate::locks::api::lock_error(name, e, s.retry_after),
     }
 }
 
@@ -125,7 +356,7 @@ async fn not_found() -> Response {
         StatusCode::NOT_FOUND,
         "not-found",
         "Not found",
-        "the admin API serves /healthz, /readyz, /metrics and /fences/{key}",
+        "the admin API serves GET /healthz, /readyz, /metrics, /fences, /fences/{key}, /locks, and POST /fences/{key}/reset, /locks/{name}/break",
     )
     .into_response()
 }
@@ -135,7 +366,7 @@ async fn method_not_allowed() -> Response {
         StatusCode::METHOD_NOT_ALLOWED,
         "method-not-allowed",
         "Method not allowed",
-        "the admin API is read-only: use GET",
+        "reads are GET; the admin actions are POST /fences/{key}/reset and /locks/{name}/break",
     )
     .into_response()
 }

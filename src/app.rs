@@ -98,12 +98,14 @@ impl Application {
             );
             fence = fence.with_quarantine(std::time::Instant::now() + wait);
         }
-        let mut tasks = Vec::new();
+        let mut tasks: Vec<tokio::task::JoinHandle<()>> =
+            fence.watch_resets().into_iter().collect();
         let locks = if config.locks.enabled {
             let service = lock_service(&config, &store, &metrics, &mut tasks).await?;
             Some(LockApiState {
                 locks: service,
                 retry_after: config.store.retry_after,
+                auth: Arc::new(config.auth.clone()),
             })
         } else {
             None
@@ -115,7 +117,7 @@ impl Application {
                 .map(|r| Arc::new(gateway::GatedRoute::new(r.clone(), &metrics)))
                 .collect(),
             fence: fence.clone(),
-            client: crate::proxy::client(),
+            client: crate::upstream::UpstreamClient::new(),
             store_runtime: tokio::runtime::Handle::current(),
             metrics: metrics.clone(),
             max_body_bytes: config.server.max_body_bytes,
@@ -128,6 +130,7 @@ impl Application {
             gate: fence.gate.clone(),
             retry_after: config.store.retry_after,
             locks: locks.as_ref().map(|l| l.locks.clone()),
+            auth: Arc::new(config.auth.clone()),
         };
         Ok(Self {
             listeners: Listeners {
@@ -239,7 +242,7 @@ impl Core {
                 // driven by the worker's runtime, next to the requests using
                 // them.
                 gateway: Arc::new(GatewayState {
-                    client: crate::proxy::client(),
+                    client: crate::upstream::UpstreamClient::new(),
                     ..self.gateway.clone()
                 }),
                 reserved: OnRuntime {

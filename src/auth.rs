@@ -187,19 +187,15 @@ impl Clients {
         ))
     }
 
-    /// The client a request comes from, if it may use the lock `name`.
-    pub fn for_lock(
-        &self,
-        creds: Credentials<'_>,
-        name: &str,
-    ) -> Result<Option<&Client>, AuthError> {
-        let client = self.authenticate(creds)?;
+    /// Whether `client` (authenticated; `None` when the API is open) may
+    /// use the lock `name`.
+    pub fn may_lock(client: Option<&Client>, name: &str) -> Result<(), AuthError> {
         match client {
             Some(c) if !c.may_lock(name) => Err(AuthError::Forbidden(format!(
                 "client '{}' may not use the lock '{name}'",
                 c.name
             ))),
-            other => Ok(other),
+            _ => Ok(()),
         }
     }
 
@@ -348,17 +344,16 @@ mod tests {
         let billing = http::HeaderValue::from_static("Bearer k-billing");
         let ops = http::HeaderValue::from_static("Bearer k-ops");
         let b = creds(Some(&billing), None);
-        assert!(c.for_lock(b, "billing:invoice-7").is_ok());
-        assert!(c.for_lock(b, "doc:42").is_ok());
-        assert!(matches!(
-            c.for_lock(b, "doc:420"),
-            Err(AuthError::Forbidden(_))
-        ));
-        assert!(matches!(
-            c.for_lock(b, "ops:x"),
-            Err(AuthError::Forbidden(_))
-        ));
-        let billing_client = c.for_lock(b, "doc:42").unwrap();
+        let billing_client = c.authenticate(b).unwrap();
+        assert!(Clients::may_lock(billing_client, "billing:invoice-7").is_ok());
+        assert!(Clients::may_lock(billing_client, "doc:42").is_ok());
+        for no in ["doc:420", "ops:x"] {
+            assert!(matches!(
+                Clients::may_lock(billing_client, no),
+                Err(AuthError::Forbidden(_))
+            ));
+        }
+        assert!(Clients::may_lock(None, "anything").is_ok());
         let lease = Clients::lease_id(billing_client, "abc".into());
         assert!(Clients::owns_lease(billing_client, &lease).is_ok());
         let ops_client = c.authenticate(creds(Some(&ops), None)).unwrap();

@@ -203,7 +203,7 @@ pub struct Route {
 /// Where a route forwards to.
 #[derive(Debug, Clone)]
 pub struct Upstream {
-    /// `http`; other schemes are refused at load time.
+    /// `http` or `https`; other schemes are refused at load time.
     pub scheme: http::uri::Scheme,
     /// Host and port, from config only, never from the client's `Host`.
     pub authority: http::uri::Authority,
@@ -211,6 +211,20 @@ pub struct Upstream {
     pub base_path: String,
     /// `authority` as the `Host` header sent upstream, built once.
     pub host: http::HeaderValue,
+    /// `host:port` to connect to (the scheme's port when none is given).
+    pub connect_to: String,
+    /// Which pooled connections can serve this upstream: same scheme,
+    /// authority and trust.
+    pub pool_key: std::sync::Arc<str>,
+    /// `https`: how the upstream's certificate is verified.
+    pub tls: Option<crate::upstream::UpstreamTls>,
+}
+
+impl Upstream {
+    /// Where to connect.
+    pub fn address(&self) -> &str {
+        &self.connect_to
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -221,6 +235,9 @@ pub enum TokenKind {
     /// A JWT signed by one of the `[tokens]` keys, whose `fence` claim is
     /// the number and whose `sub` must be the route's resource key.
     Jwt,
+    /// A decimal number that this gateway's lock API has granted (a fence at
+    /// least that high) for the lock named by the resource key.
+    Issued,
 }
 
 /// `[[routes]] paths`: what to do with path spellings that back ends
@@ -467,6 +484,7 @@ struct RawRoute {
     token: Choice<TokenKind>,
     paths: Choice<PathsMode>,
     key_case: Choice<KeyCase>,
+    upstream_ca_file: Option<String>,
     timeout_ms: u64,
 }
 
@@ -484,6 +502,7 @@ impl Default for RawRoute {
             token: Choice::Known(TokenKind::Integer),
             paths: Choice::Known(PathsMode::Strict),
             key_case: Choice::Known(KeyCase::Preserve),
+            upstream_ca_file: None,
             timeout_ms: 30_000,
         }
     }
@@ -819,12 +838,20 @@ impl Validator<'_> {
         let store = self.store(raw.store);
         let locks = self.locks(raw.locks);
         let tokens = raw.tokens.and_then(|t| self.tokens(file, t));
-        let routes = self.routes(raw.routes);
+        let routes = self.routes(file, raw.routes);
         let client_certs = server
             .tls
             .as_ref()
             .is_some_and(|t| t.files().client_ca_file.is_some());
         let auth = self.auth(raw.auth, client_certs);
+        for (i, r) in routes.iter().enumerate() {
+            if r.token == TokenKind::Issued && !locks.enabled {
+                self.problem(
+                    format!("routes[{i}].token"),
+                    "\"issued\" checks tokens against the lock API's grants: it needs [locks] enabled = true",
+                );
+            }
+        }
         if tokens.is_none() {
             for (i, r) in routes.iter().enumerate() {
                 if r.token == TokenKind::Jwt {
@@ -1192,7 +1219,8 @@ impl Validator<'_> {
         }
     }
 
-    fn routes(&mut self, raw: Vec<RawRoute>) -> Vec<Route> {
+    fn routes(&mut self, file: &str, raw: Vec<RawRoute>) -> Vec<Route> {
+        let base = config_dir(file);
         let mut names = HashSet::new();
         let mut routes = Vec::new();
         for (i, r) in raw.into_iter().enumerate() {
@@ -1265,12 +1293,13 @@ impl Validator<'_> {
                 },
                 (Some(_), None) => None,
             };
+            let ca = r.upstream_ca_file.map(|p| relative_to(&base, &p));
             let upstream = match r.upstream.as_deref() {
                 None => {
                     self.problem(at("upstream"), "missing: every route needs an upstream URL");
                     None
                 }
-                Some(u) => match parse_upstream(u) {
+                Some(u) => match parse_upstream(u, ca.as_deref()) {
                     Ok(up) => Some(up),
                     Err(why) => {
                         self.problem(at("upstream"), format!("'{u}' {why}"));
@@ -1299,7 +1328,7 @@ impl Validator<'_> {
                 &at("token"),
                 r.token,
                 "a token kind",
-                "\"integer\" or \"jwt\"",
+                "\"integer\", \"jwt\" or \"issued\"",
                 TokenKind::Integer,
             );
             let timeout =
@@ -1340,7 +1369,7 @@ fn relative_to(base: &Path, p: &str) -> PathBuf {
     }
 }
 
-fn parse_upstream(raw: &str) -> Result<Upstream, String> {
+fn parse_upstream(raw: &str, ca_file: Option<&Path>) -> Result<Upstream, String> {
     let uri: http::Uri = raw
         .parse()
         .map_err(|_| "is not a URL like http://127.0.0.1:9000".to_string())?;
@@ -1348,10 +1377,12 @@ fn parse_upstream(raw: &str) -> Result<Upstream, String> {
         .scheme()
         .cloned()
         .ok_or("has no scheme: write it like http://127.0.0.1:9000")?;
-    if scheme != http::uri::Scheme::HTTP {
-        return Err(format!(
-            "uses scheme '{scheme}'; only http:// upstreams are supported (terminate TLS in front of the upstream or on a sidecar)"
-        ));
+    let https = scheme == http::uri::Scheme::HTTPS;
+    if scheme != http::uri::Scheme::HTTP && !https {
+        return Err(format!("uses scheme '{scheme}'; use http:// or https://"));
+    }
+    if ca_file.is_some() && !https {
+        return Err("has upstream_ca_file but is not https://".into());
     }
     let authority = uri.authority().cloned().ok_or("has no host")?;
     if authority.as_str().contains('@') {
@@ -1366,11 +1397,28 @@ fn parse_upstream(raw: &str) -> Result<Upstream, String> {
     let base_path = uri.path().trim_end_matches('/').to_string();
     let host = http::HeaderValue::from_str(authority.as_str())
         .map_err(|_| "has a host that cannot be sent as a Host header".to_string())?;
+    let port = authority.port_u16().unwrap_or(if https { 443 } else { 80 });
+    let host_name = authority.host();
+    let connect_to = format!("{host_name}:{port}");
+    let tls = if https {
+        Some(crate::upstream::UpstreamTls::new(host_name, ca_file)?)
+    } else {
+        None
+    };
+    let pool_key = format!(
+        "{scheme}://{connect_to}{}",
+        ca_file
+            .map(|p| format!(" ca={}", p.display()))
+            .unwrap_or_default()
+    );
     Ok(Upstream {
         scheme,
         authority,
         base_path,
         host,
+        connect_to,
+        pool_key: pool_key.into(),
+        tls,
     })
 }
 

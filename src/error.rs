@@ -57,6 +57,13 @@ pub enum ClientError {
         presented: i64,
         highest: i64,
     },
+    /// `token = "issued"`: above every fence the lock API granted.
+    #[error("token {presented} for {key} was never issued; the highest is {highest_issued}")]
+    UnissuedToken {
+        key: String,
+        presented: i64,
+        highest_issued: i64,
+    },
     #[error("request body larger than {limit} bytes")]
     BodyTooLarge { limit: u64 },
     /// The client left while its write waited at the gate; nobody reads this.
@@ -130,6 +137,23 @@ impl IntoResponse for Problem {
             resp.headers_mut().insert(name, value);
         }
         resp
+    }
+}
+
+/// The problem document for a refused credential or permission: 401 with
+/// `WWW-Authenticate: Bearer`, or 403.
+pub fn auth_problem(e: &crate::auth::AuthError) -> Problem {
+    match e {
+        crate::auth::AuthError::Unauthenticated(why) => Problem::new(
+            StatusCode::UNAUTHORIZED,
+            "unauthenticated",
+            "Authentication required",
+            format!("{why}: send Authorization: Bearer KEY (or a known client certificate)"),
+        )
+        .header(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer")),
+        crate::auth::AuthError::Forbidden(why) => {
+            Problem::new(StatusCode::FORBIDDEN, "forbidden", "Forbidden", why.clone())
+        }
     }
 }
 
@@ -217,6 +241,21 @@ impl GatewayError {
                 .with("resource_key", key.as_str())
                 .with("presented_token", *presented)
                 .with("highest_token", *highest),
+                C::UnissuedToken {
+                    key,
+                    presented,
+                    highest_issued,
+                } => Problem::new(
+                    StatusCode::FORBIDDEN,
+                    "unissued-token",
+                    "Token never issued",
+                    format!(
+                        "token {presented} is above {highest_issued}, the highest fence the lock API granted for '{key}': it was never issued, so it is refused and not recorded"
+                    ),
+                )
+                .with("resource_key", key.as_str())
+                .with("presented_token", *presented)
+                .with("highest_issued", *highest_issued),
                 C::BodyTooLarge { limit } => Problem::new(
                     StatusCode::PAYLOAD_TOO_LARGE,
                     "body-too-large",

@@ -26,6 +26,10 @@ pub struct Admission {
     pub must_end_by: Option<Instant>,
 }
 
+/// How often a shared-mode instance looks for resets made elsewhere: a reset
+/// takes effect on every instance within a second.
+pub const RESET_POLL: Duration = Duration::from_millis(250);
+
 /// How much longer than the forward's own bound a shared-mode in-flight
 /// marker lasts: room for the time between writing the marker and starting
 /// the forward.
@@ -68,6 +72,40 @@ impl Fence {
         self.store.is_shared()
     }
 
+    /// Shared mode: watches the store's reset log so that a reset made
+    /// through any instance makes this one forget the key within
+    /// [`RESET_POLL`] (twice that after a failed poll). Single mode needs
+    /// none: the only instance resets through its own admin listener.
+    pub fn watch_resets(&self) -> Option<tokio::task::JoinHandle<()>> {
+        if !self.store.is_shared() {
+            return None;
+        }
+        let (store, gate) = (self.store.clone(), self.gate.clone());
+        Some(tokio::spawn(async move {
+            let mut seen = None;
+            let mut tick = tokio::time::interval(RESET_POLL);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let Some(after) = seen else {
+                    // Resets before this instance started are in the store
+                    // already, and memory starts empty.
+                    seen = store.last_reset_id().await.ok();
+                    continue;
+                };
+                match store.resets_after(after).await {
+                    Ok(rows) => {
+                        for (id, key) in rows {
+                            gate.forget(&key);
+                            seen = Some(id);
+                        }
+                    }
+                    Err(e) => tracing::debug!(error = %e, "cannot read the reset log; retrying"),
+                }
+            }
+        }))
+    }
+
     /// The first, memory-only step of a decision: takes the key's ticket and
     /// refuses a token below the key's known durable token, without a store
     /// call or a task. Cheap enough for the request's own task.
@@ -81,13 +119,20 @@ impl Fence {
     /// On success the returned admission must live until the upstream is
     /// done with the write. `hold` is how long the forward may take (the
     /// route's timeout).
+    /// `issued_only`: the route accepts only tokens the lock API granted
+    /// (`token = "issued"`); a higher one is refused before anything is
+    /// recorded.
     pub async fn check(
         &self,
         key: &str,
-        arrival: Arrival,
+        mut arrival: Arrival,
         token: i64,
         hold: Duration,
+        issued_only: bool,
     ) -> Result<Admission, GatewayError> {
+        if issued_only {
+            arrival = self.check_issued(key, arrival, token).await?;
+        }
         if let FenceStore::Postgres(pg) = &self.store {
             if pg.is_shared() {
                 return self.check_shared(pg, key, arrival, token, hold).await;
@@ -99,6 +144,44 @@ impl Fence {
             _lock: None,
             must_end_by: None,
         })
+    }
+
+    /// `token = "issued"`: refuses a token above the highest fence the lock
+    /// API granted for the key's lock, from memory when it knows a fence at
+    /// least that high was granted, else from the store (a grant may be
+    /// newer than memory, or made by another instance). Fences only grow,
+    /// so what memory knows stays true (a reset makes it forget).
+    async fn check_issued(
+        &self,
+        key: &str,
+        mut arrival: Arrival,
+        token: i64,
+    ) -> Result<Arrival, GatewayError> {
+        let ticket = match &mut arrival {
+            Arrival::Recorded(t) | Arrival::Record(t) => t,
+        };
+        if ticket.known_issued(token) {
+            return Ok(arrival);
+        }
+        let issued = match self.store.issued_fence(key).await {
+            Ok(i) => i,
+            Err(e) => {
+                // Nothing was recorded: the ticket's store call never began.
+                ticket.settle_unrecorded();
+                return Err(e.into());
+            }
+        };
+        ticket.note_issued(issued);
+        if token > issued {
+            ticket.settle_unrecorded();
+            return Err(ClientError::UnissuedToken {
+                key: key.to_string(),
+                presented: token,
+                highest_issued: issued,
+            }
+            .into());
+        }
+        Ok(arrival)
     }
 
     /// `shared` mode: Postgres orders writes across instances (advisory

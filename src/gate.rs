@@ -361,6 +361,19 @@ impl Ticket {
         }
     }
 
+    /// Ends this ticket's store call as never made (refused before the
+    /// store was written): nothing can commit later.
+    pub fn settle_unrecorded(&mut self) {
+        if !self.recording {
+            return;
+        }
+        self.recording = false;
+        let mut slots = self.gate.lock();
+        if let Some(s) = slots.map.get_mut(&self.key) {
+            s.recording -= 1;
+        }
+    }
+
     /// `token = "issued"`: whether memory knows a fence at least `token` was
     /// granted for this key's lock.
     pub fn known_issued(&self, token: i64) -> bool {

@@ -25,10 +25,11 @@ use crate::fence::{Admission, Fence};
 use crate::gate::Arrival;
 use crate::jwt::JwtRejection;
 use crate::metrics::{Metrics, Outcome, RouteMetrics, StoreOp, UpstreamFailure};
-use crate::proxy::{self, BodyOutcome, HoldingBody, LimitedBody, UpstreamClient};
+use crate::proxy::{self, BodyOutcome, LimitedBody, RelayBody};
 use crate::routing::{self, PathError};
 use crate::store::StoreError;
 use crate::token::{self, TokenError};
+use crate::upstream::UpstreamClient;
 
 /// A configured route with its metric handles.
 pub struct GatedRoute {
@@ -190,6 +191,7 @@ fn refusal_outcome(e: &GatewayError) -> Option<Outcome> {
             C::BadRequest(_) => Outcome::BadRequest,
             C::AmbiguousPath(_) => Outcome::AmbiguousPath,
             C::AmbiguousKey(_) => Outcome::AmbiguousKey,
+            C::UnissuedToken { .. } => Outcome::Unissued,
             // Not fenced writes: no route, or refused before the method
             // was known to be fenced.
             C::NoRoute { .. } | C::BadPath(_) | C::MethodNotAllowed { .. } => return None,
@@ -326,10 +328,12 @@ fn read_token(
         key: key.to_string(),
     };
     match route.token {
-        TokenKind::Integer => token::from_headers(headers).map_err(|e| match e {
-            TokenError::Missing => missing(),
-            TokenError::Malformed(why) => ClientError::MalformedToken(why),
-        }),
+        TokenKind::Integer | TokenKind::Issued => {
+            token::from_headers(headers).map_err(|e| match e {
+                TokenError::Missing => missing(),
+                TokenError::Malformed(why) => ClientError::MalformedToken(why),
+            })
+        }
         TokenKind::Jwt => {
             let raw = token::raw_from_headers(headers).map_err(|e| match e {
                 TokenError::Missing => missing(),
@@ -403,9 +407,14 @@ impl FencedWrite {
         answer: &oneshot::Sender<Result<Response, GatewayError>>,
     ) -> (bool, Result<Response, GatewayError>) {
         let decided = Instant::now();
-        let check = state
-            .fence
-            .check(&self.key, self.arrival, self.token, self.route.timeout);
+        let issued_only = self.route.token == TokenKind::Issued;
+        let check = state.fence.check(
+            &self.key,
+            self.arrival,
+            self.token,
+            self.route.timeout,
+            issued_only,
+        );
         let admission = match check.await {
             Ok(a) => a,
             Err(e) => return (false, Err(e)),
@@ -465,27 +474,29 @@ async fn forward(
         proxy::upstream_request(Request::from_parts(parts, body), &route.upstream, peer)
             .map_err(|_| ClientError::BadRequest("the request cannot be forwarded as given"))?;
 
-    let sent = tokio::time::timeout_at(deadline.into(), state.client.request(upstream_req)).await;
+    let sent = tokio::time::timeout_at(
+        deadline.into(),
+        state.client.send(&route.upstream, upstream_req),
+    )
+    .await;
     match sent {
-        Ok(Ok(resp)) => {
+        Ok(Ok((resp, pooled))) => {
             route.metrics.upstream_latency(started.elapsed());
             let (mut parts, body) = resp.into_parts();
             proxy::strip_hop_by_hop(&mut parts.headers);
-            let body = match exchange {
-                Some(x) => {
-                    x.response_head();
-                    Body::new(HoldingBody::new(body, x))
-                }
-                None => Body::new(body),
-            };
+            if let Some(x) = &exchange {
+                x.response_head();
+            }
+            let body = Body::new(RelayBody::new(body, pooled, exchange));
             Ok(Response::from_parts(parts, body))
         }
         Ok(Err(e)) => {
-            // A connect error means nothing was sent: the key may open.
-            // Anything else: the upstream may have received part or all of
-            // the request and be working on it; dropping the exchange keeps
-            // the key closed to other tokens until the deadline.
-            if e.is_connect() {
+            // Nothing sent (the connection or its TLS handshake failed): the
+            // key may open. Anything else: the upstream may have received
+            // part or all of the request and be working on it; dropping the
+            // exchange keeps the key closed to other tokens until the
+            // deadline.
+            if e.nothing_sent() {
                 if let Some(x) = &exchange {
                     x.not_sent();
                 }

@@ -33,7 +33,9 @@
 //!   mode's cross-instance key locks.
 //! * [`exchange`]: one fenced write's exchange with the upstream, and when
 //!   its key may open for another token.
-//! * [`proxy`]: header hygiene, the upstream client, body wrappers.
+//! * [`proxy`]: header hygiene and the body wrappers of a forward.
+//! * [`upstream`]: the upstream client: per-worker HTTP/1.1 connections over
+//!   TCP or TLS, retried only when nothing was sent.
 //! * [`error`]: errors by origin and their one mapping to problem documents.
 //! * [`locks`]: the lock API: leases whose grants carry fences, on the
 //!   store, Redis or Redlock.
@@ -69,3 +71,4 @@ pub mod store;
 pub mod tls;
 pub mod token;
 pub mod traffic;
+pub mod upstream;

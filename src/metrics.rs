@@ -41,10 +41,12 @@ pub enum Outcome {
     AmbiguousPath,
     /// A key part from the query or a header missing, repeated or ambiguous.
     AmbiguousKey,
+    /// `token = "issued"`: above every fence the lock API granted: 403.
+    Unissued,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 14] = [
+    pub const ALL: [Outcome; 15] = [
         Outcome::Forwarded,
         Outcome::Stale,
         Outcome::MissingToken,
@@ -59,6 +61,7 @@ impl Outcome {
         Outcome::Late,
         Outcome::AmbiguousPath,
         Outcome::AmbiguousKey,
+        Outcome::Unissued,
     ];
 
     /// The label value.
@@ -78,6 +81,7 @@ impl Outcome {
             Outcome::Late => "late",
             Outcome::AmbiguousPath => "ambiguous_path",
             Outcome::AmbiguousKey => "ambiguous_key",
+            Outcome::Unissued => "unissued",
         }
     }
 }

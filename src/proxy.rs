@@ -8,37 +8,18 @@ use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::body::Body;
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Request, Uri};
 use http_body::{Frame, SizeHint};
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::client::legacy::Client;
-use hyper_util::rt::TokioExecutor;
 use tokio::time::Sleep;
 
 use crate::config::Upstream;
 use crate::exchange::Exchange;
-
-/// The pooled upstream client shared by every route.
-pub type UpstreamClient = Client<HttpConnector, Body>;
-
-/// Builds the upstream client: keep-alive pool, no Nagle delay, bounded
-/// connect time (a refused or unroutable upstream must fail fast as 502).
-pub fn client() -> UpstreamClient {
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    connector.set_connect_timeout(Some(Duration::from_secs(5)));
-    connector.enforce_http(true);
-    Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(60))
-        .pool_max_idle_per_host(1024)
-        .set_host(false)
-        .build(connector)
-}
+use crate::upstream::Pooled;
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1) plus `Proxy-Connection`, which old
 /// clients still send. `Expect` is answered by our own server side. Typed
@@ -77,9 +58,10 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// Rewrites a client request into the upstream request: absolute URI from
-/// config, `Host` set to the upstream, `X-Forwarded-*` set. The
-/// `X-Fence-Token` header is left exactly as the client sent it.
+/// Rewrites a client request into the upstream request: origin-form URI
+/// (with the upstream's base path), `Host` set to the upstream from config,
+/// `X-Forwarded-*` set. The `X-Fence-Token` header is left exactly as the
+/// client sent it.
 pub fn upstream_request(
     mut req: Request<Body>,
     upstream: &Upstream,
@@ -94,8 +76,6 @@ pub fn upstream_request(
         }
     };
     let mut uri = http::uri::Parts::default();
-    uri.scheme = Some(upstream.scheme.clone());
-    uri.authority = Some(upstream.authority.clone());
     uri.path_and_query = Some(path_and_query);
     *req.uri_mut() = Uri::from_parts(uri)?;
     *req.version_mut() = http::Version::HTTP_11;
@@ -259,43 +239,82 @@ pub enum RelayError {
 }
 
 pin_project_lite::pin_project! {
-    /// A fenced write's response body on its way to the client: reports to
-    /// the [`Exchange`] whether it ended normally, and cuts the answer off at
-    /// the exchange's deadline. Dropped before its end (the client left, or
-    /// the body broke), it lets go of the exchange without reporting an end,
-    /// which keeps the key closed until the deadline.
-    pub struct HoldingBody {
+    #[project = RelayBodyProj]
+    /// An upstream's response body on its way to the client. It hands the
+    /// upstream connection back to the worker's pool once the exchange is
+    /// over in both directions, and, for a fenced write, tells the
+    /// [`Exchange`] whether it ended normally and cuts the answer off at the
+    /// exchange's deadline. Dropped before its end (the client left, or the
+    /// body broke), it closes the connection and lets go of the exchange
+    /// without reporting an end, which keeps the key closed until the
+    /// deadline.
+    pub struct RelayBody {
         #[pin]
         inner: hyper::body::Incoming,
+        // Until the exchange is over: then back to the pool.
+        pooled: Option<Pooled>,
         exchange: Option<Arc<Exchange>>,
         deadline: Deadline,
+        // The upstream's body has ended; waiting for the connection to be
+        // done with the request too.
+        finishing: bool,
+        // Ended (normally or not); nothing more to do.
+        done: bool,
     }
 
-    impl PinnedDrop for HoldingBody {
+    impl PinnedDrop for RelayBody {
         fn drop(this: Pin<&mut Self>) {
             let this = this.project();
-            // A body that is empty from the start (Content-Length: 0, 204)
-            // is never polled: the server sees it has ended without asking.
-            if http_body::Body::is_end_stream(&*this.inner) {
-                if let Some(x) = this.exchange.take() {
-                    x.response_ended();
-                }
+            if *this.done {
+                return;
+            }
+            // A body empty from the start (a 204, a HEAD's answer) may never
+            // be polled: the server knows it has nothing to send. The
+            // upstream's answer did end normally; finish in the background.
+            let ended = *this.finishing || http_body::Body::is_end_stream(&*this.inner);
+            if let (true, Some(pooled), Ok(rt)) = (
+                ended,
+                this.pooled.take(),
+                tokio::runtime::Handle::try_current(),
+            ) {
+                let exchange = this.exchange.take();
+                drop(rt.spawn(finish(pooled, exchange)));
             }
         }
     }
 }
 
-impl HoldingBody {
-    pub fn new(inner: hyper::body::Incoming, exchange: Arc<Exchange>) -> Self {
+/// Waits until the connection is done with the exchange, then hands it back
+/// and reports the normal end.
+async fn finish(mut pooled: Pooled, exchange: Option<Arc<Exchange>>) {
+    let reusable = std::future::poll_fn(|cx| pooled.poll_done(cx)).await;
+    if reusable {
+        pooled.give_back();
+    }
+    if let Some(x) = exchange {
+        x.response_ended();
+    }
+}
+
+impl RelayBody {
+    /// `exchange` for a fenced write; `None` for pass-through.
+    pub fn new(
+        inner: hyper::body::Incoming,
+        pooled: Pooled,
+        exchange: Option<Arc<Exchange>>,
+    ) -> Self {
         Self {
             inner,
-            deadline: Deadline::new(Some(exchange.deadline())),
-            exchange: Some(exchange),
+            pooled: Some(pooled),
+            deadline: Deadline::new(exchange.as_ref().map(|x| x.deadline())),
+            exchange,
+            finishing: false,
+            done: false,
         }
     }
 }
 
-impl http_body::Body for HoldingBody {
+impl http_body::Body for RelayBody {
     type Data = Bytes;
     type Error = RelayError;
 
@@ -304,45 +323,68 @@ impl http_body::Body for HoldingBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, RelayError>>> {
         let mut this = self.project();
-        match this.inner.as_mut().poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                if this.deadline.passed() {
-                    this.exchange.take();
-                    return Poll::Ready(Some(Err(RelayError::Deadline)));
-                }
-                // The server does not poll again once the body has ended.
-                if this.inner.is_end_stream() {
-                    if let Some(x) = this.exchange.take() {
-                        x.response_ended();
+        if *this.done {
+            return Poll::Ready(None);
+        }
+        if !*this.finishing {
+            match this.inner.as_mut().poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => {
+                    if this.deadline.passed() {
+                        return Poll::Ready(Some(Err(this.broken(RelayError::Deadline))));
                     }
+                    return Poll::Ready(Some(Ok(frame)));
                 }
-                Poll::Ready(Some(Ok(frame)))
-            }
-            Poll::Ready(Some(Err(e))) => {
-                // Broken off: the upstream may still be at work.
-                this.exchange.take();
-                Poll::Ready(Some(Err(RelayError::Upstream(e))))
-            }
-            Poll::Ready(None) => {
-                if let Some(x) = this.exchange.take() {
-                    x.response_ended();
+                Poll::Ready(Some(Err(e))) => {
+                    // Broken off: the upstream may still be at work.
+                    return Poll::Ready(Some(Err(this.broken(RelayError::Upstream(e)))));
                 }
-                Poll::Ready(None)
-            }
-            Poll::Pending => {
-                ready!(this.deadline.poll(cx));
-                this.exchange.take();
-                Poll::Ready(Some(Err(RelayError::Deadline)))
+                Poll::Ready(None) => *this.finishing = true,
+                Poll::Pending => {
+                    ready!(this.deadline.poll(cx));
+                    return Poll::Ready(Some(Err(this.broken(RelayError::Deadline))));
+                }
             }
         }
+        // The answer has ended; the exchange is over when the connection is
+        // ready for the next request (hyper has written all of this one).
+        if let Some(pooled) = this.pooled.as_mut() {
+            match pooled.poll_done(cx) {
+                Poll::Pending => {
+                    ready!(this.deadline.poll(cx));
+                    return Poll::Ready(Some(Err(this.broken(RelayError::Deadline))));
+                }
+                Poll::Ready(reusable) => {
+                    let pooled = this.pooled.take();
+                    if let (true, Some(p)) = (reusable, pooled) {
+                        p.give_back();
+                    }
+                }
+            }
+        }
+        *this.done = true;
+        if let Some(x) = this.exchange.take() {
+            x.response_ended();
+        }
+        Poll::Ready(None)
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.done
     }
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
+    }
+}
+
+impl RelayBodyProj<'_> {
+    /// Ends the relay abnormally: the connection is closed, and the
+    /// exchange is let go without a normal end.
+    fn broken(&mut self, e: RelayError) -> RelayError {
+        *self.done = true;
+        self.pooled.take();
+        self.exchange.take();
+        e
     }
 }
 

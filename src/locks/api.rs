@@ -4,6 +4,11 @@
 //! Every refusal of a request names the field and the reason in a problem
 //! document (`{"field": "ttl_ms", ...}`), and unknown fields are refused
 //! instead of ignored (`"ttl": 5000` is a typo, not a default).
+//!
+//! With `[[auth.clients]]` configured, every call needs a known client (401
+//! otherwise, before anything else is looked at), the name must be within
+//! its lock globs (403), and renew and release need a lease this client
+//! acquired (403). See `auth`.
 
 use std::time::Duration;
 
@@ -19,7 +24,9 @@ use serde::{Deserialize, Deserializer};
 use serde_json::Value;
 
 use super::{LockError, LockService};
+use crate::auth::{Client, Clients, Credentials};
 use crate::error::Problem;
+use crate::server::ConnInfo;
 
 /// Largest lock-API request body; they are a few dozen bytes.
 const MAX_BODY: usize = 16 * 1024;
@@ -30,7 +37,22 @@ const MAX_NAME: usize = 512;
 pub struct LockApiState {
     pub locks: LockService,
     pub retry_after: Duration,
+    /// Who may call; open when no clients are configured.
+    pub auth: std::sync::Arc<Clients>,
 }
+
+/// The caller's credentials: its `Authorization` header and, on a TLS
+/// connection, its verified client certificate's CN.
+fn credentials<'a>(headers: &'a http::HeaderMap, conn: Option<&'a ConnInfo>) -> Credentials<'a> {
+    Credentials {
+        authorization: headers.get(header::AUTHORIZATION),
+        tls_subject: conn
+            .and_then(|c| c.tls.as_ref())
+            .and_then(|t| t.client_cn.as_deref()),
+    }
+}
+
+type ConnParam = Option<axum::Extension<std::sync::Arc<ConnInfo>>>;
 
 /// The lock API's routes, to be merged into the traffic router.
 pub fn router(state: LockApiState) -> Router {
@@ -223,8 +245,17 @@ fn check_name(name: &str) -> Result<(), BadBody> {
 type NameParam = Result<Path<String>, PathRejection>;
 type BodyParam = Result<Bytes, BytesRejection>;
 
-/// Unwraps the extractors, turning their rejections into problem documents.
-fn inputs(name: NameParam, body: Option<BodyParam>) -> Result<(String, Bytes), Box<Response>> {
+/// Unwraps the extractors, turning their rejections into problem documents,
+/// and authorizes the caller: a request without a known client is refused
+/// (401) before its name or body is looked at.
+fn inputs<'a>(
+    auth: &'a Clients,
+    creds: Credentials<'_>,
+    name: NameParam,
+    body: Option<BodyParam>,
+) -> Result<(String, Bytes, Option<&'a Client>), Box<Response>> {
+    let refused = |e| Box::new(crate::error::auth_problem(&e).into_response());
+    let client = auth.authenticate(creds).map_err(refused)?;
     let name = match name {
         Ok(Path(n)) => n,
         Err(e) => {
@@ -234,6 +265,7 @@ fn inputs(name: NameParam, body: Option<BodyParam>) -> Result<(String, Bytes), B
         }
     };
     check_name(&name).map_err(|b| Box::new(b.into_response()))?;
+    Clients::may_lock(client, &name).map_err(refused)?;
     let body = match body {
         None => Bytes::new(),
         Some(Ok(b)) => b,
@@ -253,11 +285,18 @@ fn inputs(name: NameParam, body: Option<BodyParam>) -> Result<(String, Bytes), B
             ));
         }
     };
-    Ok((name, body))
+    Ok((name, body, client))
 }
 
-async fn acquire(State(s): State<LockApiState>, name: NameParam, body: BodyParam) -> Response {
-    let (name, body) = match inputs(name, Some(body)) {
+async fn acquire(
+    State(s): State<LockApiState>,
+    conn: ConnParam,
+    headers: http::HeaderMap,
+    name: NameParam,
+    body: BodyParam,
+) -> Response {
+    let creds = credentials(&headers, conn.as_deref().map(|c| &**c));
+    let (name, body, client) = match inputs(&s.auth, creds, name, Some(body)) {
         Ok(v) => v,
         Err(r) => return *r,
     };
@@ -280,14 +319,22 @@ async fn acquire(State(s): State<LockApiState>, name: NameParam, body: BodyParam
         Ok(v) => v,
         Err(b) => return b.into_response(),
     };
-    match s.locks.acquire(&name, ttl, wait).await {
+    let lease = Clients::lease_id(client, super::new_lease_id());
+    match s.locks.acquire(&name, &lease, ttl, wait).await {
         Ok(grant) => (StatusCode::CREATED, Json(grant)).into_response(),
         Err(e) => lock_error(&name, e, s.retry_after),
     }
 }
 
-async fn renew(State(s): State<LockApiState>, name: NameParam, body: BodyParam) -> Response {
-    let (name, body) = match inputs(name, Some(body)) {
+async fn renew(
+    State(s): State<LockApiState>,
+    conn: ConnParam,
+    headers: http::HeaderMap,
+    name: NameParam,
+    body: BodyParam,
+) -> Response {
+    let creds = credentials(&headers, conn.as_deref().map(|c| &**c));
+    let (name, body, client) = match inputs(&s.auth, creds, name, Some(body)) {
         Ok(v) => v,
         Err(r) => return *r,
     };
@@ -299,14 +346,24 @@ async fn renew(State(s): State<LockApiState>, name: NameParam, body: BodyParam) 
         Ok(v) => v,
         Err(b) => return b.into_response(),
     };
+    if let Err(e) = Clients::owns_lease(client, &lease) {
+        return crate::error::auth_problem(&e).into_response();
+    }
     match s.locks.renew(&name, &lease, ttl).await {
         Ok(grant) => Json(grant).into_response(),
         Err(e) => lock_error(&name, e, s.retry_after),
     }
 }
 
-async fn release(State(s): State<LockApiState>, name: NameParam, body: BodyParam) -> Response {
-    let (name, body) = match inputs(name, Some(body)) {
+async fn release(
+    State(s): State<LockApiState>,
+    conn: ConnParam,
+    headers: http::HeaderMap,
+    name: NameParam,
+    body: BodyParam,
+) -> Response {
+    let creds = credentials(&headers, conn.as_deref().map(|c| &**c));
+    let (name, body, client) = match inputs(&s.auth, creds, name, Some(body)) {
         Ok(v) => v,
         Err(r) => return *r,
     };
@@ -315,14 +372,23 @@ async fn release(State(s): State<LockApiState>, name: NameParam, body: BodyParam
         Ok(v) => v,
         Err(b) => return b.into_response(),
     };
+    if let Err(e) = Clients::owns_lease(client, &lease) {
+        return crate::error::auth_problem(&e).into_response();
+    }
     match s.locks.release(&name, &lease).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => lock_error(&name, e, s.retry_after),
     }
 }
 
-async fn status(State(s): State<LockApiState>, name: NameParam) -> Response {
-    let (name, _) = match inputs(name, None) {
+async fn status(
+    State(s): State<LockApiState>,
+    conn: ConnParam,
+    headers: http::HeaderMap,
+    name: NameParam,
+) -> Response {
+    let creds = credentials(&headers, conn.as_deref().map(|c| &**c));
+    let (name, _, _) = match inputs(&s.auth, creds, name, None) {
         Ok(v) => v,
         Err(r) => return *r,
     };
@@ -333,7 +399,7 @@ async fn status(State(s): State<LockApiState>, name: NameParam) -> Response {
 }
 
 /// The one mapping of lock errors to answers.
-fn lock_error(name: &str, e: LockError, retry_after: Duration) -> Response {
+pub(crate) fn lock_error(name: &str, e: LockError, retry_after: Duration) -> Response {
     match e {
         LockError::Held { expires_in } => {
             let mut p = Problem::new(
@@ -366,6 +432,16 @@ fn lock_error(name: &str, e: LockError, retry_after: Duration) -> Response {
         )
         .with("name", name)
         .with("expired", true)
+        .into_response(),
+        LockError::Exhausted => Problem::new(
+            StatusCode::CONFLICT,
+            "fence-exhausted",
+            "Fence exhausted",
+            format!(
+                "the lock '{name}' cannot be granted: its fence (or its resource key's highest token) is already 9223372036854775807; an admin must reset the key (POST /fences/{{key}}/reset on the admin listener)"
+            ),
+        )
+        .with("name", name)
         .into_response(),
         LockError::Unavailable(why) => {
             tracing::warn!(lock = %name, error = %why, "lock backend unavailable; answering 503");

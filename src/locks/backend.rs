@@ -69,6 +69,12 @@ pub trait LockBackend: Send + Sync {
     /// Whether `name` is held, and its fence.
     fn status(&self, name: &str) -> impl Future<Output = Result<LockState, LockError>> + Send;
 
+    /// Ends whatever lease holds `name` (an admin break); true when one
+    /// did. The broken holder's renew and release then answer `NotHolder`,
+    /// and waiters wake as on a release. It is not an expiry: no lock-delay
+    /// follows it.
+    fn break_lease(&self, name: &str) -> impl Future<Output = Result<bool, LockError>> + Send;
+
     /// Whether the backend answers, for `/readyz`. By default it does: a
     /// backend kept in the fence store is as ready as the store, which
     /// `/readyz` checks by itself.
@@ -125,10 +131,20 @@ pub enum LockError {
     /// answer; nothing was granted.
     #[error("lock backend unavailable: {0}")]
     Unavailable(String),
+    /// The name's fence (or its key's highest token) is already the largest
+    /// there is (9223372036854775807): no grant can carry a higher one. Only
+    /// an admin reset of the key ends this.
+    #[error("the fence of this lock is exhausted")]
+    Exhausted,
 }
 
 impl From<crate::store::StoreError> for LockError {
     fn from(e: crate::store::StoreError) -> Self {
-        LockError::Unavailable(format!("fence store: {e}"))
+        match e {
+            crate::store::StoreError::Database(e) if crate::store::is_overflow(&e) => {
+                LockError::Exhausted
+            }
+            e => LockError::Unavailable(format!("fence store: {e}")),
+        }
     }
 }

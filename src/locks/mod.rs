@@ -92,6 +92,10 @@ impl LockBackend for Backend {
     async fn ping(&self) -> Result<(), LockError> {
         dispatch!(self, b => b.ping().await)
     }
+
+    async fn break_lease(&self, name: &str) -> Result<bool, LockError> {
+        dispatch!(self, b => b.break_lease(name).await)
+    }
 }
 
 /// A grant as the API returns it (and as `fencegate::client` reads it).
@@ -196,18 +200,20 @@ impl LockService {
     /// Acquires `name` for `ttl`, waiting up to `wait` for a holder to
     /// release or expire. Waiting sleeps on release notifications (and, for
     /// expiry, until the holder's lease runs out), never busy-polls.
+    /// `lease` is the new lease's id: secret and unique (see
+    /// [`new_lease_id`]; the API tags it with the client that asked).
     pub async fn acquire(
         &self,
         name: &str,
+        lease: &str,
         ttl: Duration,
         wait: Duration,
     ) -> Result<Grant, LockError> {
         let deadline = Instant::now() + wait;
-        let lease = new_lease_id();
         loop {
             // Register before trying, so a release in between is not missed.
             let waiter = self.inner.notifier.register(name);
-            match self.inner.backend.try_acquire(name, &lease, ttl).await {
+            match self.inner.backend.try_acquire(name, lease, ttl).await {
                 Ok(l) => {
                     self.count("grant");
                     return self.grant(l, ttl);
@@ -228,7 +234,10 @@ impl LockService {
                     }
                 }
                 Err(e) => {
-                    self.count("unavailable");
+                    self.count(match e {
+                        LockError::Exhausted => "exhausted",
+                        _ => "unavailable",
+                    });
                     return Err(e);
                 }
             }
@@ -264,6 +273,20 @@ impl LockService {
             Err(_) => self.count("unavailable"),
         }
         r
+    }
+
+    /// Ends whatever lease holds `name` (an admin break); true when one did.
+    pub async fn break_lease(&self, name: &str) -> Result<bool, LockError> {
+        let broken = self.inner.backend.break_lease(name).await;
+        match &broken {
+            Ok(true) => {
+                self.count("break");
+                self.inner.notifier.notify(name);
+            }
+            Ok(false) => {}
+            Err(_) => self.count("unavailable"),
+        }
+        broken
     }
 
     pub async fn status(&self, name: &str) -> Result<Status, LockError> {

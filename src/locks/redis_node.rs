@@ -86,7 +86,18 @@ redis.call('PUBLISH', ARGV[2], ARGV[3])
 return 1
 "#;
 
+/// Break: delete whoever's lease (and its lock-delay key: a break is not
+/// an expiry), then publish. KEYS[1] the lock, KEYS[2] the delay key;
+/// ARGV[1] the channel, ARGV[2] the name. Returns 1 if a lease was held.
+const BREAK_LUA: &str = r#"
+if redis.call('DEL', KEYS[1]) == 0 then return 0 end
+redis.call('DEL', KEYS[2])
+redis.call('PUBLISH', ARGV[1], ARGV[2])
+return 1
+"#;
+
 static RENEW: LazyLock<Script> = LazyLock::new(|| Script::new(RENEW_LUA));
+static BREAK: LazyLock<Script> = LazyLock::new(|| Script::new(BREAK_LUA));
 static RELEASE: LazyLock<Script> = LazyLock::new(|| Script::new(RELEASE_LUA));
 
 /// Splits a lock value `"<lease>:<fence>"` into its parts.
@@ -199,6 +210,22 @@ impl Node {
                 .key(&key)
                 .key(&delay)
                 .arg(lease)
+                .arg(RELEASED_CHANNEL)
+                .arg(name)
+                .invoke_async::<i64>(&mut c)
+                .await
+        })
+        .await
+        .map(|n| n == 1)
+    }
+
+    /// The break script: true if a lease held the lock (now deleted).
+    pub(crate) async fn break_lease(&self, name: &str) -> Result<bool, LockError> {
+        let (key, delay) = (lock_key(name), delay_key(name));
+        self.run(|mut c| async move {
+            BREAK
+                .key(&key)
+                .key(&delay)
                 .arg(RELEASED_CHANNEL)
                 .arg(name)
                 .invoke_async::<i64>(&mut c)

@@ -330,6 +330,23 @@ impl LockBackend for Redlock {
         Err(LockError::NotHolder)
     }
 
+    /// Deletes the lock on every node; true if any node had it. Too few
+    /// nodes answering to tell is unavailable.
+    async fn break_lease(&self, name: &str) -> Result<bool, LockError> {
+        let answers = join_all(self.inner.nodes.iter().map(|n| n.break_lease(name))).await;
+        if answers.iter().any(|a| matches!(a, Ok(true))) {
+            return Ok(true);
+        }
+        let answered = answers.iter().filter(|a| a.is_ok()).count();
+        if answered < self.inner.quorum {
+            return Err(LockError::Unavailable(format!(
+                "redlock: {answered} of {} nodes answered",
+                self.inner.nodes.len()
+            )));
+        }
+        Ok(false)
+    }
+
     /// Compare-and-delete on every node. Succeeds if any node still had the
     /// lease; the name is then published on every node that answered (the
     /// release script publishes where it deleted; the others get a PUBLISH),

@@ -196,6 +196,9 @@ impl LockBackend for RedisLocks {
         // Redis counter to.
         for attempt in 0..2 {
             let floor = store.fence_floor(name).await?;
+            if floor == i64::MAX {
+                return Err(LockError::Exhausted);
+            }
             let started = Instant::now();
             let fence = match self.acquire_script(name, lease, ttl, floor).await {
                 Ok(Acquired::Held(expires_in)) => return Err(LockError::Held { expires_in }),
@@ -273,6 +276,10 @@ impl LockBackend for RedisLocks {
         } else {
             Err(LockError::NotHolder)
         }
+    }
+
+    async fn break_lease(&self, name: &str) -> Result<bool, LockError> {
+        self.inner.node.break_lease(name).await
     }
 
     async fn status(&self, name: &str) -> Result<LockState, LockError> {

@@ -55,6 +55,16 @@ WITH r AS (
 )
 SELECT pg_notify('fencegate_locks', name) FROM r";
 
+/// Postgres: end whatever lease holds the name (an admin break), waking
+/// waiters on every instance.
+const PG_BREAK: &str = "\
+WITH r AS (
+    UPDATE locks SET lease = NULL, expires_at = NULL
+     WHERE name = $1 AND lease IS NOT NULL AND expires_at > now()
+    RETURNING name
+)
+SELECT pg_notify('fencegate_locks', name) FROM r";
+
 /// Postgres: the fence, whether held, the ms left of the lease, and (for an
 /// expired lease) the ms left of its lock-delay (`$2` ms), rounded up so a
 /// delay with a fraction of a millisecond left still shows.
@@ -91,6 +101,13 @@ RETURNING fence, MAX(0, expires_at - ", sqlite_now_ms!(), ")");
 const SQLITE_RELEASE: &str = concat!("\
 UPDATE locks SET lease = NULL, expires_at = NULL
  WHERE name = ?1 AND lease = ?2 AND expires_at > ", sqlite_now_ms!(), "
+RETURNING name");
+
+/// SQLite: see [`PG_BREAK`].
+#[rustfmt::skip]
+const SQLITE_BREAK: &str = concat!("\
+UPDATE locks SET lease = NULL, expires_at = NULL
+ WHERE name = ?1 AND lease IS NOT NULL AND expires_at > ", sqlite_now_ms!(), "
 RETURNING name");
 
 /// SQLite: see [`PG_STATUS`] (`'now'` is one instant within a statement).
@@ -144,7 +161,15 @@ impl TableLocks {
         bounded(
             self.timeout,
             |limit| unavailable(&StoreError::Timeout(limit)),
-            async { statement.await.map_err(|e| unavailable(&e)) },
+            async {
+                statement
+                    .await
+                    .map_err(|e| match crate::store::is_overflow(&e) {
+                        // fence + 1 past the largest bigint.
+                        true => LockError::Exhausted,
+                        false => unavailable(&e),
+                    })
+            },
         )
         .await
     }
@@ -299,6 +324,20 @@ impl LockBackend for TableLocks {
         } else {
             Err(self.refusal(name, lease).await)
         }
+    }
+
+    async fn break_lease(&self, name: &str) -> Result<bool, LockError> {
+        self.store.check_writer()?;
+        Ok(match &self.store {
+            FenceStore::Postgres(s) => self
+                .run(sqlx::query(PG_BREAK).bind(name).fetch_optional(s.pool()))
+                .await?
+                .is_some(),
+            FenceStore::Sqlite(s) => !self
+                .run(sqlx::query(SQLITE_BREAK).bind(name).fetch_all(s.pool()))
+                .await?
+                .is_empty(),
+        })
     }
 
     async fn status(&self, name: &str) -> Result<LockState, LockError> {

@@ -10,6 +10,7 @@
 //! recorded but never forwarded only makes older tokens stale sooner, which
 //! is what the newer holder's existence means anyway.
 
+mod admin;
 pub mod batch;
 mod postgres;
 pub(crate) mod sql;
@@ -18,10 +19,9 @@ mod sqlite;
 use std::future::Future;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
-
 use crate::config::{StoreBackend, StoreConfig, StoreMode};
 
+pub use admin::{prefix_end, FenceRecord, Page, ResetRecord};
 pub use postgres::{Entered, KeyLock, PgStore};
 pub use sqlite::SqliteStore;
 
@@ -47,14 +47,6 @@ pub enum StoreError {
     Late,
     #[error("{0}")]
     Other(String),
-}
-
-/// What the admin API shows for a key.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct FenceRecord {
-    pub resource_key: String,
-    pub highest_token: i64,
-    pub updated_at: DateTime<Utc>,
 }
 
 /// A handle on the configured store; cheap to clone (pools inside).
@@ -114,8 +106,9 @@ impl FenceStore {
         dispatch!(self, s => s.record_fence(name, fence).await)
     }
 
-    pub async fn get(&self, key: &str) -> Result<Option<FenceRecord>, StoreError> {
-        dispatch!(self, s => s.get(key).await)
+    /// The bound on every operation (`[store] timeout_ms`).
+    pub fn timeout(&self) -> Duration {
+        dispatch!(self, s => s.timeout())
     }
 
     /// `shared` mode: several instances write this store.
@@ -173,6 +166,24 @@ impl FenceStore {
     /// Closes the pools (and releases the single-writer lock).
     pub async fn close(&self) {
         dispatch!(self, s => s.close().await)
+    }
+}
+
+/// Whether a statement failed because an integer went past the largest
+/// bigint (a fence of 9223372036854775807 plus one): Postgres's
+/// `numeric_value_out_of_range`, or SQLite's refusal to store the REAL it
+/// turns the sum into in a STRICT table's INTEGER column.
+pub fn is_overflow(e: &sqlx::Error) -> bool {
+    let Some(db) = e.as_database_error() else {
+        return false;
+    };
+    match db.code().as_deref() {
+        Some("22003") => true,
+        // SQLITE_CONSTRAINT_DATATYPE
+        Some("3091") => true,
+        _ => db
+            .message()
+            .contains("cannot store REAL value in INTEGER column"),
     }
 }
 

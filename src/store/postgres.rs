@@ -5,12 +5,12 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{Connection, PgConnection, PgPool, Row};
+use sqlx::{Connection, PgConnection, PgPool};
 
 use tokio::task::JoinHandle;
 
 use super::sql::highest_token;
-use super::{bounded, FenceRecord, StoreError};
+use super::{bounded, StoreError};
 use crate::config::{redact_url, StoreConfig};
 
 /// Advisory locks use the two-int4 form with this first half, so they never
@@ -249,26 +249,6 @@ impl PgStore {
     /// The pool, for the table lock backend.
     pub fn pool(&self) -> &PgPool {
         &self.pool
-    }
-
-    pub async fn get(&self, key: &str) -> Result<Option<FenceRecord>, StoreError> {
-        bounded(self.timeout, StoreError::Timeout, async {
-            let row = sqlx::query(
-                "SELECT resource_key, highest_token, updated_at FROM fences WHERE resource_key = $1",
-            )
-            .bind(key)
-            .fetch_optional(&self.pool)
-            .await?;
-            row.map(|r| {
-                Ok(FenceRecord {
-                    resource_key: r.try_get(0)?,
-                    highest_token: r.try_get(1)?,
-                    updated_at: r.try_get(2)?,
-                })
-            })
-            .transpose()
-        })
-        .await
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {

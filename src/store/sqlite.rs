@@ -20,12 +20,11 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use chrono::{DateTime, Utc};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{Row, SqlitePool};
+use sqlx::SqlitePool;
 
 use super::sql::{highest_token, sqlite_now_ms};
-use super::{bounded, FenceRecord, StoreError};
+use super::{bounded, StoreError};
 use crate::config::StoreConfig;
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
@@ -182,27 +181,6 @@ impl SqliteStore {
     /// The pool, for the table lock backend.
     pub fn pool(&self) -> &SqlitePool {
         &self.pool
-    }
-
-    pub async fn get(&self, key: &str) -> Result<Option<FenceRecord>, StoreError> {
-        bounded(self.timeout, StoreError::Timeout, async {
-            let row = sqlx::query(
-                "SELECT resource_key, highest_token, updated_at FROM fences WHERE resource_key = ?1",
-            )
-            .bind(key)
-            .fetch_optional(&self.pool)
-            .await?;
-            row.map(|r| {
-                let ms: i64 = r.try_get(2)?;
-                Ok(FenceRecord {
-                    resource_key: r.try_get(0)?,
-                    highest_token: r.try_get(1)?,
-                    updated_at: DateTime::<Utc>::from_timestamp_millis(ms).unwrap_or_default(),
-                })
-            })
-            .transpose()
-        })
-        .await
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {

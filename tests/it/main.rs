@@ -23,5 +23,6 @@ mod server_limits;
 mod shared_mode;
 mod support;
 mod tls;
+mod trust;
 mod unknown_outcomes;
 mod upstream_selftest;

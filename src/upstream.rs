@@ -1,0 +1,306 @@
+//! The upstream client: HTTP/1.1 connections to the upstreams, over TCP or
+//! TLS, kept by each worker for its own requests.
+//!
+//! hyper-util's pooled client is general: a pool keyed by URI, a dispatch
+//! channel per connection, a checkout race between a pooled connection and a
+//! new one. A proxy with a handful of upstreams per worker needs less, and
+//! every step costs CPU on every request. Here a worker keeps, per upstream,
+//! a stack of idle `http1::SendRequest`s: a request pops one (or connects),
+//! sends, and its response body hands the connection back when the exchange
+//! is over.
+//!
+//! **Retries.** A request is retried on a new connection only when hyper
+//! gives it back unsent (`try_send_request`: the connection turned out
+//! closed before a byte of the request was written), which is what happens
+//! when an upstream closes an idle connection just as it is reused. A
+//! request of which any byte may have been written is never sent again: the
+//! upstream may be applying it.
+//!
+//! **When a connection is handed back** ([`Pooled`]): after the response
+//! body ended *and* the connection is ready for the next request, which in
+//! HTTP/1 means hyper has finished writing this request too. So "the
+//! exchange is over" means both directions are, which is what the fenced
+//! write's `Exchange` needs to hear (see `proxy::RelayBody`).
+//!
+//! **TLS** upstreams (`https://`) are verified against the platform's trust
+//! roots or the route's `upstream_ca_file`, with SNI and the hostname check
+//! always on. The TLS stream plugs into the same HTTP/1 path as TCP: no
+//! second, slower code path for plain HTTP.
+
+use std::collections::HashMap;
+use std::sync::{Arc, LazyLock, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use http::{Request, Response};
+use hyper::body::Incoming;
+use hyper::client::conn::http1::{self, SendRequest};
+use hyper_util::rt::TokioIo;
+use tokio::net::TcpStream;
+
+use crate::config::Upstream;
+
+/// Longest a TCP connect (and TLS handshake) to an upstream may take: a
+/// refused or unroutable upstream must fail fast as 502.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Idle connections kept per upstream and worker.
+const MAX_IDLE: usize = 256;
+/// An idle connection older than this is closed rather than reused: the
+/// upstream has likely closed it already, or soon will.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// TLS to an `https://` upstream, built when the config is loaded.
+#[derive(Clone)]
+pub struct UpstreamTls {
+    /// Trust roots (the platform's, or `upstream_ca_file`), ALPN http/1.1.
+    pub config: Arc<rustls::ClientConfig>,
+    /// Sent as SNI and checked against the certificate.
+    pub server_name: rustls::pki_types::ServerName<'static>,
+}
+
+impl std::fmt::Debug for UpstreamTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamTls")
+            .field("server_name", &self.server_name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The platform's trust roots, read once (the first `https://` upstream
+/// without its own CA pays for it).
+static PLATFORM_ROOTS: LazyLock<Result<Arc<rustls::RootCertStore>, String>> = LazyLock::new(|| {
+    let found = rustls_native_certs::load_native_certs();
+    let mut roots = rustls::RootCertStore::empty();
+    let (added, _) = roots.add_parsable_certificates(found.certs);
+    if added == 0 {
+        let why: Vec<String> = found.errors.iter().map(ToString::to_string).collect();
+        return Err(format!(
+            "no trust roots found on this system ({}); set upstream_ca_file",
+            why.join("; ")
+        ));
+    }
+    Ok(Arc::new(roots))
+});
+
+impl UpstreamTls {
+    /// TLS for the upstream host `host`, trusting `ca_file` (PEM) or, without
+    /// one, the platform's roots. The error says what is wrong.
+    pub fn new(host: &str, ca_file: Option<&std::path::Path>) -> Result<Self, String> {
+        use rustls::pki_types::pem::PemObject;
+        let roots = match ca_file {
+            None => PLATFORM_ROOTS.clone()?,
+            Some(path) => {
+                let mut roots = rustls::RootCertStore::empty();
+                let certs = rustls::pki_types::CertificateDer::pem_file_iter(path)
+                    .map_err(|e| format!("upstream_ca_file {}: {e}", path.display()))?;
+                for cert in certs {
+                    let cert = cert.map_err(|e| {
+                        format!(
+                            "upstream_ca_file {}: not PEM certificates: {e}",
+                            path.display()
+                        )
+                    })?;
+                    roots.add(cert).map_err(|e| {
+                        format!("upstream_ca_file {}: not a usable CA: {e}", path.display())
+                    })?;
+                }
+                if roots.is_empty() {
+                    return Err(format!(
+                        "upstream_ca_file {}: holds no certificate",
+                        path.display()
+                    ));
+                }
+                Arc::new(roots)
+            }
+        };
+        // An IP literal in brackets (`[::1]`) is named without them.
+        let name = host.trim_start_matches('[').trim_end_matches(']');
+        let server_name = rustls::pki_types::ServerName::try_from(name.to_string())
+            .map_err(|_| format!("'{host}' is not a name a certificate can be checked against"))?;
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ClientConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .map_err(|e| format!("TLS protocol versions: {e}"))?
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Self {
+            config: Arc::new(config),
+            server_name,
+        })
+    }
+}
+
+/// One worker's connections; cheap to clone (clones share them).
+#[derive(Clone, Default)]
+pub struct UpstreamClient {
+    idle: Arc<Mutex<HashMap<Arc<str>, Vec<Idle>>>>,
+}
+
+struct Idle {
+    sender: SendRequest<Body>,
+    since: Instant,
+}
+
+/// Why an upstream request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    /// Nothing was sent: the connection (or its TLS handshake) failed.
+    #[error("{0}")]
+    Connect(String),
+    /// The exchange failed after the request may have been (partly) sent.
+    #[error("{0}")]
+    Exchange(hyper::Error),
+}
+
+impl SendError {
+    /// Whether nothing of the request can have reached the upstream.
+    pub fn nothing_sent(&self) -> bool {
+        matches!(self, SendError::Connect(_))
+    }
+}
+
+/// A connection lent to one exchange, to be handed back when it is over.
+pub struct Pooled {
+    sender: SendRequest<Body>,
+    client: UpstreamClient,
+    key: Arc<str>,
+}
+
+impl Pooled {
+    /// Ready once the connection can take another request (both directions
+    /// of this exchange are done): it goes back to the pool. An error means
+    /// the connection is closed; it is dropped.
+    pub fn poll_done(&mut self, cx: &mut Context<'_>) -> Poll<bool> {
+        match self.sender.poll_ready(cx) {
+            Poll::Ready(Ok(())) => Poll::Ready(true),
+            Poll::Ready(Err(_)) => Poll::Ready(false),
+            Poll::Pending => Poll::Pending,
+        }
+    }
+
+    /// Returns the connection to its pool.
+    pub fn give_back(self) {
+        let mut idle = self.client.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let stack = idle.entry(self.key).or_default();
+        if stack.len() < MAX_IDLE {
+            stack.push(Idle {
+                sender: self.sender,
+                since: Instant::now(),
+            });
+        }
+    }
+}
+
+impl UpstreamClient {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// A ready idle connection to `upstream`, if one is kept.
+    fn take_idle(&self, key: &str) -> Option<SendRequest<Body>> {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let stack = idle.get_mut(key)?;
+        while let Some(c) = stack.pop() {
+            // Newest first; anything this old below it is older still.
+            if c.since.elapsed() > IDLE_TIMEOUT {
+                stack.clear();
+                return None;
+            }
+            if c.sender.is_ready() {
+                return Some(c.sender);
+            }
+        }
+        None
+    }
+
+    /// Sends `req` to `upstream` (its URI in origin form, `Host` set). The
+    /// response comes with the connection it was read from, to hand back
+    /// when the exchange is over.
+    pub async fn send(
+        &self,
+        upstream: &Upstream,
+        mut req: Request<Body>,
+    ) -> Result<(Response<Incoming>, Pooled), SendError> {
+        loop {
+            let (mut sender, reused) = match self.take_idle(&upstream.pool_key) {
+                Some(s) => (s, true),
+                None => (connect(upstream).await?, false),
+            };
+            match sender.try_send_request(req).await {
+                Ok(resp) => {
+                    let pooled = Pooled {
+                        sender,
+                        client: self.clone(),
+                        key: upstream.pool_key.clone(),
+                    };
+                    return Ok((resp, pooled));
+                }
+                Err(mut e) => match e.take_message() {
+                    // Given back unsent: a reused connection the upstream
+                    // had just closed. Once more, on a new one (which, not
+                    // being reused, is not retried again).
+                    Some(unsent) if reused => req = unsent,
+                    Some(_) => {
+                        return Err(SendError::Connect(format!(
+                            "the new connection closed before the request was sent: {}",
+                            e.into_error()
+                        )))
+                    }
+                    None => return Err(SendError::Exchange(e.into_error())),
+                },
+            }
+        }
+    }
+}
+
+/// A new connection to `upstream`, its HTTP/1 driver running on the current
+/// runtime.
+async fn connect(upstream: &Upstream) -> Result<SendRequest<Body>, SendError> {
+    let connected = tokio::time::timeout(CONNECT_TIMEOUT, async {
+        let tcp = TcpStream::connect(upstream.address()).await.map_err(|e| {
+            SendError::Connect(format!("cannot connect to {}: {e}", upstream.authority))
+        })?;
+        let _ = tcp.set_nodelay(true);
+        match &upstream.tls {
+            None => handshake(TokioIo::new(tcp)).await,
+            Some(tls) => {
+                let stream = tokio_rustls::TlsConnector::from(tls.config.clone())
+                    .connect(tls.server_name.clone(), tcp)
+                    .await
+                    .map_err(|e| {
+                        SendError::Connect(format!(
+                            "TLS handshake with {} failed: {e}",
+                            upstream.authority
+                        ))
+                    })?;
+                handshake(TokioIo::new(stream)).await
+            }
+        }
+    })
+    .await;
+    match connected {
+        Ok(r) => r,
+        Err(_) => Err(SendError::Connect(format!(
+            "connecting to {} took longer than {CONNECT_TIMEOUT:?}",
+            upstream.authority
+        ))),
+    }
+}
+
+async fn handshake<I>(io: I) -> Result<SendRequest<Body>, SendError>
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (sender, conn) = http1::Builder::new()
+        .handshake(io)
+        .await
+        .map_err(|e| SendError::Connect(format!("HTTP/1.1 handshake failed: {e}")))?;
+    tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            tracing::debug!(error = %e, "upstream connection ended with an error");
+        }
+    });
+    Ok(sender)
+}

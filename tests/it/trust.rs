@@ -1,0 +1,566 @@
+//! The guarantee against hostile clients: an authenticated lock API, admin
+//! actions only for admins, integer tokens that cannot be forged on
+//! `issued` routes, poisoned keys recovered by a reset that reaches every
+//! instance, exhausted fences answered as such, broken leases, listings.
+
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use sha2::Digest;
+
+use crate::support::app::{docs_route, problem, route, TestApp};
+use crate::support::db::{Backend, TestStore};
+use crate::support::redis::{require_shared_redis, PrivateRedis};
+use crate::support::upstream::Upstream;
+
+const MAX: &str = "9223372036854775807";
+
+fn sha(key: &str) -> String {
+    hex::encode(sha2::Sha256::digest(key.as_bytes()))
+}
+
+/// Two clients: `billing` (billing locks and doc:4?) and `ops` (admin, any
+/// lock).
+fn auth_section() -> String {
+    format!(
+        "[[auth.clients]]\nname = \"billing\"\napi_key_sha256 = \"{}\"\nlocks = [\"billing:*\", \"doc:4?\"]\n\
+         [[auth.clients]]\nname = \"ops\"\napi_key_sha256 = \"{}\"\nlocks = [\"*\"]\nadmin = true\n",
+        sha("key-billing"),
+        sha("key-ops")
+    )
+}
+
+async fn call(
+    app: &TestApp,
+    method: &str,
+    path: &str,
+    key: Option<&str>,
+    body: Option<Value>,
+) -> reqwest::Response {
+    let url = if path.starts_with("/_fencegate") {
+        app.url(path)
+    } else {
+        app.admin_url(path)
+    };
+    let mut req = app.http.request(method.parse().unwrap(), url);
+    if let Some(k) = key {
+        req = req.bearer_auth(k);
+    }
+    if let Some(b) = body {
+        req = req.json(&b);
+    }
+    req.send().await.expect("gateway answered")
+}
+
+async fn acquire(app: &TestApp, name: &str, key: Option<&str>) -> reqwest::Response {
+    call(
+        app,
+        "POST",
+        &format!("/_fencegate/locks/{name}"),
+        key,
+        Some(json!({"ttl_ms": 10000})),
+    )
+    .await
+}
+
+/// Every lock API call × no credential / unknown key / a client outside
+/// its globs / the right client; and another client's lease.
+#[tokio::test]
+async fn the_lock_api_needs_a_known_client_within_its_globs() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let app = TestApp::spawn(&store.url, &auth_section()).await;
+    let name = "billing:invoice-7";
+    // Acquire.
+    for (key, status) in [(None, 401), (Some("wrong"), 401)] {
+        let resp = acquire(&app, name, key).await;
+        assert_eq!(resp.headers()["www-authenticate"], "Bearer");
+        let body = problem(resp, status).await;
+        assert_eq!(body["type"], "urn:fencegate:problem:unauthenticated");
+    }
+    let body = problem(acquire(&app, "ops:deploy", Some("key-billing")).await, 403).await;
+    assert_eq!(body["type"], "urn:fencegate:problem:forbidden");
+    let resp = acquire(&app, name, Some("key-billing")).await;
+    assert_eq!(resp.status(), 201);
+    let grant: Value = resp.json().await.unwrap();
+    let lease = grant["lease"].as_str().unwrap().to_string();
+    // Status.
+    let status_path = format!("/_fencegate/locks/{name}");
+    for (key, code) in [(None, 401), (Some("wrong"), 401)] {
+        problem(call(&app, "GET", &status_path, key, None).await, code).await;
+    }
+    problem(
+        call(
+            &app,
+            "GET",
+            "/_fencegate/locks/doc:420",
+            Some("key-billing"),
+            None,
+        )
+        .await,
+        403,
+    )
+    .await;
+    let st = call(&app, "GET", &status_path, Some("key-billing"), None).await;
+    assert_eq!(st.status(), 200);
+    // Renew and release: credentials, globs, and the lease's owner.
+    for action in ["renew", "release"] {
+        let path = format!("/_fencegate/locks/{name}/{action}");
+        let body = json!({"lease": lease, "ttl_ms": 10000});
+        let body = if action == "release" {
+            json!({"lease": lease})
+        } else {
+            body
+        };
+        for (key, code) in [(None, 401), (Some("wrong"), 401)] {
+            problem(
+                call(&app, "POST", &path, key, Some(body.clone())).await,
+                code,
+            )
+            .await;
+        }
+        // ops may use any lock, but this lease is billing's: 403, right id
+        // or not.
+        let other = problem(
+            call(&app, "POST", &path, Some("key-ops"), Some(body.clone())).await,
+            403,
+        )
+        .await;
+        assert!(other["detail"]
+            .as_str()
+            .unwrap()
+            .contains("not acquired by client 'ops'"));
+    }
+    let renewed = call(
+        &app,
+        "POST",
+        &format!("/_fencegate/locks/{name}/renew"),
+        Some("key-billing"),
+        Some(json!({"lease": lease, "ttl_ms": 10000})),
+    )
+    .await;
+    assert_eq!(renewed.status(), 200);
+    let released = call(
+        &app,
+        "POST",
+        &format!("/_fencegate/locks/{name}/release"),
+        Some("key-billing"),
+        Some(json!({"lease": lease})),
+    )
+    .await;
+    assert_eq!(released.status(), 204);
+    // Without any client configured, the API is open.
+    let open = TestApp::spawn(&TestStore::new(Backend::Sqlite).await.url, "").await;
+    assert_eq!(acquire(&open, "any:thing", None).await.status(), 201);
+}
+
+/// Admin actions need an admin client's bearer key: 401 without a known
+/// key, 403 for a client that is no admin, 403 when no admin exists.
+#[tokio::test]
+async fn admin_actions_need_an_admin_key() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let app = TestApp::spawn(&store.url, &auth_section()).await;
+    let reset = json!({"highest_token": 3, "reason": "test"});
+    for (path, body) in [
+        ("/fences/doc:1/reset", Some(reset.clone())),
+        ("/locks/doc:1/break", None),
+    ] {
+        for (key, code) in [
+            (None, 401),
+            (Some("wrong"), 401),
+            (Some("key-billing"), 403),
+        ] {
+            problem(call(&app, "POST", path, key, body.clone()).await, code).await;
+        }
+    }
+    assert_eq!(
+        call(
+            &app,
+            "POST",
+            "/fences/doc:1/reset",
+            Some("key-ops"),
+            Some(reset.clone())
+        )
+        .await
+        .status(),
+        200
+    );
+    let no_admin = format!(
+        "[[auth.clients]]\nname = \"billing\"\napi_key_sha256 = \"{}\"\nlocks = [\"*\"]\n",
+        sha("key-billing")
+    );
+    let app = TestApp::spawn(&TestStore::new(Backend::Sqlite).await.url, &no_admin).await;
+    let body = problem(
+        call(
+            &app,
+            "POST",
+            "/fences/doc:1/reset",
+            Some("key-billing"),
+            Some(reset),
+        )
+        .await,
+        403,
+    )
+    .await;
+    assert!(body["detail"]
+        .as_str()
+        .unwrap()
+        .contains("admin actions are disabled"));
+    // Reads stay open.
+    assert_eq!(call(&app, "GET", "/fences", None, None).await.status(), 200);
+}
+
+/// On a `token = "issued"` route a forged integer is refused (403), never
+/// recorded and never forwarded; a granted fence is accepted.
+#[tokio::test]
+async fn issued_routes_refuse_tokens_nobody_was_granted() {
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let store = TestStore::new(backend).await;
+        let up = Upstream::start().await;
+        let routes = format!("{}token = \"issued\"\n", docs_route(&up.url()));
+        let app = TestApp::spawn(&store.url, &routes).await;
+        let body = problem(app.put("/docs/victim", Some(MAX), "forged").await, 403).await;
+        assert_eq!(body["type"], "urn:fencegate:problem:unissued-token");
+        assert_eq!(body["highest_issued"], 0);
+        assert_eq!(body["presented_token"], i64::MAX);
+        let fence = call(&app, "GET", "/fences/doc:victim", None, None).await;
+        assert_eq!(fence.status(), 404, "a refused token is not recorded");
+        let grant: Value = acquire(&app, "doc:victim", None)
+            .await
+            .json()
+            .await
+            .unwrap();
+        let fence = grant["fence"].as_i64().unwrap();
+        assert_eq!(
+            app.put("/docs/victim", Some(&fence.to_string()), "ok")
+                .await
+                .status(),
+            200
+        );
+        let next = (fence + 1).to_string();
+        problem(app.put("/docs/victim", Some(&next), "early").await, 403).await;
+        // A second grant makes the next fence valid, also on a key whose
+        // issued fence memory already knows.
+        let release = call(
+            &app,
+            "POST",
+            "/_fencegate/locks/doc:victim/release",
+            None,
+            Some(json!({"lease": grant["lease"]})),
+        )
+        .await;
+        assert_eq!(release.status(), 204);
+        let again: Value = acquire(&app, "doc:victim", None)
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(again["fence"].as_i64(), Some(fence + 1));
+        assert_eq!(
+            app.put("/docs/victim", Some(&next), "again").await.status(),
+            200
+        );
+        let bodies: Vec<_> = up.applied().iter().map(|a| a.body.clone()).collect();
+        assert_eq!(
+            bodies,
+            vec!["ok", "again"],
+            "{backend:?}: only granted writes arrived"
+        );
+    }
+}
+
+/// A forged maximal token on an integer route disables the key: writes get
+/// 409 and the lock answers 409 `fence-exhausted` (not 503). An admin reset
+/// recovers it, and is shown and counted.
+async fn poisoned_key_is_recovered_by_a_reset(locks: &str, backend: Backend) {
+    let store = TestStore::new(backend).await;
+    let up = Upstream::start().await;
+    let extra = format!("{}{locks}{}", docs_route(&up.url()), auth_section());
+    let app = TestApp::spawn(&store.url, &extra).await;
+    assert_eq!(
+        app.put("/docs/victim", Some(MAX), "forged").await.status(),
+        200
+    );
+    problem(app.put("/docs/victim", Some("7"), "real").await, 409).await;
+    let body = problem(acquire(&app, "doc:victim", Some("key-ops")).await, 409).await;
+    assert_eq!(
+        body["type"], "urn:fencegate:problem:fence-exhausted",
+        "{locks}: {body}"
+    );
+
+    let resp = call(
+        &app,
+        "POST",
+        "/fences/doc:victim/reset",
+        Some("key-ops"),
+        Some(json!({"highest_token": 5, "reason": "forged token from a test"})),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    let record: Value = resp.json().await.unwrap();
+    assert_eq!(record["highest_token"], 5);
+    assert_eq!(record["last_reset"]["by"], "ops");
+    assert_eq!(record["last_reset"]["from"], i64::MAX);
+    assert_eq!(record["last_reset"]["to"], 5);
+    assert_eq!(record["last_reset"]["reason"], "forged token from a test");
+    let shown: Value = call(&app, "GET", "/fences/doc:victim", None, None)
+        .await
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(shown["last_reset"], record["last_reset"]);
+
+    // Memory forgot the forged token at once: the lock grants again, above
+    // the reset value, and its holder writes.
+    let grant: Value = acquire(&app, "doc:victim", Some("key-ops"))
+        .await
+        .json()
+        .await
+        .unwrap();
+    let fence = grant["fence"].as_i64().unwrap();
+    assert!(
+        fence > 5,
+        "{locks}: the next grant is above the reset value: {grant}"
+    );
+    let token = fence.to_string();
+    assert_eq!(
+        app.put("/docs/victim", Some(&token), "recovered")
+            .await
+            .status(),
+        200
+    );
+    problem(app.put("/docs/victim", Some("5"), "stale").await, 409).await;
+    let bodies: Vec<_> = up.applied().iter().map(|a| a.body.clone()).collect();
+    assert_eq!(bodies, vec!["forged", "recovered"]);
+}
+
+#[tokio::test]
+async fn poisoned_key_on_the_store_backend_sqlite() {
+    poisoned_key_is_recovered_by_a_reset("", Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn poisoned_key_on_the_store_backend_postgres() {
+    poisoned_key_is_recovered_by_a_reset("", Backend::Postgres).await;
+}
+
+#[tokio::test]
+async fn poisoned_key_on_the_redis_backend() {
+    let url = require_shared_redis();
+    let locks = format!("[locks]\nbackend = \"redis\"\nredis_url = \"{url}\"\n");
+    poisoned_key_is_recovered_by_a_reset(&locks, Backend::Sqlite).await;
+}
+
+#[tokio::test]
+async fn poisoned_key_on_the_redlock_backend() {
+    let nodes: Vec<PrivateRedis> = (0..3).map(|_| PrivateRedis::start()).collect();
+    let urls: Vec<String> = nodes.iter().map(|n| format!("\"{}\"", n.url())).collect();
+    let locks = format!(
+        "[locks]\nbackend = \"redlock\"\nredis_urls = [{}]\n",
+        urls.join(", ")
+    );
+    poisoned_key_is_recovered_by_a_reset(&locks, Backend::Postgres).await;
+}
+
+/// Shared mode: a reset through one instance reaches the other's memory
+/// within a second.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_reaches_every_shared_instance_within_a_second() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let mut apps = Vec::new();
+    for _ in 0..2 {
+        let text = format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+             [store]\nurl = \"{}\"\nmode = \"shared\"\ntimeout_ms = 3000\n{}{}",
+            store.url,
+            docs_route(&up.url()),
+            auth_section()
+        );
+        let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
+        apps.push(TestApp::from_config(config).await.unwrap());
+    }
+    assert_eq!(
+        apps[0].put("/docs/x", Some(MAX), "forged").await.status(),
+        200
+    );
+    // Instance 1 learns the forged token (and caches it).
+    problem(apps[1].put("/docs/x", Some("3"), "a").await, 409).await;
+    problem(apps[1].put("/docs/x", Some("3"), "b").await, 409).await;
+    let reset = call(
+        &apps[0],
+        "POST",
+        "/fences/doc:x/reset",
+        Some("key-ops"),
+        Some(json!({"highest_token": 2, "reason": "test"})),
+    )
+    .await;
+    assert_eq!(reset.status(), 200);
+    let started = Instant::now();
+    loop {
+        let status = apps[1].put("/docs/x", Some("3"), "after").await.status();
+        if status == 200 {
+            break;
+        }
+        assert!(
+            started.elapsed() < Duration::from_millis(1500),
+            "instance 1 still refuses 3 {:?} after the reset",
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let bodies: Vec<_> = up.applied().iter().map(|a| a.body.clone()).collect();
+    assert_eq!(bodies, vec!["forged", "after"]);
+}
+
+/// An admin break ends the lease: the holder's renew and release answer
+/// 409, the next grant has a higher fence, and a second break finds none.
+#[tokio::test]
+async fn breaking_a_lease_ends_it_on_every_backend() {
+    let url = require_shared_redis();
+    for (locks, backend) in [
+        (String::new(), Backend::Sqlite),
+        (String::new(), Backend::Postgres),
+        (
+            format!("[locks]\nbackend = \"redis\"\nredis_url = \"{url}\"\n"),
+            Backend::Sqlite,
+        ),
+    ] {
+        let store = TestStore::new(backend).await;
+        let name = format!("doc:break-{}", rand::random::<u32>());
+        let app = TestApp::spawn(&store.url, &format!("{locks}{}", auth_section())).await;
+        let grant: Value = acquire(&app, &name, Some("key-ops"))
+            .await
+            .json()
+            .await
+            .unwrap();
+        let path = format!("/locks/{name}/break");
+        assert_eq!(
+            call(&app, "POST", &path, Some("key-ops"), None)
+                .await
+                .status(),
+            204
+        );
+        let renew = call(
+            &app,
+            "POST",
+            &format!("/_fencegate/locks/{name}/renew"),
+            Some("key-ops"),
+            Some(json!({"lease": grant["lease"], "ttl_ms": 10000})),
+        )
+        .await;
+        problem(renew, 409).await;
+        let release = call(
+            &app,
+            "POST",
+            &format!("/_fencegate/locks/{name}/release"),
+            Some("key-ops"),
+            Some(json!({"lease": grant["lease"]})),
+        )
+        .await;
+        problem(release, 409).await;
+        let next: Value = acquire(&app, &name, Some("key-ops"))
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert!(
+            next["fence"].as_i64() > grant["fence"].as_i64(),
+            "{next} after {grant}"
+        );
+        assert_eq!(
+            call(&app, "POST", &path, Some("key-ops"), None)
+                .await
+                .status(),
+            204
+        );
+        let body = problem(call(&app, "POST", &path, Some("key-ops"), None).await, 404).await;
+        assert_eq!(body["type"], "urn:fencegate:problem:not-held");
+    }
+}
+
+/// Listings page by key with no overlap and no gap, within a prefix, and
+/// refuse bad parameters.
+#[tokio::test]
+async fn listings_page_through_more_keys_than_one_page() {
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let store = TestStore::new(backend).await;
+        let up = Upstream::start().await;
+        let routes = route("pages", "/p/{id}", &up.url(), "{id}");
+        let app = TestApp::spawn(&store.url, &routes).await;
+        let mut want = Vec::new();
+        for i in 0..250 {
+            let key = format!("page:{i:03}");
+            assert_eq!(
+                app.put(&format!("/p/{key}"), Some("1"), "x").await.status(),
+                200
+            );
+            want.push(key);
+        }
+        for other in ["pagf:0", "pag", "zzz"] {
+            assert_eq!(
+                app.put(&format!("/p/{other}"), Some("1"), "x")
+                    .await
+                    .status(),
+                200
+            );
+        }
+        let mut got = Vec::new();
+        let mut after: Option<String> = None;
+        let mut pages = 0;
+        loop {
+            let mut path = "/fences?prefix=page:&limit=100".to_string();
+            if let Some(a) = &after {
+                path.push_str(&format!("&after={a}"));
+            }
+            let page: Value = call(&app, "GET", &path, None, None)
+                .await
+                .json()
+                .await
+                .unwrap();
+            pages += 1;
+            for f in page["fences"].as_array().unwrap() {
+                got.push(f["resource_key"].as_str().unwrap().to_string());
+            }
+            match page["next"].as_str() {
+                Some(n) => after = Some(n.to_string()),
+                None => break,
+            }
+            assert!(pages < 10, "pagination does not end");
+        }
+        assert_eq!(pages, 3);
+        assert_eq!(got, want, "{backend:?}: every key once, in order");
+        for bad in [
+            "/fences?limit=0",
+            "/fences?limit=5000",
+            "/fences?limit=x",
+            "/fences?colour=red",
+        ] {
+            problem(call(&app, "GET", bad, None, None).await, 400).await;
+        }
+        // Locks: names a fence was issued for, with their status.
+        for n in ["lk:a", "lk:b", "lk:c"] {
+            assert_eq!(acquire(&app, n, None).await.status(), 201);
+        }
+        let page: Value = call(&app, "GET", "/locks?prefix=lk:&limit=2", None, None)
+            .await
+            .json()
+            .await
+            .unwrap();
+        let names: Vec<_> = page["locks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l["name"].clone())
+            .collect();
+        assert_eq!(names, vec![json!("lk:a"), json!("lk:b")]);
+        assert_eq!(page["locks"][0]["held"], true);
+        assert_eq!(page["next"], "lk:b");
+        let rest: Value = call(&app, "GET", "/locks?prefix=lk:&after=lk:b", None, None)
+            .await
+            .json()
+            .await
+            .unwrap();
+        assert_eq!(rest["locks"][0]["name"], "lk:c");
+        assert_eq!(rest["next"], Value::Null);
+    }
+}
