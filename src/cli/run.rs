@@ -154,7 +154,8 @@ async fn run_code(args: RunArgs) -> u8 {
                     "fencegate: lock run: lost the lock {name} before the command ended ({})",
                     keeper.loss_reason().unwrap_or_else(|| "deadline passed".into())
                 );
-                release(keeper, name).await;
+                // Refused as a rule: the lease is gone.
+                let _ = keeper.release().await;
                 return exit::LOST;
             }
             _ = &mut lost => break,
@@ -175,7 +176,8 @@ async fn run_code(args: RunArgs) -> u8 {
     stop(&mut child, group, Duration::from_millis(args.kill_grace_ms)).await;
     // The gateway may still count the lease (this side's deadline is the
     // earlier one): handing it over now spares the next holder the wait.
-    release(keeper, name).await;
+    // Usually refused: the lease is gone.
+    let _ = keeper.release().await;
     exit::LOST
 }
 

@@ -478,6 +478,59 @@ async fn fence_calls_print_json() {
     }
 }
 
+/// Against a gateway with `[[auth.clients]]` the key in
+/// `$FENCEGATE_API_KEY` is what counts: none or one outside its lock globs
+/// is 77, the right one runs; `fence reset` with an admin's key resets.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_key_is_sent_to_a_gateway_with_clients() {
+    let s = Setup::new(Backend::Sqlite, &crate::trust::auth_section()).await;
+    let g = s.gateway();
+    let run = |name: &'static str, key: Option<&'static str>| {
+        let g = g.clone();
+        async move {
+            let env: Vec<(&str, &str)> =
+                key.map(|k| ("FENCEGATE_API_KEY", k)).into_iter().collect();
+            cli(&["lock", "run", name, "--gateway", &g, "--", "true"], &env).await
+        }
+    };
+    let done = run("billing:x", None).await;
+    assert_eq!(done.code, 77, "{done:?}");
+    assert!(done.stderr.contains("not authenticated"), "{done:?}");
+    let done = run("other:x", Some("key-billing")).await;
+    assert_eq!(done.code, 77, "{done:?}");
+    assert!(done.stderr.contains("forbidden"), "{done:?}");
+    let done = run("billing:x", Some("key-billing")).await;
+    assert_eq!(done.code, 0, "{done:?}");
+
+    assert_eq!(s.app.put("/docs/r", Some("9"), "x").await.status(), 200);
+    let admin = format!("http://{}", s.app.admin);
+    let reset = |key: &'static str| {
+        let admin = admin.clone();
+        async move {
+            let args = [
+                "fence",
+                "reset",
+                "doc:r",
+                "--admin",
+                &admin,
+                "--highest-token",
+                "2",
+                "--reason",
+                "test",
+            ];
+            cli(&args, &[("FENCEGATE_API_KEY", key)]).await
+        }
+    };
+    let done = reset("key-billing").await;
+    assert_eq!(done.code, 77, "{done:?}");
+    let done = reset("key-ops").await;
+    assert_eq!(done.code, 0, "{done:?}");
+    assert_eq!(done.json()["highest_token"], 2);
+    let done = cli(&["fence", "get", "doc:r", "--admin", &admin], &[]).await;
+    assert_eq!(done.code, 0, "{done:?}");
+    assert_eq!(done.json()["last_reset"]["reason"], "test", "{done:?}");
+}
+
 /// Over https the CA given with `--cacert` (or `$FENCEGATE_CACERT`) is
 /// trusted, and nothing else.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

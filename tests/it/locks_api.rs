@@ -85,13 +85,7 @@ async fn setup_with(l: Locks, locks: &str) -> Setup {
         Locks::Redlock => 3,
         _ => 0,
     };
-    let redis = tokio::task::spawn_blocking(move || {
-        (0..nodes)
-            .map(|_| PrivateRedis::start())
-            .collect::<Vec<_>>()
-    })
-    .await
-    .unwrap();
+    let redis = crate::support::redis::private_nodes(nodes).await;
     let up = Upstream::start().await;
     let mut extra = docs_route(&up.url());
     extra.push_str("[locks]\n");

@@ -21,7 +21,12 @@ const OP_TIMEOUT: Duration = Duration::from_millis(500);
 
 /// A fresh SQLite fence store (the guard deletes it).
 async fn fence_store(timeout_ms: u64) -> (FenceStore, TestStore) {
-    let db = TestStore::new(Backend::Sqlite).await;
+    fence_store_on(Backend::Sqlite, timeout_ms).await
+}
+
+/// A fresh fence store on `backend` (the guard deletes it).
+pub async fn fence_store_on(backend: Backend, timeout_ms: u64) -> (FenceStore, TestStore) {
+    let db = TestStore::new(backend).await;
     let text = format!(
         "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
          [store]\nurl = \"{}\"\ntimeout_ms = {timeout_ms}\n",

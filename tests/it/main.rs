@@ -14,6 +14,7 @@ mod headers;
 mod jwt_tokens;
 mod key_integrity;
 mod lock_cli;
+mod lock_delay;
 mod locks_api;
 mod locks_redis;
 mod ordering;

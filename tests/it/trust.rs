@@ -21,7 +21,7 @@ fn sha(key: &str) -> String {
 
 /// Two clients: `billing` (billing locks and doc:4?) and `ops` (admin, any
 /// lock).
-fn auth_section() -> String {
+pub(crate) fn auth_section() -> String {
     format!(
         "[[auth.clients]]\nname = \"billing\"\napi_key_sha256 = \"{}\"\nlocks = [\"billing:*\", \"doc:4?\"]\n\
          [[auth.clients]]\nname = \"ops\"\napi_key_sha256 = \"{}\"\nlocks = [\"*\"]\nadmin = true\n",

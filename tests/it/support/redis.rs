@@ -124,6 +124,14 @@ impl PrivateRedis {
     }
 }
 
+/// `n` private servers, started off the async runtime (starting one
+/// blocks until it answers).
+pub async fn private_nodes(n: usize) -> Vec<PrivateRedis> {
+    tokio::task::spawn_blocking(move || (0..n).map(|_| PrivateRedis::start()).collect())
+        .await
+        .expect("redis-server start task")
+}
+
 impl Drop for PrivateRedis {
     fn drop(&mut self) {
         self.stop();
