@@ -45,8 +45,10 @@
 //! * [`metrics`]: every metric, with typed labels.
 //! * [`config`]: typed, validated TOML with environment overrides.
 //! * [`app`]: `Application::build` and `run`: start-up and shutdown.
-//! * [`cli`]: the `fencegate` command line.
-//! * [`client`]: a Rust client of the lock API, with a lease keeper.
+//! * [`cli`]: the `fencegate` command line, the operators' `lock` and
+//!   `fence` commands included.
+//! * [`client`]: a Rust client of the lock API (http and https), with a
+//!   lease keeper.
 //! * [`demo`]: a toy document store to try the gateway against.
 
 pub mod admin;

@@ -2,7 +2,7 @@
 //! get|reset`: one HTTP call each, whose JSON answer is printed as it came
 //! (one line on stdout, for `jq`), problem documents included; a line on
 //! stderr says what failed, and the exit code says it to scripts (see
-//! [`exit`](super::exit)).
+//! [`exit`]).
 
 use std::io::Write;
 use std::path::PathBuf;

@@ -1,5 +1,5 @@
 //! Command-line interface: `serve`, `check-config`, `migrate`,
-//! `demo-backend`, and the operators' commands: `lock run` ([`run`]), and
+//! `demo-backend`, and the operators' commands: `lock run` ([`run`](mod@run)), and
 //! `lock acquire|renew|release|status` and `fence get|reset` ([`calls`]),
 //! whose exit codes are in [`exit`].
 
