@@ -311,11 +311,11 @@ impl GatewayError {
                 "Internal error",
                 format!("the gateway failed internally ({what}); see its log"),
             ),
-            GatewayError::Upstream(UpstreamError::Unreachable { route, .. }) => Problem::new(
+            GatewayError::Upstream(UpstreamError::Unreachable { route, detail }) => Problem::new(
                 StatusCode::BAD_GATEWAY,
                 "upstream-unreachable",
                 "Upstream unreachable",
-                format!("the upstream of route '{route}' could not be reached or broke off the exchange"),
+                format!("the upstream of route '{route}' could not be reached or broke off the exchange: {detail}"),
             ),
             GatewayError::Upstream(UpstreamError::Timeout { route, timeout }) => Problem::new(
                 StatusCode::GATEWAY_TIMEOUT,

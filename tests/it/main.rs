@@ -24,4 +24,5 @@ mod support;
 mod tls;
 mod trust;
 mod unknown_outcomes;
+mod upstream_client;
 mod upstream_selftest;
