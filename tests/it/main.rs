@@ -11,6 +11,7 @@ mod durability;
 mod exchange_lifetime;
 mod group_commit;
 mod headers;
+mod idempotency;
 mod jwt_tokens;
 mod key_integrity;
 mod locks_api;
