@@ -194,6 +194,8 @@ pub struct Route {
     pub token: TokenKind,
     /// Whether fenced writes with an ambiguous path spelling are refused.
     pub paths: PathsMode,
+    /// `Idempotency-Key` handling on fenced writes; `None` when `"off"`.
+    pub idempotency: Option<crate::idempotency::Settings>,
     /// Upper bound on one upstream exchange: until the response head for
     /// pass-through requests; the whole exchange, both bodies included, for
     /// fenced writes (see `exchange`).
@@ -251,6 +253,15 @@ pub enum PathsMode {
     /// for upstreams known to treat `;`, `%2F`, `\\` and `//` as plain
     /// characters.
     AsIs,
+}
+
+/// `[[routes]] idempotency`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+enum IdempotencyPolicy {
+    Off,
+    Optional,
+    Required,
 }
 
 /// `[[routes]] key_case`.
@@ -485,6 +496,9 @@ struct RawRoute {
     paths: Choice<PathsMode>,
     key_case: Choice<KeyCase>,
     upstream_ca_file: Option<String>,
+    idempotency: Choice<IdempotencyPolicy>,
+    idempotency_ttl_s: u64,
+    idempotency_max_response_bytes: u64,
     timeout_ms: u64,
 }
 
@@ -503,6 +517,9 @@ impl Default for RawRoute {
             paths: Choice::Known(PathsMode::Strict),
             key_case: Choice::Known(KeyCase::Preserve),
             upstream_ca_file: None,
+            idempotency: Choice::Known(IdempotencyPolicy::Off),
+            idempotency_ttl_s: 86_400,
+            idempotency_max_response_bytes: 1024 * 1024,
             timeout_ms: 30_000,
         }
     }
@@ -1333,6 +1350,27 @@ impl Validator<'_> {
             );
             let timeout =
                 Duration::from_millis(self.positive(&at("timeout_ms"), r.timeout_ms, 3_600_000));
+            let policy = self.choice(
+                &at("idempotency"),
+                r.idempotency,
+                "an idempotency policy",
+                "\"off\", \"optional\" or \"required\"",
+                IdempotencyPolicy::Off,
+            );
+            // A key is remembered for at most 30 days; an answer stored is
+            // at most 64 MiB.
+            let ttl_s = self.positive(&at("idempotency_ttl_s"), r.idempotency_ttl_s, 30 * 86_400);
+            let max_answer = self.positive(
+                &at("idempotency_max_response_bytes"),
+                r.idempotency_max_response_bytes,
+                64 * 1024 * 1024,
+            );
+            let idempotency =
+                (policy != IdempotencyPolicy::Off).then(|| crate::idempotency::Settings {
+                    required: policy == IdempotencyPolicy::Required,
+                    ttl: Duration::from_secs(ttl_s),
+                    max_response_bytes: max_answer as usize,
+                });
             if let (Some(pattern), Some(key), Some(upstream)) = (pattern, key, upstream) {
                 routes.push(Route {
                     name,
@@ -1343,6 +1381,7 @@ impl Validator<'_> {
                     fenced_methods: fenced,
                     token,
                     paths,
+                    idempotency,
                     timeout,
                 });
             }

@@ -66,6 +66,19 @@ pub enum ClientError {
     },
     #[error("request body larger than {limit} bytes")]
     BodyTooLarge { limit: u64 },
+    /// A missing or malformed `Idempotency-Key`.
+    #[error(transparent)]
+    IdempotencyKey(#[from] crate::idempotency::KeyError),
+    /// The same `Idempotency-Key` with another request.
+    #[error("the idempotency key was used with another request")]
+    IdempotencyReused,
+    /// The first request with this key is still in flight.
+    #[error("the first request with this idempotency key is in flight")]
+    IdempotencyInProgress { retry_after: Duration },
+    /// The first request may have reached the upstream, but its answer was
+    /// not stored.
+    #[error("the outcome of the first request with this idempotency key is unknown")]
+    IdempotencyOutcomeUnknown,
     /// The client left while its write waited at the gate; nobody reads this.
     #[error("the client left before its write was started")]
     ClientGone,
@@ -75,8 +88,13 @@ pub enum ClientError {
 
 #[derive(Debug, thiserror::Error)]
 pub enum UpstreamError {
+    /// `sent`: some of the request may have reached the upstream.
     #[error("upstream of route {route} unreachable: {detail}")]
-    Unreachable { route: String, detail: String },
+    Unreachable {
+        route: String,
+        detail: String,
+        sent: bool,
+    },
     #[error("upstream of route {route} did not answer within {timeout:?}")]
     Timeout { route: String, timeout: Duration },
 }
@@ -265,6 +283,40 @@ impl GatewayError {
                 C::BadRequest(why) => {
                     Problem::new(StatusCode::BAD_REQUEST, "bad-request", "Bad request", *why)
                 }
+                C::IdempotencyKey(e @ crate::idempotency::KeyError::Missing) => Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "idempotency-key-missing",
+                    "Idempotency-Key required",
+                    e.to_string(),
+                ),
+                C::IdempotencyKey(e) => Problem::new(
+                    StatusCode::BAD_REQUEST,
+                    "idempotency-key-malformed",
+                    "Malformed Idempotency-Key",
+                    format!("the Idempotency-Key header {e}"),
+                ),
+                C::IdempotencyReused => Problem::new(
+                    StatusCode::UNPROCESSABLE_ENTITY,
+                    "idempotency-key-reused",
+                    "Idempotency-Key reused",
+                    "this Idempotency-Key was used with another request (method, path and query, Content-Type, X-Fence-Token or body differ); use a new key for a new request",
+                ),
+                C::IdempotencyInProgress { retry_after } => Problem::new(
+                    StatusCode::CONFLICT,
+                    "idempotency-in-progress",
+                    "Request in progress",
+                    "the first request with this Idempotency-Key is still being processed; retry later for its answer",
+                )
+                .header(
+                    header::RETRY_AFTER,
+                    HeaderValue::from(retry_after.as_secs().max(1)),
+                ),
+                C::IdempotencyOutcomeUnknown => Problem::new(
+                    StatusCode::CONFLICT,
+                    "idempotency-outcome-unknown",
+                    "Outcome unknown",
+                    "the first request with this Idempotency-Key may have reached the upstream, but its answer was not stored; it will not be sent again: read the resource to learn what happened, then decide",
+                ),
                 C::ClientGone => Problem::new(
                     StatusCode::BAD_REQUEST,
                     "client-gone",
@@ -311,11 +363,11 @@ impl GatewayError {
                 "Internal error",
                 format!("the gateway failed internally ({what}); see its log"),
             ),
-            GatewayError::Upstream(UpstreamError::Unreachable { route, .. }) => Problem::new(
+            GatewayError::Upstream(UpstreamError::Unreachable { route, detail, .. }) => Problem::new(
                 StatusCode::BAD_GATEWAY,
                 "upstream-unreachable",
                 "Upstream unreachable",
-                format!("the upstream of route '{route}' could not be reached or broke off the exchange"),
+                format!("the upstream of route '{route}' could not be reached or broke off the exchange: {detail}"),
             ),
             GatewayError::Upstream(UpstreamError::Timeout { route, timeout }) => Problem::new(
                 StatusCode::GATEWAY_TIMEOUT,

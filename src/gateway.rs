@@ -23,11 +23,13 @@ use crate::error::{ClientError, GatewayError, UpstreamError};
 use crate::exchange::Exchange;
 use crate::fence::{Admission, Fence};
 use crate::gate::Arrival;
+use crate::idempotency;
 use crate::jwt::JwtRejection;
+use crate::metrics::IdempotencyOutcome;
 use crate::metrics::{Metrics, Outcome, RouteMetrics, StoreOp, UpstreamFailure};
 use crate::proxy::{self, BodyOutcome, LimitedBody, RelayBody};
 use crate::routing::{self, PathError};
-use crate::store::StoreError;
+use crate::store::{Found, RecordId, StoreError, StoredAnswer};
 use crate::token::{self, TokenError};
 use crate::upstream::UpstreamClient;
 
@@ -99,12 +101,12 @@ pub async fn respond(state: Arc<GatewayState>, req: Request<Body>, peer: Downstr
             error,
         } => {
             let result = Err(error);
-            account(&state, route.as_deref(), fenced, false, &result);
+            account(&state, route.as_deref(), fenced, false, false, &result);
             result
         }
         Admitted::PassThrough { route, req } => {
             let result = forward(&state, &route, req, peer, None).await;
-            account(&state, Some(&route), false, true, &result);
+            account(&state, Some(&route), false, true, false, &result);
             result
         }
         Admitted::Fenced(write) => write.run(state, peer).await,
@@ -130,20 +132,42 @@ pub async fn respond(state: Arc<GatewayState>, req: Request<Body>, peer: Downstr
 /// Per-request accounting, the one place where a request's end is counted
 /// and logged: for fenced writes its [`Outcome`] (exactly one per write),
 /// for the rest pass-through counts; upstream failures; error logs.
+/// `keyed`: a fenced write with an `Idempotency-Key`.
 fn account(
     state: &GatewayState,
     route: Option<&GatedRoute>,
     fenced: bool,
     forwarded: bool,
+    keyed: bool,
     result: &Result<Response, GatewayError>,
 ) {
     if let Some(route) = route {
         if fenced {
             let outcome = match result {
                 _ if forwarded => Some(Outcome::Forwarded),
-                Ok(_) => None,
+                // Only a replay answers a fenced write it did not forward.
+                Ok(_) => Some(Outcome::Replayed),
                 Err(e) => refusal_outcome(e),
             };
+            if keyed {
+                let idem = match result {
+                    _ if forwarded => Some(IdempotencyOutcome::First),
+                    Ok(_) => Some(IdempotencyOutcome::Replayed),
+                    Err(GatewayError::Client(ClientError::IdempotencyReused)) => {
+                        Some(IdempotencyOutcome::Reused)
+                    }
+                    Err(GatewayError::Client(ClientError::IdempotencyInProgress { .. })) => {
+                        Some(IdempotencyOutcome::InProgress)
+                    }
+                    Err(GatewayError::Client(ClientError::IdempotencyOutcomeUnknown)) => {
+                        Some(IdempotencyOutcome::OutcomeUnknown)
+                    }
+                    Err(_) => None,
+                };
+                if let Some(o) = idem {
+                    route.metrics.idempotency(o);
+                }
+            }
             if let Some(outcome) = outcome {
                 route.metrics.decision(outcome);
                 if outcome == Outcome::StoreUnavailable {
@@ -168,7 +192,7 @@ fn account(
         GatewayError::Store(err) => {
             tracing::warn!(error = %err, "fence store unavailable; answering 503")
         }
-        GatewayError::Upstream(UpstreamError::Unreachable { route, detail }) => {
+        GatewayError::Upstream(UpstreamError::Unreachable { route, detail, .. }) => {
             tracing::warn!(%route, error = %detail, "upstream request failed")
         }
         GatewayError::Internal(what) => tracing::error!(what, "internal error"),
@@ -192,6 +216,10 @@ fn refusal_outcome(e: &GatewayError) -> Option<Outcome> {
             C::AmbiguousPath(_) => Outcome::AmbiguousPath,
             C::AmbiguousKey(_) => Outcome::AmbiguousKey,
             C::UnissuedToken { .. } => Outcome::Unissued,
+            C::IdempotencyKey(_) => Outcome::BadRequest,
+            C::IdempotencyReused
+            | C::IdempotencyInProgress { .. }
+            | C::IdempotencyOutcomeUnknown => Outcome::IdempotencyConflict,
             // Not fenced writes: no route, or refused before the method
             // was known to be fenced.
             C::NoRoute { .. } | C::BadPath(_) | C::MethodNotAllowed { .. } => return None,
@@ -300,6 +328,26 @@ fn admit(state: &GatewayState, req: Request<Body>) -> Admitted {
         Ok(t) => t,
         Err(e) => return refused(Some(&route), true, e.into()),
     };
+    // Phase: idempotency key. A write that carries one may be a replay of
+    // one that happened, so memory must not refuse it as stale before its
+    // record is looked up: its fence step waits until then.
+    let idem = match &route.idempotency {
+        None => None,
+        Some(settings) => match idempotency::key_of(req.headers(), settings) {
+            Ok(k) => k,
+            Err(e) => return refused(Some(&route), true, ClientError::from(e).into()),
+        },
+    };
+    if idem.is_some() {
+        return Admitted::Fenced(FencedWrite {
+            route,
+            key,
+            token,
+            arrival: None,
+            idem,
+            req,
+        });
+    }
     // Phase: the fence's memory-only step. A token below one already known
     // durable is stale (tokens only grow): refused here, without a task or
     // the store. Otherwise the key's ticket is taken here, in the same pass
@@ -309,7 +357,8 @@ fn admit(state: &GatewayState, req: Request<Body>) -> Admitted {
             route,
             key,
             token,
-            arrival,
+            arrival: Some(arrival),
+            idem: None,
             req,
         }),
         Err(e) => refused(Some(&route), true, e),
@@ -363,9 +412,19 @@ struct FencedWrite {
     route: Arc<GatedRoute>,
     key: String,
     token: i64,
-    /// The key's ticket from the memory-only step.
-    arrival: Arrival,
+    /// The key's ticket from the memory-only step; `None` until after the
+    /// idempotency record is looked up.
+    arrival: Option<Arrival>,
+    /// The `Idempotency-Key`, on routes that use them.
+    idem: Option<String>,
     req: Request<Body>,
+}
+
+/// A first use of an idempotency key, between its lookup and its record.
+struct FirstUse {
+    settings: idempotency::Settings,
+    key: String,
+    fingerprint: [u8; 32],
 }
 
 impl FencedWrite {
@@ -385,8 +444,9 @@ impl FencedWrite {
             .then(|| state.store_runtime.clone());
         let task = async move {
             let route = self.route.clone();
+            let keyed = self.idem.is_some();
             let (forwarded, result) = self.decide_and_forward(&state, peer, &answer).await;
-            account(&state, Some(&route), true, forwarded, &result);
+            account(&state, Some(&route), true, forwarded, keyed, &result);
             let _ = answer.send(result);
         };
         match runtime {
@@ -401,16 +461,32 @@ impl FencedWrite {
     /// Check the fence, then forward while holding the key's admission.
     /// Answers whether the write was forwarded, and the result.
     async fn decide_and_forward(
-        self,
+        mut self,
         state: &GatewayState,
         peer: Downstream,
         answer: &oneshot::Sender<Result<Response, GatewayError>>,
     ) -> (bool, Result<Response, GatewayError>) {
+        // Phase: idempotency record. A replay, or a refusal, ends here.
+        let first_use = match self.idem.take() {
+            None => None,
+            Some(key) => match self.look_up(state, key).await {
+                Ok(Ok(first)) => Some(first),
+                Ok(Err(replay)) => return (false, Ok(replay)),
+                Err(e) => return (false, Err(e)),
+            },
+        };
+        let arrival = match self.arrival.take() {
+            Some(a) => a,
+            None => match state.fence.arrive(&self.key, self.token) {
+                Ok(a) => a,
+                Err(e) => return (false, Err(e)),
+            },
+        };
         let decided = Instant::now();
         let issued_only = self.route.token == TokenKind::Issued;
         let check = state.fence.check(
             &self.key,
-            self.arrival,
+            arrival,
             self.token,
             self.route.timeout,
             issued_only,
@@ -438,8 +514,209 @@ impl FencedWrite {
                 return (false, Err(StoreError::Late.into()));
             }
         }
+        let Some(first) = first_use else {
+            let result = forward(state, &self.route, self.req, peer, Some(admission)).await;
+            return (true, result);
+        };
+        // Phase: record the first use durably, then forward, then store the
+        // answer before returning it.
+        let id = self.record_id(&first.key);
+        let in_flight =
+            self.route.timeout + state.fence.store.timeout() * 2 + Duration::from_secs(1);
+        let ttl = first.settings.ttl;
+        match state
+            .fence
+            .store
+            .idem_begin(
+                id,
+                &first.fingerprint,
+                in_flight.as_millis() as u64,
+                ttl.as_millis() as u64,
+            )
+            .await
+        {
+            Ok(true) => {}
+            // A concurrent duplicate got there first: tell what it found.
+            Ok(false) => {
+                drop(admission);
+                let again = self.look_up(state, first.key).await;
+                return match again {
+                    Ok(Ok(_)) => (
+                        false,
+                        Err(StoreError::Other("an idempotency record vanished".into()).into()),
+                    ),
+                    Ok(Err(replay)) => (false, Ok(replay)),
+                    Err(e) => (false, Err(e)),
+                };
+            }
+            Err(e) => return (false, Err(e.into())),
+        }
+        let method = self.req.method().clone();
         let result = forward(state, &self.route, self.req, peer, Some(admission)).await;
-        (true, result)
+        let id = RecordId {
+            route: &self.route.name,
+            method: method.as_str(),
+            key: &first.key,
+        };
+        (
+            true,
+            idempotency_answer(state, &self.route, id, &first.settings, result).await,
+        )
+    }
+
+    fn record_id<'a>(&'a self, key: &'a str) -> RecordId<'a> {
+        RecordId {
+            route: &self.route.name,
+            method: self.req.method().as_str(),
+            key,
+        }
+    }
+
+    /// Reads the body (idempotent writes are buffered: the fingerprint
+    /// covers it) and looks the key up. `Ok(Ok(first use))` to go on,
+    /// `Ok(Err(replay))` for a stored answer, `Err` for a refusal.
+    async fn look_up(
+        &mut self,
+        state: &GatewayState,
+        key: String,
+    ) -> Result<Result<FirstUse, Response>, GatewayError> {
+        let settings = self.route.idempotency.ok_or(GatewayError::Internal(
+            "an idempotency key on a route without idempotency",
+        ))?;
+        let body = std::mem::take(self.req.body_mut());
+        let limit = state.max_body_bytes as usize;
+        let bytes =
+            match http_body_util::BodyExt::collect(http_body_util::Limited::new(body, limit)).await
+            {
+                Ok(c) => c.to_bytes(),
+                Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+                    return Err(ClientError::BodyTooLarge {
+                        limit: state.max_body_bytes,
+                    }
+                    .into())
+                }
+                Err(_) => {
+                    return Err(
+                        ClientError::BadRequest("the client broke off the request body").into(),
+                    )
+                }
+            };
+        let pq = self
+            .req
+            .uri()
+            .path_and_query()
+            .map_or("/", |pq| pq.as_str());
+        let fingerprint =
+            idempotency::fingerprint(self.req.method(), pq, self.req.headers(), &bytes);
+        *self.req.body_mut() = Body::from(bytes);
+        let found = state
+            .fence
+            .store
+            .idem_lookup(self.record_id(&key), &fingerprint)
+            .await?;
+        match found {
+            Found::Absent => Ok(Ok(FirstUse {
+                settings,
+                key,
+                fingerprint,
+            })),
+            Found::Done(stored) => Ok(Err(replay(stored))),
+            Found::Reused => Err(ClientError::IdempotencyReused.into()),
+            Found::InFlight { for_ms } => Err(ClientError::IdempotencyInProgress {
+                retry_after: Duration::from_millis(for_ms),
+            }
+            .into()),
+            Found::Unknown => Err(ClientError::IdempotencyOutcomeUnknown.into()),
+        }
+    }
+}
+
+/// A stored answer, replayed.
+fn replay(stored: StoredAnswer) -> Response {
+    let mut resp = Response::new(Body::from(stored.body));
+    *resp.status_mut() = http::StatusCode::from_u16(stored.status).unwrap_or(http::StatusCode::OK);
+    for (name, value) in stored.headers {
+        if let (Ok(n), Ok(v)) = (
+            http::HeaderName::from_bytes(name.as_bytes()),
+            http::HeaderValue::from_bytes(&value),
+        ) {
+            resp.headers_mut().append(n, v);
+        }
+    }
+    resp.headers_mut().insert(
+        idempotency::REPLAYED,
+        http::HeaderValue::from_static("true"),
+    );
+    resp
+}
+
+/// The end of a first use: the upstream's answer stored durably before it
+/// is returned; or, when it cannot be, the record told what is known.
+async fn idempotency_answer(
+    state: &GatewayState,
+    route: &GatedRoute,
+    id: RecordId<'_>,
+    settings: &idempotency::Settings,
+    result: Result<Response, GatewayError>,
+) -> Result<Response, GatewayError> {
+    let store = &state.fence.store;
+    let resp = match result {
+        Ok(resp) => resp,
+        // Nothing of it was sent (the connection failed): the key may be
+        // used again.
+        Err(e @ GatewayError::Upstream(UpstreamError::Unreachable { sent: false, .. })) => {
+            if let Err(err) = store.idem_forget(id).await {
+                tracing::warn!(error = %err, "cannot forget an unsent idempotency record; duplicates will see outcome unknown");
+            }
+            return Err(e);
+        }
+        Err(e) => {
+            route.metrics.idempotency(IdempotencyOutcome::NotStored);
+            if let Err(err) = store.idem_unknown(id).await {
+                tracing::warn!(error = %err, "cannot mark an idempotency record unknown; it becomes so when its time runs out");
+            }
+            return Err(e);
+        }
+    };
+    let (parts, body) = resp.into_parts();
+    match idempotency::buffer(body, settings.max_response_bytes).await {
+        Ok(idempotency::Buffered::Whole(bytes)) => {
+            let stored = StoredAnswer {
+                status: parts.status.as_u16(),
+                headers: parts
+                    .headers
+                    .iter()
+                    .map(|(n, v)| (n.as_str().to_string(), v.as_bytes().to_vec()))
+                    .collect(),
+                body: bytes.clone(),
+            };
+            if let Err(err) = store.idem_complete(id, &stored).await {
+                // The answer is the truth: give it; duplicates will hear
+                // "outcome unknown" once the record's time runs out.
+                route.metrics.idempotency(IdempotencyOutcome::NotStored);
+                tracing::warn!(error = %err, "cannot store an idempotency answer");
+            }
+            Ok(Response::from_parts(parts, Body::from(bytes)))
+        }
+        Ok(idempotency::Buffered::TooLarge(body)) => {
+            route.metrics.idempotency(IdempotencyOutcome::NotStored);
+            if let Err(err) = store.idem_unknown(id).await {
+                tracing::warn!(error = %err, "cannot mark an idempotency record unknown; it becomes so when its time runs out");
+            }
+            Ok(Response::from_parts(parts, body))
+        }
+        Err(()) => {
+            route.metrics.idempotency(IdempotencyOutcome::NotStored);
+            if let Err(err) = store.idem_unknown(id).await {
+                tracing::warn!(error = %err, "cannot mark an idempotency record unknown; it becomes so when its time runs out");
+            }
+            Err(UpstreamError::Unreachable {
+                route: route.name.clone(),
+                detail: "the upstream's answer broke off".into(),
+                sent: true,
+            }
+            .into())
+        }
     }
 }
 
@@ -518,6 +795,7 @@ async fn forward(
             Err(UpstreamError::Unreachable {
                 route: route.name.clone(),
                 detail: e.to_string(),
+                sent: !e.nothing_sent(),
             }
             .into())
         }

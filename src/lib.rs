@@ -23,6 +23,8 @@
 //!   reserved prefix (lock API) on the store's runtime.
 //! * [`gateway`]: one proxied request's phases, from route match to the
 //!   answer, and its accounting.
+//! * [`idempotency`]: `Idempotency-Key` on fenced writes: keys,
+//!   fingerprints, the records' life.
 //! * [`routing`]: path patterns and resource-key templates.
 //! * [`token`]: the strict `X-Fence-Token` grammar.
 //! * [`jwt`]: JWT fence tokens: loading keys, verifying tokens, signing grants.
@@ -63,6 +65,7 @@ pub mod exchange;
 pub mod fence;
 pub mod gate;
 pub mod gateway;
+pub mod idempotency;
 pub mod jwt;
 pub mod locks;
 pub mod metrics;

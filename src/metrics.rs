@@ -43,10 +43,14 @@ pub enum Outcome {
     AmbiguousKey,
     /// `token = "issued"`: above every fence the lock API granted: 403.
     Unissued,
+    /// An `Idempotency-Key` replay: the stored answer, nothing forwarded.
+    Replayed,
+    /// An `Idempotency-Key` refusal: in progress, reused, or outcome unknown.
+    IdempotencyConflict,
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 15] = [
+    pub const ALL: [Outcome; 17] = [
         Outcome::Forwarded,
         Outcome::Stale,
         Outcome::MissingToken,
@@ -62,6 +66,8 @@ impl Outcome {
         Outcome::AmbiguousPath,
         Outcome::AmbiguousKey,
         Outcome::Unissued,
+        Outcome::Replayed,
+        Outcome::IdempotencyConflict,
     ];
 
     /// The label value.
@@ -82,6 +88,8 @@ impl Outcome {
             Outcome::AmbiguousPath => "ambiguous_path",
             Outcome::AmbiguousKey => "ambiguous_key",
             Outcome::Unissued => "unissued",
+            Outcome::Replayed => "replayed",
+            Outcome::IdempotencyConflict => "idempotency_conflict",
         }
     }
 }
@@ -90,6 +98,42 @@ impl EncodeLabelValue for Outcome {
     fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
         std::fmt::Write::write_str(encoder, self.as_str())
     }
+}
+
+/// The `outcome` label of `fencegate_idempotency_total`.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum IdempotencyOutcome {
+    /// A new key: recorded, then forwarded.
+    First,
+    Replayed,
+    InProgress,
+    Reused,
+    OutcomeUnknown,
+    /// A first use whose answer was not stored (too large, broken off, or
+    /// the store failed): its duplicates will hear "outcome unknown".
+    NotStored,
+}
+
+impl EncodeLabelValue for IdempotencyOutcome {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        std::fmt::Write::write_str(
+            encoder,
+            match self {
+                IdempotencyOutcome::First => "first",
+                IdempotencyOutcome::Replayed => "replayed",
+                IdempotencyOutcome::InProgress => "in_progress",
+                IdempotencyOutcome::Reused => "reused",
+                IdempotencyOutcome::OutcomeUnknown => "outcome_unknown",
+                IdempotencyOutcome::NotStored => "not_stored",
+            },
+        )
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct IdempotencyLabels {
+    pub route: String,
+    pub outcome: IdempotencyOutcome,
 }
 
 /// The `kind` label of `fencegate_upstream_errors_total`.
@@ -168,6 +212,8 @@ type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 /// Every metric the gateway exports. Cloning shares the same counters.
 #[derive(Clone)]
 pub struct Metrics {
+    /// `Idempotency-Key` outcomes by route.
+    pub idempotency: Family<IdempotencyLabels, Counter>,
     /// Fence decisions by route and [`Outcome`].
     pub decisions: Family<DecisionLabels, Counter>,
     /// Requests forwarded without a check (safe methods).
@@ -199,6 +245,12 @@ impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("fencegate");
         let decisions = Family::<DecisionLabels, Counter>::default();
+        let idempotency = Family::<IdempotencyLabels, Counter>::default();
+        registry.register(
+            "idempotency",
+            "Idempotency-Key outcomes on fenced writes, by route",
+            idempotency.clone(),
+        );
         let passthrough = Family::<RouteLabels, Counter>::default();
         let upstream_latency: HistogramFamily<RouteLabels> =
             Family::new_with_constructor(latency_histogram);
@@ -248,6 +300,7 @@ impl Metrics {
             gate_keys.clone(),
         );
         Self {
+            idempotency,
             decisions,
             passthrough,
             upstream_latency,
@@ -390,5 +443,15 @@ impl RouteMetrics {
 
     pub fn upstream_error(&self, kind: UpstreamFailure) {
         self.metrics.upstream_error(&self.route, kind);
+    }
+
+    pub fn idempotency(&self, outcome: IdempotencyOutcome) {
+        self.metrics
+            .idempotency
+            .get_or_create(&IdempotencyLabels {
+                route: self.route.clone(),
+                outcome,
+            })
+            .inc();
     }
 }

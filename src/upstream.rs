@@ -13,8 +13,11 @@
 //! gives it back unsent (`try_send_request`: the connection turned out
 //! closed before a byte of the request was written), which is what happens
 //! when an upstream closes an idle connection just as it is reused. A
-//! request of which any byte may have been written is never sent again: the
-//! upstream may be applying it.
+//! request of which any byte may have been written is never sent again —
+//! the upstream may be applying it — with one exception: a bodiless GET,
+//! HEAD or OPTIONS that failed on a reused connection, which HTTP lets a
+//! client repeat (RFC 9110 §9.2.2) and which is how an idle connection the
+//! upstream closed mid-send shows. Fenced writes are never among them.
 //!
 //! **When a connection is handed back** ([`Pooled`]): after the response
 //! body ended *and* the connection is ready for the next request, which in
@@ -228,6 +231,9 @@ impl UpstreamClient {
                 Some(s) => (s, true),
                 None => (connect(upstream).await?, false),
             };
+            // A copy to repeat a safe request with, should the reused
+            // connection turn out dead after all.
+            let again = reused.then(|| repeatable(&req)).flatten();
             match sender.try_send_request(req).await {
                 Ok(resp) => {
                     let pooled = Pooled {
@@ -248,11 +254,31 @@ impl UpstreamClient {
                             e.into_error()
                         )))
                     }
-                    None => return Err(SendError::Exchange(e.into_error())),
+                    None => match again {
+                        Some(copy) => req = copy,
+                        None => return Err(SendError::Exchange(e.into_error())),
+                    },
                 },
             }
         }
     }
+}
+
+/// A copy of `req` when it may be sent again: a safe method without a body.
+fn repeatable(req: &Request<Body>) -> Option<Request<Body>> {
+    let safe = matches!(
+        *req.method(),
+        http::Method::GET | http::Method::HEAD | http::Method::OPTIONS
+    );
+    if !safe || !http_body::Body::is_end_stream(req.body()) {
+        return None;
+    }
+    let mut copy = Request::new(Body::empty());
+    *copy.method_mut() = req.method().clone();
+    *copy.uri_mut() = req.uri().clone();
+    *copy.version_mut() = req.version();
+    *copy.headers_mut() = req.headers().clone();
+    Some(copy)
 }
 
 /// A new connection to `upstream`, its HTTP/1 driver running on the current

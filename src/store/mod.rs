@@ -12,6 +12,7 @@
 
 mod admin;
 pub mod batch;
+mod idempotency;
 mod postgres;
 pub(crate) mod sql;
 mod sqlite;
@@ -22,6 +23,7 @@ use std::time::Duration;
 use crate::config::{StoreBackend, StoreConfig, StoreMode};
 
 pub use admin::{prefix_end, FenceRecord, Page, ResetRecord};
+pub use idempotency::{Found, RecordId, StoredAnswer, PURGE_BATCH};
 pub use postgres::{Entered, KeyLock, PgStore};
 pub use sqlite::SqliteStore;
 

@@ -68,6 +68,11 @@ impl Ca {
         )
     }
 
+    /// A server certificate for exactly these names.
+    pub fn issue_for(&self, cn: &str, sans: Vec<String>) -> Issued {
+        self.issue(cn, sans, ExtendedKeyUsagePurpose::ServerAuth)
+    }
+
     /// A client certificate whose subject CN is `cn`.
     pub fn client(&self, cn: &str) -> Issued {
         self.issue(cn, Vec::new(), ExtendedKeyUsagePurpose::ClientAuth)
@@ -163,4 +168,82 @@ pub fn der(pem: &str) -> Vec<u8> {
         .unwrap()
         .as_ref()
         .to_vec()
+}
+
+/// A running HTTPS upstream: every request is answered 200 with a JSON of
+/// what it saw; requests are counted.
+pub struct HttpsUpstream {
+    pub addr: std::net::SocketAddr,
+    pub seen: Arc<std::sync::Mutex<Vec<String>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Drop for HttpsUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl HttpsUpstream {
+    /// Serves HTTPS on 127.0.0.1:0 with `server` (a certificate and key).
+    pub async fn start(server: &Issued) -> HttpsUpstream {
+        use rustls::pki_types::pem::PemObject;
+        use rustls::pki_types::{CertificateDer, PrivateKeyDer};
+        let certs = vec![CertificateDer::from_pem_slice(server.cert_pem.as_bytes()).unwrap()];
+        let key = PrivateKeyDer::from_pem_slice(server.key_pem.as_bytes()).unwrap();
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut config = rustls::ServerConfig::builder_with_provider(provider)
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(certs, key)
+            .unwrap();
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let seen: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+        let log = seen.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((tcp, _)) = listener.accept().await else {
+                    continue;
+                };
+                let (acceptor, log) = (acceptor.clone(), log.clone());
+                tokio::spawn(async move {
+                    let Ok(tls) = acceptor.accept(tcp).await else {
+                        return;
+                    };
+                    let service = hyper::service::service_fn(
+                        move |req: http::Request<hyper::body::Incoming>| {
+                            let log = log.clone();
+                            async move {
+                                let line = format!(
+                                    "{} {} host={} proto={}",
+                                    req.method(),
+                                    req.uri(),
+                                    req.headers()
+                                        .get("host")
+                                        .and_then(|v| v.to_str().ok())
+                                        .unwrap_or(""),
+                                    req.headers()
+                                        .get("x-forwarded-proto")
+                                        .and_then(|v| v.to_str().ok())
+                                        .unwrap_or("")
+                                );
+                                log.lock().unwrap().push(line);
+                                Ok::<_, std::convert::Infallible>(http::Response::new(
+                                    http_body_util::Full::new(bytes::Bytes::from_static(b"secure")),
+                                ))
+                            }
+                        },
+                    );
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                        .await;
+                });
+            }
+        });
+        HttpsUpstream { addr, seen, task }
+    }
 }

@@ -1,0 +1,269 @@
+//! Idempotency-Key on fenced writes (draft-ietf-httpapi-idempotency-key-
+//! header): safe retries for writes to upstreams that can check neither
+//! tokens nor duplicates.
+//!
+//! A record is kept per route, method and key, with a fingerprint of the
+//! request (method, path and query, `Content-Type`, `X-Fence-Token`, and the
+//! body's SHA-256):
+//!
+//! * **first use**: the record is written durably, in flight, *before* the
+//!   request is forwarded; the upstream's answer is stored durably *before*
+//!   it is returned;
+//! * **replay** of the same key and fingerprint: the stored answer, with
+//!   `Idempotent-Replayed: true`; nothing is forwarded and no fence is
+//!   checked (the write did happen);
+//! * **reuse** with another fingerprint: 422;
+//! * **in flight** on any instance: 409 with `Retry-After`;
+//! * **outcome unknown** — the request may have reached the upstream but no
+//!   answer was stored (502 after sending, 504, an answer over the size
+//!   limit, a gateway that crashed or stalled mid-forward): 409, and the
+//!   request is never forwarded again while the record lives. A client
+//!   should read the resource and decide;
+//! * refused before forwarding (400, 409 stale, 413, 428, 503), or nothing
+//!   of it sent: no record stays; the key can be used again.
+//!
+//! Exactly one of concurrent duplicates is forwarded, on any instance: the
+//! in-flight record is written with the store's primary key as the referee.
+//! The record's `in_flight_until` is the latest instant its gateway may
+//! still store an answer (the forward's deadline plus two store timeouts);
+//! a record still in flight after it is unknown, which is how a crashed
+//! gateway's write is never forwarded twice.
+//!
+//! The fence record and the idempotency record are written in two
+//! statements, not one transaction: fence decisions are group-committed
+//! with other keys'. A crash between them leaves a recorded token whose
+//! write was not forwarded (harmless, as any recorded token), or an
+//! in-flight record whose request was never forwarded, which duplicates
+//! then see as "outcome unknown" — the safe answer when the gateway cannot
+//! know.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderMap, Method};
+use sha2::{Digest, Sha256};
+
+use crate::store::FenceStore;
+
+/// The request header.
+pub const IDEMPOTENCY_KEY: header::HeaderName = header::HeaderName::from_static("idempotency-key");
+/// Set on a replayed answer.
+pub const REPLAYED: header::HeaderName = header::HeaderName::from_static("idempotent-replayed");
+const FENCE_TOKEN: header::HeaderName = header::HeaderName::from_static("x-fence-token");
+
+/// A route's `idempotency` settings, when it is not `"off"`.
+#[derive(Debug, Clone, Copy)]
+pub struct Settings {
+    /// `"required"`: a fenced write without the header is 400.
+    pub required: bool,
+    /// `idempotency_ttl_s`: how long a key is remembered.
+    pub ttl: Duration,
+    /// `idempotency_max_response_bytes`: larger answers are not stored.
+    pub max_response_bytes: usize,
+}
+
+/// Why an `Idempotency-Key` header is refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    #[error("this route requires an Idempotency-Key header on writes")]
+    Missing,
+    #[error("{0}")]
+    Malformed(&'static str),
+}
+
+/// The request's idempotency key: `None` when it sends none (and the route
+/// does not require one).
+pub fn key_of(headers: &HeaderMap, settings: &Settings) -> Result<Option<String>, KeyError> {
+    let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
+    let Some(value) = values.next() else {
+        return match settings.required {
+            true => Err(KeyError::Missing),
+            false => Ok(None),
+        };
+    };
+    if values.next().is_some() {
+        return Err(KeyError::Malformed("sent more than once"));
+    }
+    let raw = value.as_bytes();
+    let key = if raw.first() == Some(&b'"') {
+        // A structured-field string (RFC 8941), without parameters.
+        match sfv::Parser::parse_item(raw) {
+            Ok(item) if item.params.is_empty() => match item.bare_item {
+                sfv::BareItem::String(s) => s.to_string(),
+                _ => return Err(KeyError::Malformed("is not a structured-field string")),
+            },
+            Ok(_) => return Err(KeyError::Malformed("has parameters")),
+            Err(_) => {
+                return Err(KeyError::Malformed(
+                    "is not a valid structured-field string",
+                ))
+            }
+        }
+    } else {
+        if !raw.iter().all(|b| (0x21..=0x7e).contains(b)) {
+            return Err(KeyError::Malformed(
+                "must be a quoted string or visible ASCII characters",
+            ));
+        }
+        // Checked: visible ASCII.
+        String::from_utf8_lossy(raw).into_owned()
+    };
+    if key.is_empty() || key.len() > 255 {
+        return Err(KeyError::Malformed("must be 1 to 255 characters"));
+    }
+    Ok(Some(key))
+}
+
+/// The fingerprint a reuse of the key is judged by.
+pub fn fingerprint(
+    method: &Method,
+    path_and_query: &str,
+    headers: &HeaderMap,
+    body: &Bytes,
+) -> [u8; 32] {
+    let mut h = Sha256::new();
+    // Length-prefixed parts: no two requests share one byte string.
+    let mut part = |bytes: &[u8]| {
+        h.update((bytes.len() as u64).to_be_bytes());
+        h.update(bytes);
+    };
+    part(method.as_str().as_bytes());
+    part(path_and_query.as_bytes());
+    for name in [header::CONTENT_TYPE, FENCE_TOKEN] {
+        match headers.get(&name) {
+            Some(v) => part(v.as_bytes()),
+            None => part(b"\\0none"),
+        }
+    }
+    part(&Sha256::digest(body));
+    h.finalize().into()
+}
+
+/// How often expired records are purged.
+pub const PURGE_EVERY: Duration = Duration::from_secs(60);
+
+/// An upstream answer read for storing.
+pub enum Buffered {
+    /// All of it, within the limit.
+    Whole(Bytes),
+    /// Over the limit: the part read and the rest, to relay unstored.
+    TooLarge(axum::body::Body),
+}
+
+/// Reads `body` up to `limit` bytes. `Err` when it broke off (the relay
+/// has already treated the exchange as abnormal).
+pub async fn buffer(body: axum::body::Body, limit: usize) -> Result<Buffered, ()> {
+    use http_body_util::BodyExt;
+    let mut body = body;
+    let mut read = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|_| ())?;
+        let Ok(data) = frame.into_data() else {
+            continue;
+        };
+        if read.len() + data.len() > limit {
+            read.extend_from_slice(&data);
+            let head = futures_util::stream::once(async move {
+                Ok::<_, axum::Error>(http_body::Frame::data(read.freeze()))
+            });
+            let rest = futures_util::StreamExt::map(body.into_data_stream(), |r| {
+                r.map(http_body::Frame::data)
+            });
+            let stream = futures_util::StreamExt::chain(head, rest);
+            return Ok(Buffered::TooLarge(axum::body::Body::new(
+                http_body_util::StreamBody::new(stream),
+            )));
+        }
+        read.extend_from_slice(&data);
+    }
+    Ok(Buffered::Whole(read.freeze()))
+}
+
+/// Purges expired records in small batches, now and then: each statement
+/// deletes at most `store::PURGE_BATCH` rows, so no purge holds locks long,
+/// and a pause between batches leaves room for traffic.
+pub async fn purge_forever(store: FenceStore, every: Duration) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        loop {
+            match store.idem_purge().await {
+                Ok(n) if n as i64 >= crate::store::PURGE_BATCH => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Ok(_) => break,
+                Err(e) => {
+                    tracing::debug!(error = %e, "cannot purge expired idempotency records; later");
+                    break;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn settings(required: bool) -> Settings {
+        Settings {
+            required,
+            ttl: Duration::from_secs(60),
+            max_response_bytes: 1024,
+        }
+    }
+
+    fn with(value: &str) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        h.insert(IDEMPOTENCY_KEY, value.parse().unwrap());
+        h
+    }
+
+    #[test]
+    fn keys_are_strings_or_bare_visible_ascii() {
+        let s = settings(false);
+        assert_eq!(key_of(&with("\"a b\\\"c\""), &s), Ok(Some("a b\"c".into())));
+        assert_eq!(
+            key_of(&with("order-42:x"), &s),
+            Ok(Some("order-42:x".into()))
+        );
+        assert_eq!(key_of(&HeaderMap::new(), &s), Ok(None));
+        assert_eq!(
+            key_of(&HeaderMap::new(), &settings(true)),
+            Err(KeyError::Missing)
+        );
+        for bad in ["\"unterminated", "\"\"", "\"x\";a=1", "a b", "\"x\" y"] {
+            assert!(
+                matches!(key_of(&with(bad), &s), Err(KeyError::Malformed(_))),
+                "{bad}"
+            );
+        }
+        assert!(key_of(&with(&"k".repeat(256)), &s).is_err());
+        assert!(key_of(&with(&"k".repeat(255)), &s).is_ok());
+        let mut twice = with("a");
+        twice.append(IDEMPOTENCY_KEY, "b".parse().unwrap());
+        assert!(key_of(&twice, &s).is_err());
+    }
+
+    #[test]
+    fn fingerprints_cover_what_the_draft_names() {
+        let body = Bytes::from_static(b"{}");
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
+        h.insert(FENCE_TOKEN, "7".parse().unwrap());
+        let base = fingerprint(&Method::POST, "/a?x=1", &h, &body);
+        assert_eq!(base, fingerprint(&Method::POST, "/a?x=1", &h, &body));
+        assert_ne!(base, fingerprint(&Method::PUT, "/a?x=1", &h, &body));
+        assert_ne!(base, fingerprint(&Method::POST, "/a?x=2", &h, &body));
+        assert_ne!(
+            base,
+            fingerprint(&Method::POST, "/a?x=1", &h, &Bytes::from_static(b"[]"))
+        );
+        let mut other = h.clone();
+        other.insert(FENCE_TOKEN, "8".parse().unwrap());
+        assert_ne!(base, fingerprint(&Method::POST, "/a?x=1", &other, &body));
+        other.remove(FENCE_TOKEN);
+        assert_ne!(base, fingerprint(&Method::POST, "/a?x=1", &other, &body));
+    }
+}
