@@ -7,7 +7,7 @@
 //! `lease` is the secret that proves ownership and is never printed.
 //!
 //! It speaks `http` and `https` (rustls; the CAs of [`ClientOptions`], else
-//! the system's CA bundle), and sends a bearer key when given one
+//! the platform's trust roots), and sends a bearer key when given one
 //! ([`ClientOptions::api_key`]), for gateways with `[[auth.clients]]`.
 //!
 //! [`LeaseKeeper`] renews a grant in the background and says, from the
@@ -67,8 +67,7 @@ use hyper_util::client::legacy::connect::{Connected, Connection, HttpConnector};
 use hyper_util::client::legacy::Client;
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
-use rustls::pki_types::pem::PemObject;
-use rustls::pki_types::{CertificateDer, ServerName};
+use rustls::pki_types::ServerName;
 use serde_json::{json, Value};
 use tokio::net::TcpStream;
 use tokio::sync::watch;
@@ -180,7 +179,7 @@ impl Error {
 /// How a [`LockClient`] reaches its gateway, besides the URL.
 #[derive(Clone, Default)]
 pub struct ClientOptions {
-    /// PEM CA certificates trusted for https instead of the system's: a
+    /// PEM CA certificates trusted for https instead of the platform's: a
     /// gateway's certificate is often issued by a private CA.
     trust_pem: Option<Vec<u8>>,
     /// Sent as `Authorization: Bearer KEY`: gateways with `[[auth.clients]]`
@@ -198,7 +197,7 @@ impl fmt::Debug for ClientOptions {
 }
 
 impl ClientOptions {
-    /// No custom CA (the system's bundle is used for https), no API key.
+    /// No custom CA (the platform's roots are used for https), no API key.
     pub fn new() -> Self {
         Self::default()
     }
@@ -247,8 +246,8 @@ impl fmt::Debug for LockClient {
 impl LockClient {
     /// A client for the gateway at `base_url`, e.g. `http://127.0.0.1:8080`
     /// (the traffic listener; a path prefix is kept, for a gateway mounted
-    /// under one). `https` URLs are verified against the system's CA
-    /// bundle; see [`LockClient::with_options`] for a CA of your own and an
+    /// under one). `https` URLs are verified against the platform's trust
+    /// roots; see [`LockClient::with_options`] for a CA of your own and an
     /// API key. Requests time out after [`DEFAULT_TIMEOUT`]; see
     /// [`LockClient::with_timeout`].
     pub fn new(base_url: &str) -> Result<Self, Error> {
@@ -528,59 +527,16 @@ fn normalize_base(base_url: &str) -> Result<String, Error> {
     Ok(format!("{scheme}://{authority}{prefix}"))
 }
 
-/// Where a system keeps its CA bundle, by distribution; `SSL_CERT_FILE`
-/// comes first, as for OpenSSL.
-const SYSTEM_CA_BUNDLES: &[&str] = &[
-    "/etc/ssl/certs/ca-certificates.crt",
-    "/etc/pki/tls/certs/ca-bundle.crt",
-    "/etc/ssl/ca-bundle.pem",
-    "/etc/ssl/cert.pem",
-];
-
-/// A TLS connector trusting `trust` (PEM), else the system's CA bundle.
-/// HTTP/1.1 only, as the gateway speaks.
+/// A TLS connector trusting `trust` (PEM), else the platform's roots.
 fn tls_connector(trust: Option<&[u8]>) -> Result<TlsConnector, Error> {
-    let mut roots = rustls::RootCertStore::empty();
-    match trust {
-        Some(pem) => {
-            for cert in CertificateDer::pem_slice_iter(pem) {
-                let cert =
-                    cert.map_err(|e| Error::Setup(format!("the CA file is not PEM: {e}")))?;
-                roots
-                    .add(cert)
-                    .map_err(|e| Error::Setup(format!("unusable CA certificate: {e}")))?;
-            }
-            if roots.is_empty() {
-                return Err(Error::Setup("the CA file holds no certificate".into()));
-            }
-        }
-        None => {
-            let from_env = std::env::var_os("SSL_CERT_FILE").map(std::path::PathBuf::from);
-            let bundle = from_env
-                .into_iter()
-                .chain(SYSTEM_CA_BUNDLES.iter().map(std::path::PathBuf::from))
-                .find_map(|p| std::fs::read(p).ok())
-                .unwrap_or_default();
-            // A system bundle may hold certificates rustls cannot use; the
-            // others still count.
-            roots.add_parsable_certificates(
-                CertificateDer::pem_slice_iter(&bundle).filter_map(Result::ok),
-            );
-            if roots.is_empty() {
-                return Err(Error::Setup(
-                    "https needs a CA to trust: no system CA bundle was found (give one, e.g. --cacert)"
-                        .into(),
-                ));
-            }
-        }
-    }
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| Error::Setup(format!("TLS: {e}")))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    let roots = match trust {
+        Some(pem) => Arc::new(
+            crate::tls::pem_roots(pem).map_err(|e| Error::Setup(format!("the CA file: {e}")))?,
+        ),
+        None => crate::tls::platform_roots()
+            .map_err(|e| Error::Setup(format!("https: {e}; give a CA (e.g. --cacert)")))?,
+    };
+    let config = crate::tls::client_config(roots).map_err(Error::Setup)?;
     Ok(TlsConnector::from(Arc::new(config)))
 }
 

@@ -31,7 +31,7 @@
 //! second, slower code path for plain HTTP.
 
 use std::collections::HashMap;
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -70,50 +70,19 @@ impl std::fmt::Debug for UpstreamTls {
     }
 }
 
-/// The platform's trust roots, read once (the first `https://` upstream
-/// without its own CA pays for it).
-static PLATFORM_ROOTS: LazyLock<Result<Arc<rustls::RootCertStore>, String>> = LazyLock::new(|| {
-    let found = rustls_native_certs::load_native_certs();
-    let mut roots = rustls::RootCertStore::empty();
-    let (added, _) = roots.add_parsable_certificates(found.certs);
-    if added == 0 {
-        let why: Vec<String> = found.errors.iter().map(ToString::to_string).collect();
-        return Err(format!(
-            "no trust roots found on this system ({}); set upstream_ca_file",
-            why.join("; ")
-        ));
-    }
-    Ok(Arc::new(roots))
-});
-
 impl UpstreamTls {
     /// TLS for the upstream host `host`, trusting `ca_file` (PEM) or, without
     /// one, the platform's roots. The error says what is wrong.
     pub fn new(host: &str, ca_file: Option<&std::path::Path>) -> Result<Self, String> {
-        use rustls::pki_types::pem::PemObject;
         let roots = match ca_file {
-            None => PLATFORM_ROOTS.clone()?,
+            None => {
+                crate::tls::platform_roots().map_err(|e| format!("{e}; set upstream_ca_file"))?
+            }
             Some(path) => {
-                let mut roots = rustls::RootCertStore::empty();
-                let certs = rustls::pki_types::CertificateDer::pem_file_iter(path)
+                let pem = std::fs::read(path)
                     .map_err(|e| format!("upstream_ca_file {}: {e}", path.display()))?;
-                for cert in certs {
-                    let cert = cert.map_err(|e| {
-                        format!(
-                            "upstream_ca_file {}: not PEM certificates: {e}",
-                            path.display()
-                        )
-                    })?;
-                    roots.add(cert).map_err(|e| {
-                        format!("upstream_ca_file {}: not a usable CA: {e}", path.display())
-                    })?;
-                }
-                if roots.is_empty() {
-                    return Err(format!(
-                        "upstream_ca_file {}: holds no certificate",
-                        path.display()
-                    ));
-                }
+                let roots = crate::tls::pem_roots(&pem)
+                    .map_err(|e| format!("upstream_ca_file {}: {e}", path.display()))?;
                 Arc::new(roots)
             }
         };
@@ -121,13 +90,7 @@ impl UpstreamTls {
         let name = host.trim_start_matches('[').trim_end_matches(']');
         let server_name = rustls::pki_types::ServerName::try_from(name.to_string())
             .map_err(|_| format!("'{host}' is not a name a certificate can be checked against"))?;
-        let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let mut config = rustls::ClientConfig::builder_with_provider(provider)
-            .with_safe_default_protocol_versions()
-            .map_err(|e| format!("TLS protocol versions: {e}"))?
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        let config = crate::tls::client_config(roots)?;
         Ok(Self {
             config: Arc::new(config),
             server_name,

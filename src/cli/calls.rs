@@ -50,7 +50,7 @@ pub struct Admin {
 #[derive(Debug, Args)]
 pub struct Trust {
     /// PEM file of the CA certificate(s) to trust for https, instead of the
-    /// system's CA bundle.
+    /// platform's trust roots.
     #[arg(long, env = "FENCEGATE_CACERT", value_name = "PATH")]
     pub cacert: Option<PathBuf>,
 }
