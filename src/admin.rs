@@ -27,8 +27,9 @@ pub struct AdminState {
     /// Checked by `/readyz` too: a lock backend that cannot answer means the
     /// gateway cannot grant.
     pub locks: Option<crate::locks::LockService>,
-    /// Who may call the admin actions.
-    pub auth: std::sync::Arc<crate::auth::Clients>,
+    /// Who may call the admin actions (`auth`), as the current config
+    /// says: a reload swaps it.
+    pub live: crate::reload::Shared,
 }
 
 pub fn router(state: AdminState) -> Router {
@@ -240,17 +241,18 @@ fn lock_api_disabled() -> Response {
     .into_response()
 }
 
-/// The admin client calling an action, or the answer refusing it.
-fn admin_client<'a>(
-    s: &'a AdminState,
-    headers: &http::HeaderMap,
-) -> Result<&'a crate::auth::Client, Box<Response>> {
+/// The name of the admin client calling an action, or the answer refusing
+/// it.
+fn admin_client(s: &AdminState, headers: &http::HeaderMap) -> Result<String, Box<Response>> {
     let creds = crate::auth::Credentials {
         authorization: headers.get(header::AUTHORIZATION),
         tls_subject: None,
     };
-    s.auth
+    s.live
+        .load()
+        .auth
         .admin(creds)
+        .map(|c| c.name.clone())
         .map_err(|e| Box::new(crate::error::auth_problem(&e).into_response()))
 }
 
@@ -296,7 +298,7 @@ async fn fence_action(
     }
     match s
         .store
-        .reset(key, reset.highest_token, &admin.name, reason)
+        .reset(key, reset.highest_token, &admin, reason)
         .await
     {
         Ok(record) => {
@@ -308,7 +310,7 @@ async fn fence_action(
                 resource_key = key,
                 from,
                 to = reset.highest_token,
-                by = %admin.name,
+                by = %admin,
                 reason,
                 "fence reset by an admin"
             );
@@ -336,7 +338,7 @@ async fn lock_action(State(s): State<AdminState>, uri: Uri, headers: http::Heade
     };
     match locks.break_lease(name).await {
         Ok(true) => {
-            tracing::warn!(lock = name, by = %admin.name, "lease broken by an admin");
+            tracing::warn!(lock = name, by = %admin, "lease broken by an admin");
             StatusCode::NO_CONTENT.into_response()
         }
         Ok(false) => Problem::new(

@@ -11,7 +11,7 @@ use tokio::net::TcpListener;
 use crate::admin::{self, AdminState};
 use crate::config::{Config, LockBackendConfig};
 use crate::fence::Fence;
-use crate::gateway::{self, GatewayState};
+use crate::gateway::GatewayState;
 use crate::locks::api::LockApiState;
 use crate::locks::notify::Notifier;
 use crate::locks::redlock::Redlock;
@@ -68,6 +68,8 @@ struct Core {
     workers: usize,
     /// `[server.tls]`, when the traffic listener speaks HTTPS.
     tls: Option<Arc<crate::tls::Tls>>,
+    /// Applies SIGHUP reloads; moved into its task by `run`.
+    reloader: Option<(crate::reload::Reloader, Hangups)>,
 }
 
 impl Application {
@@ -100,37 +102,43 @@ impl Application {
         }
         let mut tasks: Vec<tokio::task::JoinHandle<()>> =
             fence.watch_resets().into_iter().collect();
+        // Routes, token keys and auth clients; a reload swaps them at once.
+        let live: crate::reload::Shared = Arc::new(arc_swap::ArcSwap::from_pointee(
+            crate::reload::Live::new(&config, &metrics),
+        ));
         let locks = if config.locks.enabled {
             let service = lock_service(&config, &store, &metrics, &mut tasks).await?;
             Some(LockApiState {
                 locks: service,
                 retry_after: config.store.retry_after,
-                auth: Arc::new(config.auth.clone()),
+                live: live.clone(),
             })
         } else {
             None
         };
         let gateway = GatewayState {
-            routes: config
-                .routes
-                .iter()
-                .map(|r| Arc::new(gateway::GatedRoute::new(r.clone(), &metrics)))
-                .collect(),
+            live: live.clone(),
             fence: fence.clone(),
             client: crate::upstream::UpstreamClient::new(),
             store_runtime: tokio::runtime::Handle::current(),
             metrics: metrics.clone(),
             max_body_bytes: config.server.max_body_bytes,
             retry_after: config.store.retry_after,
-            jwt: config.tokens.clone(),
         };
+        let reloader = crate::reload::Reloader::new(
+            &config,
+            live.clone(),
+            locks.as_ref().map(|l| l.locks.clone()),
+            config.server.tls.clone(),
+            metrics.clone(),
+        );
         let admin_state = AdminState {
             store,
             metrics,
             gate: fence.gate.clone(),
             retry_after: config.store.retry_after,
             locks: locks.as_ref().map(|l| l.locks.clone()),
-            auth: Arc::new(config.auth.clone()),
+            live: live.clone(),
         };
         Ok(Self {
             listeners: Listeners {
@@ -146,6 +154,7 @@ impl Application {
                 tasks,
                 workers: config.server.workers,
                 tls: config.server.tls.clone(),
+                reloader: hangups().map(|h| (reloader, h)),
                 limits: Limits {
                     header_read_timeout: config.server.header_read_timeout,
                     max_connections: config.server.max_connections,
@@ -190,8 +199,9 @@ impl Application {
             mut core,
         } = self;
         let stop = Stop::new();
-        if let Some(tls) = core.tls.clone() {
-            core.tasks.push(tokio::spawn(reload_on_hangup(tls)));
+        if let Some((reloader, hangups)) = core.reloader.take() {
+            core.tasks
+                .push(tokio::spawn(reload_on_hangup(reloader, hangups)));
         }
         let workers = match core.start_traffic(listeners.traffic, &stop) {
             Ok(w) => w,
@@ -289,29 +299,37 @@ impl Core {
     }
 }
 
-/// SIGHUP: re-reads the TLS certificate, key and CA files for new
-/// connections. A file that fails to load keeps the current ones in use.
-async fn reload_on_hangup(tls: Arc<crate::tls::Tls>) {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        let Ok(mut hangups) = signal(SignalKind::hangup()) else {
-            tracing::warn!("cannot listen for SIGHUP; TLS files will not be reloaded");
-            return;
-        };
-        while hangups.recv().await.is_some() {
-            match tls.reload() {
-                Ok(()) => tracing::info!(
-                    "SIGHUP: TLS certificate, key and CA reloaded for new connections"
-                ),
-                Err(e) => {
-                    tracing::error!(error = %e, "SIGHUP: TLS files not reloaded; the current ones stay in use")
+/// SIGHUP: reloads the config file (see `reload`). Every problem of a
+/// refused reload is logged; the running config stays.
+async fn reload_on_hangup(reloader: crate::reload::Reloader, mut hangups: Hangups) {
+    while hangups.recv().await.is_some() {
+        match reloader.reload() {
+            Ok(()) => tracing::info!(
+                "SIGHUP: config reloaded (routes, token keys, auth clients, TLS files) for new requests"
+            ),
+            Err(problems) => {
+                for p in problems {
+                    tracing::error!(problem = %p, "SIGHUP: config not reloaded; the running config stays");
                 }
             }
         }
     }
-    #[cfg(not(unix))]
-    let _ = tls;
+}
+
+/// SIGHUP's stream, taken when the gateway is built: from then on a SIGHUP
+/// is a reload, never the default action (which ends the process).
+#[cfg(unix)]
+type Hangups = tokio::signal::unix::Signal;
+
+#[cfg(unix)]
+fn hangups() -> Option<Hangups> {
+    match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(s) => Some(s),
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot listen for SIGHUP; the config will not be reloaded");
+            None
+        }
+    }
 }
 
 /// The shutdown signal, fanned out to every listener.

@@ -47,6 +47,8 @@ pub struct Config {
     pub demo: Option<DemoConfig>,
     /// `[[auth.clients]]`: who may use the lock API and admin actions.
     pub auth: crate::auth::Clients,
+    /// `[log]`.
+    pub log: LogConfig,
     /// Deprecated keys in use, each with what to write instead; `serve` and
     /// `check-config` print them.
     pub deprecations: Vec<String>,
@@ -111,6 +113,25 @@ pub struct ServerConfig {
     /// so a request's client and upstream connections are driven by one
     /// thread without cross-thread wake-ups. Defaults to the number of CPUs.
     pub workers: usize,
+}
+
+/// `[log]`: how the gateway logs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LogConfig {
+    pub format: LogFormat,
+    /// One line per request (method, path, route, status, resource key,
+    /// token, outcome, duration), at info level, target `fencegate::access`.
+    pub access: bool,
+}
+
+/// `[log] format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
 }
 
 /// `[server.tls]` as written, with paths resolved against the config file's
@@ -330,6 +351,7 @@ enum LockBackendKind {
 #[serde(default)]
 struct RawConfig {
     auth: RawAuth,
+    log: RawLog,
     server: RawServer,
     store: RawStore,
     locks: RawLocks,
@@ -349,6 +371,22 @@ struct RawServer {
     shutdown_grace_ms: u64,
     workers: Option<u64>,
     tls: Option<RawTls>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(default)]
+struct RawLog {
+    format: Choice<LogFormat>,
+    access: bool,
+}
+
+impl Default for RawLog {
+    fn default() -> Self {
+        Self {
+            format: Choice::Known(LogFormat::Text),
+            access: false,
+        }
+    }
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -861,6 +899,16 @@ impl Validator<'_> {
             .as_ref()
             .is_some_and(|t| t.files().client_ca_file.is_some());
         let auth = self.auth(raw.auth, client_certs);
+        let log = LogConfig {
+            format: self.choice(
+                "log.format",
+                raw.log.format,
+                "a log format",
+                "\"text\" or \"json\"",
+                LogFormat::Text,
+            ),
+            access: raw.log.access,
+        };
         for (i, r) in routes.iter().enumerate() {
             if r.token == TokenKind::Issued && !locks.enabled {
                 self.problem(
@@ -910,6 +958,7 @@ impl Validator<'_> {
             tokens,
             demo,
             auth,
+            log,
             deprecations: Vec::new(),
         }
     }

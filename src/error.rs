@@ -131,6 +131,10 @@ impl Problem {
         self
     }
 
+    pub fn status(&self) -> StatusCode {
+        self.status
+    }
+
     pub fn header(mut self, name: header::HeaderName, value: HeaderValue) -> Self {
         self.headers.push((name, value));
         self
@@ -176,6 +180,11 @@ pub fn auth_problem(e: &crate::auth::AuthError) -> Problem {
 }
 
 impl GatewayError {
+    /// The status code its problem document has.
+    pub fn status(&self) -> StatusCode {
+        self.to_problem(Duration::from_secs(1)).status()
+    }
+
     /// The problem document for this error: the single place where error
     /// origins become status codes.
     pub fn to_problem(&self, retry_after: Duration) -> Problem {

@@ -51,8 +51,12 @@ struct State {
     request_sent: bool,
     /// The response body ended normally.
     response_ended: bool,
-    /// The head arrived before the request body was sent in full.
+    /// The answer began before the request body was sent in full.
     early_answer: bool,
+    /// What the upstream connection has heard since this request began:
+    /// any byte of an answer before the request body is handed over in full
+    /// makes it an early answer, however late hyper reports the head.
+    heard: Option<crate::upstream::Heard>,
 }
 
 impl Exchange {
@@ -70,6 +74,7 @@ impl Exchange {
                 request_sent,
                 response_ended: false,
                 early_answer: false,
+                heard: None,
             }),
             deadline,
             runtime,
@@ -95,9 +100,19 @@ impl Exchange {
         drop(released);
     }
 
+    /// The connection the request goes out on (again, after a retry).
+    pub fn listen_to(&self, heard: crate::upstream::Heard) {
+        self.update(|s| s.heard = Some(heard));
+    }
+
     /// The request body has been handed to the upstream connection in full.
     pub fn request_sent(&self) {
-        self.update(|s| s.request_sent = true);
+        self.update(|s| {
+            s.request_sent = true;
+            if s.heard.as_ref().is_some_and(|h| h.anything()) {
+                s.early_answer = true;
+            }
+        });
     }
 
     /// The response head has arrived.
@@ -126,7 +141,7 @@ impl Exchange {
 impl Drop for Exchange {
     fn drop(&mut self) {
         let state = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
-        let Some(admission) = state.admission.take() else {
+        let Some(mut admission) = state.admission.take() else {
             return;
         };
         // Ended any other way than normally: the upstream may still be at
@@ -135,6 +150,7 @@ impl Drop for Exchange {
         if Instant::now() >= deadline {
             return;
         }
+        admission.abandon_key_lock();
         drop(self.runtime.spawn(async move {
             tokio::time::sleep_until(deadline.into()).await;
             drop(admission);

@@ -20,10 +20,22 @@ pub struct Admission {
     _permit: Permit,
     /// `shared` mode: the key's cross-instance lock (released after the
     /// permit, by field order).
-    _lock: Option<KeyLock>,
+    key_lock: Option<KeyLock>,
     /// `shared` mode: other instances assume this write may be in flight
     /// until this instant if we crash, so the forward must end by then.
     pub must_end_by: Option<Instant>,
+}
+
+impl Admission {
+    /// The write ended abnormally: the key stays closed until the deadline.
+    /// In-process that is the permit, kept that long; across instances it
+    /// is the write's in-flight marker, which outlasts the deadline, so the
+    /// key-lock connection is let go now (see `KeyLock::abandon`).
+    pub fn abandon_key_lock(&mut self) {
+        if let Some(lock) = self.key_lock.take() {
+            lock.abandon();
+        }
+    }
 }
 
 /// How often a shared-mode instance looks for resets made elsewhere: a reset
@@ -141,7 +153,7 @@ impl Fence {
         let permit = self.check_single(key, arrival, token).await?;
         Ok(Admission {
             _permit: permit,
-            _lock: None,
+            key_lock: None,
             must_end_by: None,
         })
     }
@@ -225,7 +237,7 @@ impl Fence {
         Ok(Admission {
             _permit: permit,
             must_end_by: Some(lock.marker_until()),
-            _lock: Some(lock),
+            key_lock: Some(lock),
         })
     }
 

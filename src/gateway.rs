@@ -28,6 +28,7 @@ use crate::jwt::JwtRejection;
 use crate::metrics::IdempotencyOutcome;
 use crate::metrics::{Metrics, Outcome, RouteMetrics, StoreOp, UpstreamFailure};
 use crate::proxy::{self, BodyOutcome, LimitedBody, RelayBody};
+use crate::reload::Live;
 use crate::routing::{self, PathError};
 use crate::store::{Found, RecordId, StoreError, StoredAnswer};
 use crate::token::{self, TokenError};
@@ -60,8 +61,9 @@ impl std::ops::Deref for GatedRoute {
 /// clones it for every request.
 #[derive(Clone)]
 pub struct GatewayState {
-    /// Routes in file order; the first match wins.
-    pub routes: Arc<[Arc<GatedRoute>]>,
+    /// The reloadable part; shared by every worker (and the lock API and
+    /// admin listener, for the auth clients).
+    pub live: crate::reload::Shared,
     /// Store plus gate: the fence decision.
     pub fence: Fence,
     /// Pooled upstream connections, shared by all routes.
@@ -71,8 +73,6 @@ pub struct GatewayState {
     pub max_body_bytes: u64,
     /// Sent as `Retry-After` with 503 answers.
     pub retry_after: Duration,
-    /// Verifies JWT fence tokens on `token = "jwt"` routes.
-    pub jwt: Option<Arc<crate::jwt::JwtKeys>>,
     /// The runtime that owns the store's connections. Requests are served on
     /// worker threads with runtimes of their own; a fenced write that talks
     /// to the store directly (shared mode) runs here instead, and outlives
@@ -94,22 +94,36 @@ pub struct Downstream {
 pub async fn respond(state: Arc<GatewayState>, req: Request<Body>, peer: Downstream) -> Response {
     let retry_after = state.retry_after;
     let has_body = declares_body(req.headers());
-    let result = match admit(&state, req) {
+    let live = state.live.load_full();
+    let mut access = live.access_log.then(|| Access::of(&req));
+    let result = match admit(&state, &live, req, &mut access) {
         Admitted::Refused {
             route,
             fenced,
             error,
         } => {
             let result = Err(error);
-            account(&state, route.as_deref(), fenced, false, false, &result);
+            let summary = Summary {
+                route: route.as_deref(),
+                fenced,
+                forwarded: false,
+                keyed: false,
+            };
+            account(&state, summary, access, &result);
             result
         }
         Admitted::PassThrough { route, req } => {
             let result = forward(&state, &route, req, peer, None).await;
-            account(&state, Some(&route), false, true, false, &result);
+            let summary = Summary {
+                route: Some(&route),
+                fenced: false,
+                forwarded: true,
+                keyed: false,
+            };
+            account(&state, summary, access, &result);
             result
         }
-        Admitted::Fenced(write) => write.run(state, peer).await,
+        Admitted::Fenced(write) => write.run(state, peer, access).await,
     };
     match result {
         Ok(resp) => resp,
@@ -129,18 +143,56 @@ pub async fn respond(state: Arc<GatewayState>, req: Request<Body>, peer: Downstr
     }
 }
 
-/// Per-request accounting, the one place where a request's end is counted
-/// and logged: for fenced writes its [`Outcome`] (exactly one per write),
-/// for the rest pass-through counts; upstream failures; error logs.
-/// `keyed`: a fenced write with an `Idempotency-Key`.
-fn account(
-    state: &GatewayState,
-    route: Option<&GatedRoute>,
+/// What one request came to, for [`account`].
+#[derive(Clone, Copy)]
+struct Summary<'a> {
+    route: Option<&'a GatedRoute>,
     fenced: bool,
     forwarded: bool,
+    /// A fenced write with an `Idempotency-Key`.
     keyed: bool,
+}
+
+/// The access-log line of a request, filled in as its phases learn more.
+/// Only the path, never the query (it may carry secrets), never a JWT
+/// (its fence number instead), never a body or a credential.
+pub struct Access {
+    method: Method,
+    path: String,
+    started: Instant,
+    key: Option<String>,
+    token: Option<i64>,
+}
+
+impl Access {
+    fn of(req: &Request<Body>) -> Self {
+        Self {
+            method: req.method().clone(),
+            path: req.uri().path().to_string(),
+            started: Instant::now(),
+            key: None,
+            token: None,
+        }
+    }
+}
+
+/// Per-request accounting, the one place where a request's end is counted
+/// and logged: for fenced writes its [`Outcome`] (exactly one per write),
+/// for the rest pass-through counts; upstream failures; error logs; the
+/// access-log line.
+fn account(
+    state: &GatewayState,
+    summary: Summary<'_>,
+    access: Option<Access>,
     result: &Result<Response, GatewayError>,
 ) {
+    let Summary {
+        route,
+        fenced,
+        forwarded,
+        keyed,
+    } = summary;
+    let mut decided = None;
     if let Some(route) = route {
         if fenced {
             let outcome = match result {
@@ -168,6 +220,7 @@ fn account(
                     route.metrics.idempotency(o);
                 }
             }
+            decided = outcome;
             if let Some(outcome) = outcome {
                 route.metrics.decision(outcome);
                 if outcome == Outcome::StoreUnavailable {
@@ -183,6 +236,30 @@ fn account(
                 UpstreamError::Timeout { .. } => UpstreamFailure::Timeout,
             });
         }
+    }
+    if let Some(a) = access {
+        let status = match result {
+            Ok(r) => r.status().as_u16(),
+            Err(e) => e.status().as_u16(),
+        };
+        let outcome = match (decided, route) {
+            (Some(o), _) => o.as_str(),
+            (None, Some(_)) if !fenced && forwarded => "passthrough",
+            (None, Some(_)) => "refused",
+            (None, None) => "no_route",
+        };
+        tracing::info!(
+            target: "fencegate::access",
+            method = %a.method,
+            path = %a.path,
+            route = route.map_or("-", |r| r.name.as_str()),
+            status,
+            resource_key = a.key.as_deref(),
+            token = a.token,
+            outcome,
+            duration_ms = a.started.elapsed().as_secs_f64() * 1000.0,
+            "request"
+        );
     }
     let Err(e) = result else { return };
     match e {
@@ -272,20 +349,25 @@ enum Admitted {
 
 /// Phases: match route → check framing and size → read token → the fence's
 /// memory-only step. All synchronous and cheap; nothing touches the store.
-fn admit(state: &GatewayState, req: Request<Body>) -> Admitted {
+fn admit(
+    state: &GatewayState,
+    live: &Live,
+    req: Request<Body>,
+    access: &mut Option<Access>,
+) -> Admitted {
     let refused = |route: Option<&Arc<GatedRoute>>, fenced, error| Admitted::Refused {
         route: route.cloned(),
         fenced,
         error,
     };
     // Phase: match route.
-    let (route, captures) = match match_route(&state.routes, req.uri().path()) {
+    let (route, captures) = match match_route(&live.routes, req.uri().path()) {
         Ok(m) => m,
         Err(e) => {
             // A write no route matches may well be an odd spelling of a
             // fenced resource (`/docs//x` for `/docs/{id}`): say so.
             let write = !is_safe(req.method());
-            let strict = state.routes.iter().any(|r| r.paths == PathsMode::Strict);
+            let strict = live.routes.iter().any(|r| r.paths == PathsMode::Strict);
             if let (true, true, Some(why)) = (write, strict, routing::ambiguity(req.uri().path())) {
                 return refused(None, false, ClientError::AmbiguousPath(why).into());
             }
@@ -324,10 +406,16 @@ fn admit(state: &GatewayState, req: Request<Body>) -> Admitted {
         Err(e) => return refused(Some(&route), true, ClientError::from(e).into()),
     };
     // Phase: read token.
-    let token = match read_token(state, &route, &key, req.headers()) {
+    if let Some(a) = access.as_mut() {
+        a.key = Some(key.clone());
+    }
+    let token = match read_token(live, &route, &key, req.headers()) {
         Ok(t) => t,
         Err(e) => return refused(Some(&route), true, e.into()),
     };
+    if let Some(a) = access.as_mut() {
+        a.token = Some(token);
+    }
     // Phase: idempotency key. A write that carries one may be a replay of
     // one that happened, so memory must not refuse it as stale before its
     // record is looked up: its fence step waits until then.
@@ -368,7 +456,7 @@ fn admit(state: &GatewayState, req: Request<Body>) -> Admitted {
 /// The fencing token of a request: a decimal number, or the `fence` claim of
 /// a verified JWT issued for this resource key.
 fn read_token(
-    state: &GatewayState,
+    live: &Live,
     route: &Route,
     key: &str,
     headers: &http::HeaderMap,
@@ -388,7 +476,7 @@ fn read_token(
                 TokenError::Missing => missing(),
                 TokenError::Malformed(why) => ClientError::InvalidJwt(why.into()),
             })?;
-            let keys = state
+            let keys = live
                 .jwt
                 .as_ref()
                 .ok_or_else(|| ClientError::InvalidJwt("no JWT keys are configured".into()))?;
@@ -436,6 +524,7 @@ impl FencedWrite {
         self,
         state: Arc<GatewayState>,
         peer: Downstream,
+        access: Option<Access>,
     ) -> Result<Response, GatewayError> {
         let (answer, answered) = oneshot::channel();
         let runtime = state
@@ -446,7 +535,13 @@ impl FencedWrite {
             let route = self.route.clone();
             let keyed = self.idem.is_some();
             let (forwarded, result) = self.decide_and_forward(&state, peer, &answer).await;
-            account(&state, Some(&route), true, forwarded, keyed, &result);
+            let summary = Summary {
+                route: Some(&route),
+                fenced: true,
+                forwarded,
+                keyed,
+            };
+            account(&state, summary, access, &result);
             let _ = answer.send(result);
         };
         match runtime {
@@ -753,7 +848,11 @@ async fn forward(
 
     let sent = tokio::time::timeout_at(
         deadline.into(),
-        state.client.send(&route.upstream, upstream_req),
+        state.client.send(&route.upstream, upstream_req, |heard| {
+            if let Some(x) = &exchange {
+                x.listen_to(heard);
+            }
+        }),
     )
     .await;
     match sent {

@@ -45,8 +45,10 @@
 //!   globs, the admin flag.
 //! * [`admin`]: the admin listener: health, readiness, metrics, fences.
 //! * [`metrics`]: every metric, with typed labels.
+//! * [`logging`]: log output as text or JSON lines.
 //! * [`config`]: typed, validated TOML with environment overrides.
 //! * [`app`]: `Application::build` and `run`: start-up and shutdown.
+//! * [`reload`]: SIGHUP: the config re-read, and what it swaps.
 //! * [`cli`]: the `fencegate` command line, the operators' `lock` and
 //!   `fence` commands included.
 //! * [`client`]: a Rust client of the lock API (http and https), with a
@@ -68,8 +70,10 @@ pub mod gateway;
 pub mod idempotency;
 pub mod jwt;
 pub mod locks;
+pub mod logging;
 pub mod metrics;
 pub mod proxy;
+pub mod reload;
 pub mod routing;
 pub mod server;
 pub mod store;

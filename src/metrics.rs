@@ -156,6 +156,11 @@ impl EncodeLabelValue for UpstreamFailure {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReloadLabels {
+    pub result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DecisionLabels {
     pub route: String,
     pub outcome: Outcome,
@@ -214,6 +219,8 @@ type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
 pub struct Metrics {
     /// `Idempotency-Key` outcomes by route.
     pub idempotency: Family<IdempotencyLabels, Counter>,
+    /// Config reloads (SIGHUP) by result (`ok`, `error`).
+    pub config_reloads: Family<ReloadLabels, Counter>,
     /// Fence decisions by route and [`Outcome`].
     pub decisions: Family<DecisionLabels, Counter>,
     /// Requests forwarded without a check (safe methods).
@@ -246,6 +253,12 @@ impl Metrics {
         let mut registry = Registry::with_prefix("fencegate");
         let decisions = Family::<DecisionLabels, Counter>::default();
         let idempotency = Family::<IdempotencyLabels, Counter>::default();
+        let config_reloads = Family::<ReloadLabels, Counter>::default();
+        registry.register(
+            "config_reloads",
+            "Config reloads on SIGHUP, by result",
+            config_reloads.clone(),
+        );
         registry.register(
             "idempotency",
             "Idempotency-Key outcomes on fenced writes, by route",
@@ -300,6 +313,7 @@ impl Metrics {
             gate_keys.clone(),
         );
         Self {
+            config_reloads,
             idempotency,
             decisions,
             passthrough,
@@ -311,6 +325,13 @@ impl Metrics {
             lock_events,
             registry: std::sync::Arc::new(registry),
         }
+    }
+
+    pub fn config_reload(&self, ok: bool) {
+        let result = if ok { "ok" } else { "error" };
+        self.config_reloads
+            .get_or_create(&ReloadLabels { result })
+            .inc();
     }
 
     pub fn upstream_error(&self, route: &str, kind: UpstreamFailure) {

@@ -28,7 +28,7 @@ use crate::config::{ClientAuth, TlsConfig};
 /// The traffic listener's TLS state: the files it comes from and the config
 /// new connections get.
 pub struct Tls {
-    files: TlsConfig,
+    files: RwLock<TlsConfig>,
     current: RwLock<Arc<ServerConfig>>,
 }
 
@@ -42,7 +42,7 @@ pub struct TlsPeer {
 
 impl std::fmt::Debug for Tls {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Tls").field("files", &self.files).finish()
+        f.debug_struct("Tls").field("files", &self.files()).finish()
     }
 }
 
@@ -51,22 +51,34 @@ impl Tls {
     pub fn load(files: &TlsConfig) -> Result<Self, String> {
         let config = build(files)?;
         Ok(Self {
-            files: files.clone(),
+            files: RwLock::new(files.clone()),
             current: RwLock::new(config),
         })
     }
 
     /// The files it was loaded from.
-    pub fn files(&self) -> &TlsConfig {
-        &self.files
+    pub fn files(&self) -> TlsConfig {
+        self.files.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
     /// Re-reads the files for new connections; on failure the current ones
     /// stay and the error says why.
     pub fn reload(&self) -> Result<(), String> {
-        let config = build(&self.files)?;
+        let config = build(&self.files())?;
         *self.current.write().unwrap_or_else(|e| e.into_inner()) = config;
         Ok(())
+    }
+
+    /// Takes over another (freshly loaded) config's files and certificate,
+    /// for new connections: a config reload.
+    pub fn adopt(&self, other: &Tls) {
+        let config = other
+            .current
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        *self.files.write().unwrap_or_else(|e| e.into_inner()) = other.files();
+        *self.current.write().unwrap_or_else(|e| e.into_inner()) = config;
     }
 
     /// The acceptor for a new connection.

@@ -31,6 +31,7 @@
 //! second, slower code path for plain HTTP.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
@@ -40,6 +41,7 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use hyper::client::conn::http1::{self, SendRequest};
 use hyper_util::rt::TokioIo;
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpStream;
 
 use crate::config::Upstream;
@@ -105,8 +107,95 @@ pub struct UpstreamClient {
 }
 
 struct Idle {
-    sender: SendRequest<Body>,
+    conn: Conn,
     since: Instant,
+}
+
+/// One upstream connection: the request side of hyper's HTTP/1 driver, and
+/// what the socket has heard.
+struct Conn {
+    sender: SendRequest<Body>,
+    heard: Heard,
+}
+
+/// Whether any byte came from the upstream since the current request began.
+/// hyper may hold an answer back until it has written the request; the
+/// socket cannot: an answer that starts arriving while the request body is
+/// still being handed over is an early answer, whatever hyper reports when.
+#[derive(Clone, Default)]
+pub struct Heard(Arc<AtomicBool>);
+
+impl Heard {
+    /// A request begins: nothing heard yet.
+    fn arm(&self) {
+        self.0.store(false, Ordering::Release);
+    }
+
+    /// Whether the upstream has sent anything since the request began.
+    pub fn anything(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A stream that notes, in its [`Heard`], every read that returns data.
+    struct Watched<I> {
+        #[pin]
+        inner: I,
+        heard: Heard,
+    }
+}
+
+impl<I: AsyncRead> AsyncRead for Watched<I> {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        let this = self.project();
+        let before = buf.filled().len();
+        let polled = this.inner.poll_read(cx, buf);
+        if buf.filled().len() > before {
+            this.heard.0.store(true, Ordering::Release);
+        }
+        polled
+    }
+}
+
+impl<I: AsyncWrite> AsyncWrite for Watched<I> {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        self.project().inner.poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> Poll<std::io::Result<usize>> {
+        self.project().inner.poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        self.project().inner.poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        self.project().inner.poll_shutdown(cx)
+    }
 }
 
 /// Why an upstream request failed.
@@ -129,7 +218,7 @@ impl SendError {
 
 /// A connection lent to one exchange, to be handed back when it is over.
 pub struct Pooled {
-    sender: SendRequest<Body>,
+    conn: Conn,
     client: UpstreamClient,
     key: Arc<str>,
 }
@@ -139,7 +228,7 @@ impl Pooled {
     /// of this exchange are done): it goes back to the pool. An error means
     /// the connection is closed; it is dropped.
     pub fn poll_done(&mut self, cx: &mut Context<'_>) -> Poll<bool> {
-        match self.sender.poll_ready(cx) {
+        match self.conn.sender.poll_ready(cx) {
             Poll::Ready(Ok(())) => Poll::Ready(true),
             Poll::Ready(Err(_)) => Poll::Ready(false),
             Poll::Pending => Poll::Pending,
@@ -152,7 +241,7 @@ impl Pooled {
         let stack = idle.entry(self.key).or_default();
         if stack.len() < MAX_IDLE {
             stack.push(Idle {
-                sender: self.sender,
+                conn: self.conn,
                 since: Instant::now(),
             });
         }
@@ -165,7 +254,7 @@ impl UpstreamClient {
     }
 
     /// A ready idle connection to `upstream`, if one is kept.
-    fn take_idle(&self, key: &str) -> Option<SendRequest<Body>> {
+    fn take_idle(&self, key: &str) -> Option<Conn> {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let stack = idle.get_mut(key)?;
         while let Some(c) = stack.pop() {
@@ -174,8 +263,8 @@ impl UpstreamClient {
                 stack.clear();
                 return None;
             }
-            if c.sender.is_ready() {
-                return Some(c.sender);
+            if c.conn.sender.is_ready() {
+                return Some(c.conn);
             }
         }
         None
@@ -183,24 +272,28 @@ impl UpstreamClient {
 
     /// Sends `req` to `upstream` (its URI in origin form, `Host` set). The
     /// response comes with the connection it was read from, to hand back
-    /// when the exchange is over.
+    /// when the exchange is over. `listen` learns the connection's
+    /// [`Heard`] before the request is written.
     pub async fn send(
         &self,
         upstream: &Upstream,
         mut req: Request<Body>,
+        listen: impl Fn(Heard),
     ) -> Result<(Response<Incoming>, Pooled), SendError> {
         loop {
-            let (mut sender, reused) = match self.take_idle(&upstream.pool_key) {
-                Some(s) => (s, true),
+            let (mut conn, reused) = match self.take_idle(&upstream.pool_key) {
+                Some(c) => (c, true),
                 None => (connect(upstream).await?, false),
             };
+            conn.heard.arm();
+            listen(conn.heard.clone());
             // A copy to repeat a safe request with, should the reused
             // connection turn out dead after all.
             let again = reused.then(|| repeatable(&req)).flatten();
-            match sender.try_send_request(req).await {
+            match conn.sender.try_send_request(req).await {
                 Ok(resp) => {
                     let pooled = Pooled {
-                        sender,
+                        conn,
                         client: self.clone(),
                         key: upstream.pool_key.clone(),
                     };
@@ -246,14 +339,14 @@ fn repeatable(req: &Request<Body>) -> Option<Request<Body>> {
 
 /// A new connection to `upstream`, its HTTP/1 driver running on the current
 /// runtime.
-async fn connect(upstream: &Upstream) -> Result<SendRequest<Body>, SendError> {
+async fn connect(upstream: &Upstream) -> Result<Conn, SendError> {
     let connected = tokio::time::timeout(CONNECT_TIMEOUT, async {
         let tcp = TcpStream::connect(upstream.address()).await.map_err(|e| {
             SendError::Connect(format!("cannot connect to {}: {e}", upstream.authority))
         })?;
         let _ = tcp.set_nodelay(true);
         match &upstream.tls {
-            None => handshake(TokioIo::new(tcp)).await,
+            None => handshake(tcp).await,
             Some(tls) => {
                 let stream = tokio_rustls::TlsConnector::from(tls.config.clone())
                     .connect(tls.server_name.clone(), tcp)
@@ -264,7 +357,7 @@ async fn connect(upstream: &Upstream) -> Result<SendRequest<Body>, SendError> {
                             upstream.authority
                         ))
                     })?;
-                handshake(TokioIo::new(stream)).await
+                handshake(stream).await
             }
         }
     })
@@ -278,12 +371,19 @@ async fn connect(upstream: &Upstream) -> Result<SendRequest<Body>, SendError> {
     }
 }
 
-async fn handshake<I>(io: I) -> Result<SendRequest<Body>, SendError>
+/// HTTP/1.1 over `io` (TCP, or TLS over TCP: the watch sits above TLS, so
+/// only the upstream's HTTP bytes count as heard).
+async fn handshake<I>(io: I) -> Result<Conn, SendError>
 where
-    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+    I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    let heard = Heard::default();
+    let watched = Watched {
+        inner: io,
+        heard: heard.clone(),
+    };
     let (sender, conn) = http1::Builder::new()
-        .handshake(io)
+        .handshake(TokioIo::new(watched))
         .await
         .map_err(|e| SendError::Connect(format!("HTTP/1.1 handshake failed: {e}")))?;
     tokio::spawn(async move {
@@ -291,5 +391,5 @@ where
             tracing::debug!(error = %e, "upstream connection ended with an error");
         }
     });
-    Ok(sender)
+    Ok(Conn { sender, heard })
 }

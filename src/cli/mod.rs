@@ -67,6 +67,9 @@ pub enum Command {
 
 /// Runs a parsed command line; the process exit code is the result.
 pub async fn run(cli: Cli) -> ExitCode {
+    if !matches!(cli.command, Command::Serve { .. }) {
+        crate::logging::init(crate::config::LogFormat::Text);
+    }
     match cli.command {
         Command::Serve { config } => serve(config).await,
         Command::CheckConfig { path } => match Config::load(&path) {
@@ -119,7 +122,10 @@ pub async fn run(cli: Cli) -> ExitCode {
 
 async fn serve(path: PathBuf) -> ExitCode {
     let config = match Config::load(&path) {
-        Ok(c) => c,
+        Ok(c) => {
+            crate::logging::init(c.log.format);
+            c
+        }
         Err(e) => {
             eprintln!("{e}");
             eprintln!("fencegate: not starting: the config has problems (see above)");

@@ -37,8 +37,9 @@ const MAX_NAME: usize = 512;
 pub struct LockApiState {
     pub locks: LockService,
     pub retry_after: Duration,
-    /// Who may call; open when no clients are configured.
-    pub auth: std::sync::Arc<Clients>,
+    /// Who may call (`auth`; open when no clients are configured), as the
+    /// current config says: a reload swaps it.
+    pub live: crate::reload::Shared,
 }
 
 /// The caller's credentials: its `Authorization` header and, on a TLS
@@ -296,7 +297,8 @@ async fn acquire(
     body: BodyParam,
 ) -> Response {
     let creds = credentials(&headers, conn.as_deref().map(|c| &**c));
-    let (name, body, client) = match inputs(&s.auth, creds, name, Some(body)) {
+    let live = s.live.load_full();
+    let (name, body, client) = match inputs(&live.auth, creds, name, Some(body)) {
         Ok(v) => v,
         Err(r) => return *r,
     };
@@ -334,7 +336,8 @@ async fn renew(
     body: BodyParam,
 ) -> Response {
     let creds = credentials(&headers, conn.as_deref().map(|c| &**c));
-    let (name, body, client) = match inputs(&s.auth, creds, name, Some(body)) {
+    let live = s.live.load_full();
+    let (name, body, client) = match inputs(&live.auth, creds, name, Some(body)) {
         Ok(v) => v,
         Err(r) => return *r,
     };
@@ -363,7 +366,8 @@ async fn release(
     body: BodyParam,
 ) -> Response {
     let creds = credentials(&headers, conn.as_deref().map(|c| &**c));
-    let (name, body, client) = match inputs(&s.auth, creds, name, Some(body)) {
+    let live = s.live.load_full();
+    let (name, body, client) = match inputs(&live.auth, creds, name, Some(body)) {
         Ok(v) => v,
         Err(r) => return *r,
     };
@@ -388,7 +392,8 @@ async fn status(
     name: NameParam,
 ) -> Response {
     let creds = credentials(&headers, conn.as_deref().map(|c| &**c));
-    let (name, _, _) = match inputs(&s.auth, creds, name, None) {
+    let live = s.live.load_full();
+    let (name, _, _) = match inputs(&live.auth, creds, name, None) {
         Ok(v) => v,
         Err(r) => return *r,
     };

@@ -154,8 +154,9 @@ struct Inner {
     /// Wakes blocking acquires on release (fed locally and by the backend's
     /// cross-instance channel).
     notifier: Arc<Notifier>,
-    /// Signs grant tokens when `[tokens]` names a signing key.
-    jwt: Option<Arc<crate::jwt::JwtKeys>>,
+    /// Signs grant tokens when `[tokens]` names a signing key. A reload
+    /// swaps it.
+    jwt: arc_swap::ArcSwapOption<crate::jwt::JwtKeys>,
     limits: LockLimits,
     metrics: Metrics,
 }
@@ -176,11 +177,16 @@ impl LockService {
             inner: Arc::new(Inner {
                 backend,
                 notifier,
-                jwt: jwt.filter(|k| k.can_sign()),
+                jwt: arc_swap::ArcSwapOption::new(jwt.filter(|k| k.can_sign())),
                 limits,
                 metrics,
             }),
         }
+    }
+
+    /// New keys to sign grant tokens with (a config reload).
+    pub fn set_signing_keys(&self, jwt: Option<Arc<crate::jwt::JwtKeys>>) {
+        self.inner.jwt.store(jwt.filter(|k| k.can_sign()));
     }
 
     /// Whether the backend answers, for `/readyz`; a failure counts as
@@ -303,7 +309,7 @@ impl LockService {
     fn grant(&self, l: Lease, ttl: Duration) -> Result<Grant, LockError> {
         let now = Utc::now();
         let expires_at = now + chrono_duration(l.valid_for);
-        let token = match &self.inner.jwt {
+        let token = match &*self.inner.jwt.load() {
             Some(keys) => {
                 // exp in whole seconds, rounded up so the token never ends
                 // before the lease.

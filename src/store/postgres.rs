@@ -532,6 +532,21 @@ impl KeyLock {
     }
 }
 
+impl KeyLock {
+    /// The write ended abnormally and the upstream may still be at work on
+    /// it until the forward's deadline. Instead of holding this connection
+    /// (and so one of the few key-lock connections) that long, close it:
+    /// Postgres releases the advisory lock, while the in-flight marker
+    /// stays (no `fencegate_leave`), so other instances see a writer that
+    /// never left and hold the key until its `writer_until` — the same path
+    /// as after a crash, which the marker outlasts the deadline for.
+    pub fn abandon(mut self) {
+        if let Some(mut conn) = self.conn.take() {
+            conn.close_on_drop();
+        }
+    }
+}
+
 impl Drop for KeyLock {
     fn drop(&mut self) {
         let Some(mut conn) = self.conn.take() else {

@@ -667,6 +667,27 @@ async fn randomized_mix(setup: Setup) {
     eprintln!("{summary}");
 
     let violations = rig.up.violations();
+    if !violations.is_empty() {
+        let t0 = writes.iter().map(|w| w.started).min();
+        for w in &writes {
+            if let Some(t0) = t0 {
+                eprintln!(
+                    "write {:?} {} tok {:?} {:?} {:?} start {:?} end {:?} applied {:?}",
+                    std::time::SystemTime::now() - (Instant::now() - w.started),
+                    w.path,
+                    w.token,
+                    w.test_id,
+                    w.behaviour,
+                    w.started - t0,
+                    w.ended.map(|e| e - t0),
+                    w.applied_at.map(|e| e - t0)
+                );
+            }
+        }
+        for s in &sent {
+            eprintln!("sent {:?}", s);
+        }
+    }
     assert!(
         violations.is_empty(),
         "the upstream saw the guarantee broken {} times ({summary}); the first:\n{}",
@@ -787,4 +808,90 @@ async fn mixed_write(rig: &Arc<Rig>, plan: &Plan, id: &str) -> Sent {
         }
     }
     out
+}
+
+/// A request whose body arrives in a later segment than its head is an
+/// ordinary exchange: its key opens as soon as the answer has ended.
+#[tokio::test]
+async fn a_body_arriving_after_the_head_reopens_the_key_at_once() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = crate::support::upstream::Upstream::start().await;
+    let app = TestApp::spawn(&store.url, &crate::support::app::docs_route(&up.url())).await;
+    let mut c = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    c.write_all(
+        b"PUT /docs/split HTTP/1.1\r\nhost: t\r\nx-fence-token: 1\r\ncontent-length: 5\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    c.write_all(b"hello").await.unwrap();
+    let mut buf = vec![0u8; 4096];
+    let n = c.read(&mut buf).await.unwrap();
+    assert!(String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200"));
+    let started = std::time::Instant::now();
+    assert_eq!(
+        app.put("/docs/split", Some("2"), "next").await.status(),
+        200
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "the next token waited {:?}",
+        started.elapsed()
+    );
+}
+
+/// Shared mode: writes whose clients leave hold their keys until the
+/// deadline through the in-flight marker, not through a key-lock
+/// connection each: more of them than there are connections do not starve
+/// other keys' writes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn abandoned_writes_do_not_use_up_key_lock_connections() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = crate::support::upstream::Upstream::start().await;
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+         [store]\nurl = \"{}\"\nmode = \"shared\"\ntimeout_ms = 2000\nkey_lock_connections = 2\n{}timeout_ms = 3000\n",
+        store.url,
+        crate::support::app::docs_route(&up.url())
+    );
+    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
+    let app = Arc::new(TestApp::from_config(config).await.unwrap());
+    // Four writes whose clients give up while the upstream works on them.
+    for i in 0..4 {
+        let gave_up = app
+            .http
+            .put(app.url(&format!("/docs/left{i}")))
+            .header("x-fence-token", "1")
+            .header("x-test-delay-ms", "600")
+            .body("x")
+            .timeout(Duration::from_millis(200))
+            .send()
+            .await;
+        assert!(gave_up.is_err());
+    }
+    // Other keys go on at once.
+    let started = Instant::now();
+    for i in 0..4 {
+        let resp = app.put(&format!("/docs/other{i}"), Some("1"), "y").await;
+        assert_eq!(
+            resp.status(),
+            200,
+            "{}",
+            resp.text().await.unwrap_or_default()
+        );
+    }
+    assert!(
+        started.elapsed() < Duration::from_millis(1500),
+        "{:?}",
+        started.elapsed()
+    );
+    // The abandoned keys stay closed to newer tokens until their deadline.
+    let next = Instant::now();
+    assert_eq!(app.put("/docs/left3", Some("2"), "z").await.status(), 200);
+    assert!(
+        next.elapsed() > Duration::from_millis(1500),
+        "{:?}",
+        next.elapsed()
+    );
 }

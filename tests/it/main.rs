@@ -18,6 +18,7 @@ mod lock_cli;
 mod lock_delay;
 mod locks_api;
 mod locks_redis;
+mod operating;
 mod ordering;
 mod pg_outage;
 mod raw_upstream_selftest;

@@ -48,7 +48,7 @@ impl GatewayProcess {
         let sink = log.clone();
         std::thread::spawn(move || {
             for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-                if line.contains(" listening ") {
+                if line.contains(" listening ") || line.contains("\"listening\"") {
                     let _ = tx.send(line.clone());
                 }
                 let mut l = sink.lock().unwrap();
@@ -59,8 +59,7 @@ impl GatewayProcess {
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Ok(line) = rx.recv_timeout(Duration::from_millis(50)) {
-                let addr = field(&line, "traffic=").expect("traffic address in log");
-                let admin = field(&line, "admin=").expect("admin address in log");
+                let (addr, admin) = listening_addresses(&line);
                 return Ok(GatewayProcess {
                     child,
                     addr,
@@ -119,6 +118,16 @@ impl GatewayProcess {
         self.log.lock().unwrap().clone()
     }
 
+    /// The config file it was started with.
+    pub fn config_path(&self) -> PathBuf {
+        self._dir.path().join("fencegate.toml")
+    }
+
+    /// Replaces its config file (for a SIGHUP reload).
+    pub fn rewrite_config(&self, config: &str) {
+        std::fs::write(self.config_path(), config).expect("rewrite config");
+    }
+
     /// Whether the process has not exited.
     pub fn is_running(&mut self) -> bool {
         matches!(self.child.try_wait(), Ok(None))
@@ -136,6 +145,24 @@ impl Drop for GatewayProcess {
             let _ = self.child.wait();
         }
     }
+}
+
+/// The traffic and admin addresses of the "listening" log line, text or
+/// JSON.
+fn listening_addresses(line: &str) -> (SocketAddr, SocketAddr) {
+    if line.trim_start().starts_with('{') {
+        let v: serde_json::Value = serde_json::from_str(line).expect("a JSON log line");
+        let addr = |k: &str| {
+            v[k].as_str()
+                .and_then(|s| s.parse().ok())
+                .unwrap_or_else(|| panic!("{k} address in {line}"))
+        };
+        return (addr("traffic"), addr("admin"));
+    }
+    (
+        field(line, "traffic=").expect("traffic address in log"),
+        field(line, "admin=").expect("admin address in log"),
+    )
 }
 
 fn field(line: &str, name: &str) -> Option<SocketAddr> {

@@ -1,0 +1,241 @@
+//! Operating the gateway: JSON and access logs that a pipeline can parse
+//! and that never carry a credential, and SIGHUP reloads that change routes
+//! under load without a failed request, or change nothing when the new
+//! config is wrong.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::support::app::{docs_route, route};
+use crate::support::db::{Backend, TestStore};
+use crate::support::process::GatewayProcess;
+use crate::support::upstream::Upstream;
+
+fn config(store: &TestStore, extra: &str) -> String {
+    format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+         [store]\nurl = \"{}\"\n{extra}",
+        store.url
+    )
+}
+
+async fn wait_for_log(gw: &GatewayProcess, needle: &str) {
+    for _ in 0..100 {
+        if gw.log().contains(needle) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("no '{needle}' in the log:\n{}", gw.log());
+}
+
+#[tokio::test]
+async fn json_and_access_logs_parse_and_carry_no_secrets() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = Upstream::start().await;
+    let extra = format!(
+        "[log]\nformat = \"json\"\naccess = true\n{}",
+        docs_route(&up.url())
+    );
+    let gw = GatewayProcess::start(&config(&store, &extra));
+    let http = reqwest::Client::new();
+    let put = http
+        .put(gw.url("/docs/report?secret=hunter2"))
+        .header("x-fence-token", "34")
+        .header("authorization", "Bearer top-secret-key")
+        .body("the body must not be logged")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 200);
+    let stale = http
+        .put(gw.url("/docs/report"))
+        .header("x-fence-token", "33")
+        .body("x")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(stale.status(), 409);
+    assert_eq!(
+        http.get(gw.url("/docs/report"))
+            .send()
+            .await
+            .unwrap()
+            .status(),
+        200
+    );
+    wait_for_log(&gw, "\"outcome\":\"passthrough\"").await;
+
+    let log = gw.log();
+    for secret in ["hunter2", "top-secret-key", "the body must not be logged"] {
+        assert!(
+            !log.contains(secret),
+            "'{secret}' leaked into the log:\n{log}"
+        );
+    }
+    let mut access = Vec::new();
+    for line in log.lines().filter(|l| !l.trim().is_empty()) {
+        let v: serde_json::Value =
+            serde_json::from_str(line).unwrap_or_else(|e| panic!("not a JSON line ({e}): {line}"));
+        assert!(
+            v["timestamp"].is_string() && v["level"].is_string(),
+            "{line}"
+        );
+        if v["target"] == "fencegate::access" {
+            access.push(v);
+        }
+    }
+    assert_eq!(access.len(), 3, "one line per request: {access:?}");
+    let put = &access[0];
+    assert_eq!(put["method"], "PUT");
+    assert_eq!(put["path"], "/docs/report", "no query in the access log");
+    assert_eq!(put["route"], "docs");
+    assert_eq!(put["status"], 200);
+    assert_eq!(put["resource_key"], "doc:report");
+    assert_eq!(put["token"], 34);
+    assert_eq!(put["outcome"], "forwarded");
+    assert!(put["duration_ms"].as_f64().is_some());
+    assert_eq!(access[1]["status"], 409);
+    assert_eq!(access[1]["outcome"], "stale");
+    assert_eq!(access[2]["outcome"], "passthrough");
+}
+
+/// Routes change on SIGHUP while requests keep flowing: none fails, the new
+/// route serves, and the reload is counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn sighup_changes_routes_under_load_without_a_failed_request() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = Upstream::start().await;
+    let gw = Arc::new(GatewayProcess::start(&config(
+        &store,
+        &docs_route(&up.url()),
+    )));
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, failed) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let mut load = Vec::new();
+    for client in 0..4 {
+        let (gw, stop, ok, failed) = (gw.clone(), stop.clone(), ok.clone(), failed.clone());
+        load.push(tokio::spawn(async move {
+            let http = reqwest::Client::new();
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
+                let path = format!("/docs/k{client}");
+                let resp = http
+                    .put(gw.url(&path))
+                    .header("x-fence-token", "1")
+                    .body("x")
+                    .send()
+                    .await;
+                match resp.map(|r| r.status().as_u16()) {
+                    Ok(200) => ok.fetch_add(1, Ordering::Relaxed),
+                    _ => failed.fetch_add(1, Ordering::Relaxed),
+                };
+            }
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let more = format!(
+        "{}{}",
+        docs_route(&up.url()),
+        route("more", "/more/{id}", &up.url(), "more:{id}")
+    );
+    gw.rewrite_config(&config(&store, &more));
+    gw.signal(libc::SIGHUP);
+    wait_for_log(&gw, "config reloaded").await;
+    let http = reqwest::Client::new();
+    let resp = http
+        .put(gw.url("/more/x"))
+        .header("x-fence-token", "1")
+        .body("x")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200, "the new route serves");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    for t in load {
+        t.await.unwrap();
+    }
+    assert_eq!(
+        failed.load(Ordering::Relaxed),
+        0,
+        "no request failed across the reload"
+    );
+    assert!(ok.load(Ordering::Relaxed) > 20, "the load ran");
+    let metrics = http
+        .get(format!("http://{}/metrics", gw.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("fencegate_config_reloads_total{result=\"ok\"} 1"),
+        "{metrics}"
+    );
+}
+
+/// A config with problems, or one changing what only a restart can change,
+/// changes nothing: the old routes keep serving, every problem is logged,
+/// and the reload counts as an error.
+#[tokio::test]
+async fn a_bad_reload_keeps_serving() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = Upstream::start().await;
+    let gw = GatewayProcess::start(&config(&store, &docs_route(&up.url())));
+    let bad = format!(
+        "{}[[routes]]\nname = \"docs\"\npath = \"nope\"\nupstream = \"ftp://x\"\nkey = \"k\"\n",
+        docs_route(&up.url())
+    );
+    gw.rewrite_config(&config(&store, &bad));
+    gw.signal(libc::SIGHUP);
+    wait_for_log(&gw, "config not reloaded").await;
+    let log = gw.log();
+    for problem in [
+        "duplicate route name",
+        "routes[1].path",
+        "routes[1].upstream",
+    ] {
+        assert!(log.contains(problem), "'{problem}' not logged:\n{log}");
+    }
+    // A new listen address needs a restart: refused as a whole.
+    let moved = format!(
+        "[server]\nlisten = \"127.0.0.1:1\"\nadmin_listen = \"127.0.0.1:0\"\n[store]\nurl = \"{}\"\n{}{}",
+        store.url,
+        docs_route(&up.url()),
+        route("more", "/more/{id}", &up.url(), "more:{id}")
+    );
+    gw.rewrite_config(&moved);
+    gw.signal(libc::SIGHUP);
+    wait_for_log(&gw, "server.listen: changed, and only a restart applies it").await;
+    let http = reqwest::Client::new();
+    let put = http
+        .put(gw.url("/docs/a"))
+        .header("x-fence-token", "1")
+        .body("x")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(put.status(), 200, "the old config keeps serving");
+    let more = http
+        .put(gw.url("/more/a"))
+        .header("x-fence-token", "1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(more.status(), 404, "nothing of a refused reload applies");
+    let metrics = http
+        .get(format!("http://{}/metrics", gw.admin))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("fencegate_config_reloads_total{result=\"error\"} 2"),
+        "{metrics}"
+    );
+}
