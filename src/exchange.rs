@@ -47,16 +47,47 @@ pub struct Exchange {
 struct State {
     /// Taken when released (now or at the deadline).
     admission: Option<Admission>,
+    progress: Progress,
+    /// What the upstream connection has heard since this request began:
+    /// any byte of an answer before the request body is handed over in full
+    /// makes it an early answer, however late hyper reports the head.
+    heard: Option<crate::upstream::Heard>,
+}
+
+/// How far an exchange has come. Each event only ever adds to what is
+/// known: an early answer, once seen, is never forgotten, whatever order
+/// the body wrapper and the forward report their events in.
+#[derive(Debug, Default, Clone, Copy)]
+struct Progress {
     /// The request body was handed to the upstream connection in full.
     request_sent: bool,
     /// The response body ended normally.
     response_ended: bool,
     /// The answer began before the request body was sent in full.
     early_answer: bool,
-    /// What the upstream connection has heard since this request began:
-    /// any byte of an answer before the request body is handed over in full
-    /// makes it an early answer, however late hyper reports the head.
-    heard: Option<crate::upstream::Heard>,
+}
+
+impl Progress {
+    /// The request body is handed over; `heard`: the upstream had already
+    /// sent something.
+    fn request_sent(&mut self, heard: bool) {
+        self.request_sent = true;
+        self.early_answer |= heard;
+    }
+
+    /// The response head arrived.
+    fn response_head(&mut self) {
+        self.early_answer |= !self.request_sent;
+    }
+
+    fn response_ended(&mut self) {
+        self.response_ended = true;
+    }
+
+    /// The upstream is done with the write: the key may open now.
+    fn done(&self) -> bool {
+        self.request_sent && self.response_ended && !self.early_answer
+    }
 }
 
 impl Exchange {
@@ -71,9 +102,10 @@ impl Exchange {
         Arc::new(Self {
             state: Mutex::new(State {
                 admission: Some(admission),
-                request_sent,
-                response_ended: false,
-                early_answer: false,
+                progress: Progress {
+                    request_sent,
+                    ..Progress::default()
+                },
                 heard: None,
             }),
             deadline,
@@ -90,7 +122,7 @@ impl Exchange {
         let released = {
             let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
             f(&mut s);
-            if s.request_sent && s.response_ended && !s.early_answer {
+            if s.progress.done() {
                 s.admission.take()
             } else {
                 None
@@ -108,21 +140,19 @@ impl Exchange {
     /// The request body has been handed to the upstream connection in full.
     pub fn request_sent(&self) {
         self.update(|s| {
-            s.request_sent = true;
-            if s.heard.as_ref().is_some_and(|h| h.anything()) {
-                s.early_answer = true;
-            }
+            let heard = s.heard.as_ref().is_some_and(|h| h.anything());
+            s.progress.request_sent(heard);
         });
     }
 
     /// The response head has arrived.
     pub fn response_head(&self) {
-        self.update(|s| s.early_answer = !s.request_sent);
+        self.update(|s| s.progress.response_head());
     }
 
     /// The response body has ended normally.
     pub fn response_ended(&self) {
-        self.update(|s| s.response_ended = true);
+        self.update(|s| s.progress.response_ended());
     }
 
     /// Nothing of the request reached the upstream (the connection could not
@@ -155,5 +185,57 @@ impl Drop for Exchange {
             tokio::time::sleep_until(deadline.into()).await;
             drop(admission);
         }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Progress;
+
+    fn with_body() -> Progress {
+        Progress::default()
+    }
+
+    #[test]
+    fn a_normal_exchange_is_done_when_both_directions_are() {
+        let mut p = with_body();
+        p.request_sent(false);
+        p.response_head();
+        assert!(!p.done());
+        p.response_ended();
+        assert!(p.done());
+    }
+
+    #[test]
+    fn a_head_before_the_body_is_handed_over_is_an_early_answer() {
+        let mut p = with_body();
+        p.response_head();
+        p.request_sent(false);
+        p.response_ended();
+        assert!(!p.done());
+    }
+
+    /// hyper may read an early answer, then take the body's last frame, and
+    /// only then let the forward see the head: the head must not clear what
+    /// the socket already told.
+    #[test]
+    fn an_answer_heard_before_the_body_ends_stays_early_whenever_the_head_is_reported() {
+        let mut p = with_body();
+        p.request_sent(true);
+        p.response_head();
+        p.response_ended();
+        assert!(!p.done());
+    }
+
+    #[test]
+    fn a_bodiless_request_is_done_when_its_answer_ends() {
+        let mut p = Progress {
+            request_sent: true,
+            ..Progress::default()
+        };
+        p.response_head();
+        assert!(!p.done());
+        p.response_ended();
+        assert!(p.done());
     }
 }
