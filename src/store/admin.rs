@@ -216,6 +216,18 @@ impl FenceStore {
             match self {
                 FenceStore::Postgres(s) => {
                     let mut tx = s.pool().begin().await?;
+                    // Resets commit one at a time, so their ids commit in
+                    // order: a watcher that has seen id N has then seen, or
+                    // will never see, every id below it (`resets_after`).
+                    // Without this, two overlapping resets could commit
+                    // out of id order, and a watcher that polled between the
+                    // two commits would skip the lower id for good. EXCLUSIVE
+                    // blocks only other resets' inserts, never readers; the
+                    // table is locked before the key's row, by every reset,
+                    // so they cannot deadlock.
+                    sqlx::query("LOCK TABLE fence_resets IN EXCLUSIVE MODE")
+                        .execute(&mut *tx)
+                        .await?;
                     let from: Option<i64> = sqlx::query_scalar(
                         "SELECT highest_token FROM fences WHERE resource_key = $1 FOR UPDATE",
                     )
@@ -365,7 +377,9 @@ impl FenceStore {
     }
 
     /// Resets after the one with id `after`, oldest first, as `(id, key)`:
-    /// how an instance learns of resets made through another one.
+    /// how an instance learns of resets made through another one. Exact
+    /// because resets commit in id order (see `reset`): no reset with a
+    /// lower id can commit after one with a higher id was seen.
     pub async fn resets_after(&self, after: i64) -> Result<Vec<(i64, String)>, StoreError> {
         let timeout = self.timeout();
         bounded(timeout, StoreError::Timeout, async {
