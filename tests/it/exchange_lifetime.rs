@@ -20,7 +20,8 @@
 //! head; 4. the upstream answers before it has read the body (the body keeps
 //! coming and is applied afterwards); 5. an answer streaming longer than
 //! `timeout_ms` is cut then; 6. control: a normal exchange reopens the key at
-//! once. Then a randomized mix of all of it on three keys.
+//! once; 7. the client breaks off while sending the request body. Then a
+//! randomized mix of all of it on three keys.
 //!
 //! Timing: `timeout_ms` is 2 s and the upstream's work about 0.5 s. "Token 2
 //! arrived no earlier than `timeout_ms` after token 1's forward began" is
@@ -278,6 +279,7 @@ on_every_setup!(client_leaves_before_the_head);
 on_every_setup!(answer_while_the_body_is_sent);
 on_every_setup!(exchange_cut_at_timeout);
 on_every_setup!(normal_exchange_reopens_at_once);
+on_every_setup!(client_breaks_off_the_request_body);
 
 /// 1. The upstream sends the head and a chunk, resets the connection, and
 ///    goes on working. The client sees the body break off; token 2, sent
@@ -546,6 +548,50 @@ async fn normal_exchange_reopens_at_once(setup: Setup) {
     );
 }
 
+/// 7. The client sends the head and part of a chunked body, then goes away
+///    in the middle of it: the upstream got a partial write it may be
+///    acting on. Token 2, sent right after, must not reach the upstream
+///    before `timeout_ms` since token 1 was sent.
+async fn client_breaks_off_the_request_body(setup: Setup) {
+    let rig = Rig::new(setup, TIMEOUT).await;
+    let path = "/docs/cut-body";
+    let sent1 = Instant::now();
+    let mut s = TcpStream::connect(rig.a().addr).await.expect("connect");
+    let head = write_head(path, 1, Behaviour::Normal, &[], None);
+    s.write_all(head.as_bytes()).await.expect("send the head");
+    s.write_all(&chunk(b"part 0;"))
+        .await
+        .expect("the gateway takes token 1's first chunk");
+    wait_for("token 1's first chunk at the upstream", || {
+        rig.up.arrived(path, 1) == 1 && rig.up.write(path, 1).body_bytes > 0
+    })
+    .await;
+    drop(s); // the client breaks off mid-body
+    tokio::time::sleep(TOKEN_2_PAUSE).await;
+    let two = rig.send_token_2(path);
+    assert_eq!(two.await.unwrap(), 200, "token 2 is forwarded eventually");
+    rig.up.settle(SETTLE).await;
+    let timeline = timeline(&rig.up, path, sent1);
+    let violations = rig.up.violations();
+    assert!(
+        violations.is_empty(),
+        "the upstream saw the guarantee broken:\n{}\n{timeline}",
+        violations.join("\n")
+    );
+    assert!(
+        !rig.up.write(path, 1).body_complete,
+        "token 1's body must arrive cut short\n{timeline}"
+    );
+    let w2 = rig.up.write(path, 2);
+    let after = w2.started.saturating_duration_since(sent1);
+    assert!(
+        after >= TIMEOUT,
+        "token 2 reached the upstream {after:?} after token 1 was sent: after a request \
+         body that broke off the key must stay closed until timeout_ms ({TIMEOUT:?})\n{timeline}"
+    );
+    assert_eq!(rig.up.applied_tokens(path).last(), Some(&2), "{timeline}");
+}
+
 // ---------------------------------------------------------------------------
 // A randomized mix.
 
@@ -583,6 +629,11 @@ const MIX_TIMEOUT: Duration = Duration::from_millis(1000);
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn randomized_mix_single_sqlite() {
     randomized_mix(Setup::SingleSqlite).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn randomized_mix_single_postgres() {
+    randomized_mix(Setup::SinglePostgres).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -98,6 +98,8 @@ pub struct Received {
     /// Number of body bytes received: 0 until the body has been read; for an
     /// aborted write, the bytes received before the body was cut short.
     pub body_len: usize,
+    /// When its head arrived.
+    pub arrived: std::time::Instant,
 }
 
 impl Received {
@@ -485,6 +487,7 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<RespBod
             path_and_query,
             headers: headers.clone(),
             body_len: 0,
+            arrived: std::time::Instant::now(),
         });
         st.requests.len() - 1
     };
