@@ -13,8 +13,11 @@
 //!
 //! The deadline (the route's `timeout_ms` from the start of the forward)
 //! bounds the *whole* exchange, not just the wait for the response head:
-//! when it passes, both body wrappers cut their streams, so nothing of this
-//! write moves in either direction afterwards. That makes the deadline a
+//! when it passes, both body wrappers cut their streams, and the upstream
+//! connection closes itself (`upstream`'s cutoff, which also covers bodies
+//! nobody polls: a client that stopped reading, an upstream that stopped
+//! reading), so nothing of this write moves in either direction afterwards,
+//! and the connection then tells the exchange, which lets the key open. That makes the deadline a
 //! true upper bound on the write's life at the gateway, which is what a
 //! crash recovery waits out (shared mode's `writer_until`, single mode's
 //! start-up quarantine).
@@ -158,6 +161,22 @@ impl Exchange {
     /// Nothing of the request reached the upstream (the connection could not
     /// be made): the key may open at once.
     pub fn not_sent(&self) {
+        let admission = self
+            .state
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .admission
+            .take();
+        drop(admission);
+    }
+}
+
+/// The upstream connection closed itself at the deadline (see `upstream`):
+/// nothing of this write can move any more, whether or not its bodies are
+/// ever polled again (a client that stopped reading the answer keeps the
+/// response body alive but idle). The key may open.
+impl crate::upstream::OnCut for Exchange {
+    fn cut(&self) {
         let admission = self
             .state
             .lock()

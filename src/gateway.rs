@@ -848,11 +848,18 @@ async fn forward(
 
     let sent = tokio::time::timeout_at(
         deadline.into(),
-        state.client.send(&route.upstream, upstream_req, |heard| {
-            if let Some(x) = &exchange {
-                x.listen_to(heard);
-            }
-        }),
+        state.client.send(
+            &route.upstream,
+            upstream_req,
+            exchange
+                .as_ref()
+                .map(|x| (x.deadline(), x.clone() as Arc<dyn crate::upstream::OnCut>)),
+            |heard| {
+                if let Some(x) = &exchange {
+                    x.listen_to(heard);
+                }
+            },
+        ),
     )
     .await;
     match sent {

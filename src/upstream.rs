@@ -25,6 +25,16 @@
 //! exchange is over" means both directions are, which is what the fenced
 //! write's `Exchange` needs to hear (see `proxy::RelayBody`).
 //!
+//! **Deadlines a connection enforces itself.** A fenced write's exchange
+//! must be over by its deadline in both directions (see `exchange`). The
+//! body wrappers cut their streams at it, but only when they are polled,
+//! and nobody polls them when the client stops reading the answer or the
+//! upstream stops reading the request: hyper then waits on a full socket.
+//! So each connection's driver task also watches the deadline of the
+//! exchange it carries ([`Cutoff`]) and, when it passes with the exchange
+//! not over, drops the connection, which closes the socket. After that
+//! nothing of the write can move, whoever stalls.
+//!
 //! **TLS** upstreams (`https://`) are verified against the platform's trust
 //! roots or the route's `upstream_ca_file`, with SNI and the hostname check
 //! always on. The TLS stream plugs into the same HTTP/1 path as TCP: no
@@ -111,11 +121,66 @@ struct Idle {
     since: Instant,
 }
 
-/// One upstream connection: the request side of hyper's HTTP/1 driver, and
-/// what the socket has heard.
+/// One upstream connection: the request side of hyper's HTTP/1 driver,
+/// what the socket has heard, and the deadline its driver enforces.
 struct Conn {
     sender: SendRequest<Body>,
     heard: Heard,
+    cutoff: Arc<Cutoff>,
+}
+
+/// The deadline of the exchange a connection carries, if it has one (see
+/// the module docs). Set before a fenced request is sent, cleared when the
+/// exchange is over and the connection goes back to the pool; a connection
+/// dropped mid-exchange keeps it, so its driver still closes it in time.
+#[derive(Default)]
+struct Cutoff {
+    armed: Mutex<Option<Armed>>,
+    /// Wakes the driver to look at a new deadline. A clear needs no wake:
+    /// the driver finds it when the old deadline passes.
+    changed: tokio::sync::Notify,
+}
+
+/// A deadline, and who to tell when the connection closed itself at it.
+struct Armed {
+    at: Instant,
+    on_cut: Arc<dyn OnCut>,
+}
+
+/// Told when a connection has closed itself at its exchange's deadline:
+/// from then on nothing of the exchange can reach the upstream, even if its
+/// bodies are never polled again.
+pub trait OnCut: Send + Sync {
+    fn cut(&self);
+}
+
+impl Cutoff {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Armed>> {
+        self.armed.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn at(&self) -> Option<Instant> {
+        self.lock().as_ref().map(|a| a.at)
+    }
+
+    fn arm(&self, at: Instant, on_cut: Arc<dyn OnCut>) {
+        *self.lock() = Some(Armed { at, on_cut });
+        self.changed.notify_one();
+    }
+
+    fn clear(&self) {
+        *self.lock() = None;
+    }
+
+    /// Disarms it if it is still armed for `at`, answering whom to tell.
+    fn fire(&self, at: Instant) -> Option<Arc<dyn OnCut>> {
+        let mut armed = self.lock();
+        if armed.as_ref().is_some_and(|a| a.at == at) {
+            armed.take().map(|a| a.on_cut)
+        } else {
+            None
+        }
+    }
 }
 
 /// Whether any byte came from the upstream since the current request began.
@@ -237,6 +302,7 @@ impl Pooled {
 
     /// Returns the connection to its pool.
     pub fn give_back(self) {
+        self.conn.cutoff.clear();
         let mut idle = self.client.idle.lock().unwrap_or_else(|e| e.into_inner());
         let stack = idle.entry(self.key).or_default();
         if stack.len() < MAX_IDLE {
@@ -272,12 +338,15 @@ impl UpstreamClient {
 
     /// Sends `req` to `upstream` (its URI in origin form, `Host` set). The
     /// response comes with the connection it was read from, to hand back
-    /// when the exchange is over. `listen` learns the connection's
-    /// [`Heard`] before the request is written.
+    /// when the exchange is over. `cut`: a fenced write's deadline, past
+    /// which the connection closes itself and then tells the exchange (see
+    /// the module docs). `listen` learns the connection's [`Heard`] before
+    /// the request is written.
     pub async fn send(
         &self,
         upstream: &Upstream,
         mut req: Request<Body>,
+        cut: Option<(Instant, Arc<dyn OnCut>)>,
         listen: impl Fn(Heard),
     ) -> Result<(Response<Incoming>, Pooled), SendError> {
         loop {
@@ -285,6 +354,9 @@ impl UpstreamClient {
                 Some(c) => (c, true),
                 None => (connect(upstream).await?, false),
             };
+            if let Some((at, on_cut)) = &cut {
+                conn.cutoff.arm(*at, on_cut.clone());
+            }
             conn.heard.arm();
             listen(conn.heard.clone());
             // A copy to repeat a safe request with, should the reused
@@ -386,10 +458,51 @@ where
         .handshake(TokioIo::new(watched))
         .await
         .map_err(|e| SendError::Connect(format!("HTTP/1.1 handshake failed: {e}")))?;
-    tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            tracing::debug!(error = %e, "upstream connection ended with an error");
+    let cutoff = Arc::new(Cutoff::default());
+    tokio::spawn(drive(conn, cutoff.clone()));
+    Ok(Conn {
+        sender,
+        heard,
+        cutoff,
+    })
+}
+
+/// Runs a connection until it ends, or until the deadline of the exchange
+/// it carries passes: then it drops the connection, which closes the
+/// socket, and only then tells the exchange.
+async fn drive<F>(conn: F, cutoff: Arc<Cutoff>)
+where
+    F: std::future::Future<Output = hyper::Result<()>>,
+{
+    let mut conn = Box::pin(conn);
+    let on_cut = loop {
+        let at = cutoff.at();
+        // Created before the select polls anything: a deadline armed from
+        // now on wakes it (`notify_one` keeps a permit until then).
+        let changed = cutoff.changed.notified();
+        let passed = async {
+            match at {
+                Some(at) => tokio::time::sleep_until(at.into()).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            biased;
+            ended = &mut conn => {
+                if let Err(e) = ended {
+                    tracing::debug!(error = %e, "upstream connection ended with an error");
+                }
+                return;
+            }
+            () = changed => {}
+            () = passed => {
+                if let Some(on_cut) = at.and_then(|at| cutoff.fire(at)) {
+                    break on_cut;
+                }
+            }
         }
-    });
-    Ok(Conn { sender, heard })
+    };
+    drop(conn);
+    tracing::debug!("upstream connection closed at its fenced write's deadline");
+    on_cut.cut();
 }

@@ -20,7 +20,8 @@
 //! head; 4. the upstream answers before it has read the body (the body keeps
 //! coming and is applied afterwards); 5. an answer streaming longer than
 //! `timeout_ms` is cut then; 6. control: a normal exchange reopens the key at
-//! once; 7. the client breaks off while sending the request body. Then a
+//! once; 7. the client breaks off while sending the request body; 8. the
+//! client stops reading a large answer but stays connected. Then a
 //! randomized mix of all of it on three keys.
 //!
 //! Timing: `timeout_ms` is 2 s and the upstream's work about 0.5 s. "Token 2
@@ -280,6 +281,7 @@ on_every_setup!(answer_while_the_body_is_sent);
 on_every_setup!(exchange_cut_at_timeout);
 on_every_setup!(normal_exchange_reopens_at_once);
 on_every_setup!(client_breaks_off_the_request_body);
+on_every_setup!(client_stops_reading_the_answer);
 
 /// 1. The upstream sends the head and a chunk, resets the connection, and
 ///    goes on working. The client sees the body break off; token 2, sent
@@ -590,6 +592,67 @@ async fn client_breaks_off_the_request_body(setup: Setup) {
          body that broke off the key must stay closed until timeout_ms ({TIMEOUT:?})\n{timeline}"
     );
     assert_eq!(rig.up.applied_tokens(path).last(), Some(&2), "{timeline}");
+}
+
+/// 8. The upstream sends a large answer as fast as it is taken; the client
+///    reads the head, then stops reading and stays connected. Nothing polls
+///    the answer any more (the gateway's socket to the client is full), so
+///    only the upstream connection's own deadline can end the exchange:
+///    at `timeout_ms` the gateway closes it, and token 2 follows then — not
+///    never (single mode, where the stalled exchange would hold the key for
+///    good), and not while token 1's answer is still being sent (shared
+///    mode, where the other instance's wait ends with the in-flight marker).
+async fn client_stops_reading_the_answer(setup: Setup) {
+    use crate::support::raw_upstream::FLOOD_BYTES_HEADER;
+    let rig = Rig::new(setup, TIMEOUT).await;
+    let path = "/docs/unread";
+    let sent1 = Instant::now();
+    // A small receive buffer, so that the client's side fills up soon.
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket.set_recv_buffer_size(4096).expect("SO_RCVBUF");
+    let mut s = socket.connect(rig.a().addr).await.expect("connect");
+    let head = write_head(
+        path,
+        1,
+        Behaviour::Flood,
+        &[(FLOOD_BYTES_HEADER, "268435456")],
+        Some(3),
+    );
+    s.write_all(format!("{head}one").as_bytes())
+        .await
+        .expect("send the write");
+    let mut buf = BytesMut::new();
+    let (status, _) = read_response_head(&mut s, &mut buf)
+        .await
+        .expect("token 1's answer head");
+    assert_eq!(status, 200);
+    // From here on the client reads nothing, and keeps `s` open.
+    tokio::time::sleep(TOKEN_2_PAUSE).await;
+    let two = rig.send_token_2(path);
+    assert_eq!(two.await.unwrap(), 200, "token 2 is forwarded eventually");
+    rig.up.settle(SETTLE).await;
+    let timeline = timeline(&rig.up, path, sent1);
+    let violations = rig.up.violations();
+    assert!(
+        violations.is_empty(),
+        "the upstream saw the guarantee broken:\n{}\n{timeline}",
+        violations.join("\n")
+    );
+    let (w1, w2) = (rig.up.write(path, 1), rig.up.write(path, 2));
+    let cut = w1
+        .answer_cut
+        .map(|t| t.saturating_duration_since(sent1))
+        .expect("token 1's answer was cut off");
+    assert!(
+        cut >= TIMEOUT,
+        "token 1's answer was cut {cut:?} after it was sent, before timeout_ms\n{timeline}"
+    );
+    assert!(
+        w2.started >= w1.ended.expect("token 1 ended"),
+        "token 2 reached the upstream while it was still sending token 1's answer\n{timeline}"
+    );
+    assert_eq!(rig.up.applied_tokens(path), vec![1, 2], "{timeline}");
+    drop(s);
 }
 
 // ---------------------------------------------------------------------------

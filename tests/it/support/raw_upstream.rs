@@ -31,9 +31,11 @@
 //! | `x-test-behaviour: break-after-head` | read the body, send a chunked `200` head and one chunk, reset the connection (RST: `SO_LINGER` 0), then work and apply |
 //! | `x-test-behaviour: slow-stream` | read the body, work, send a chunked `200` head, then `x-test-chunks` chunks one every `x-test-chunk-ms`, apply when that streaming period is over (whether or not the peer is still there), then send the final chunk |
 //! | `x-test-behaviour: early-answer` | right after the head, send a complete `200` (Content-Length body) before reading the body; then read the body however slowly it comes, work, apply |
+//! | `x-test-behaviour: flood` | read the body, work, then send a chunked `200` of `x-test-flood-bytes` as fast as the peer takes it, with no time limit (a peer that stops reading stalls it); apply when the answer is sent or found cut off. Not among [`Behaviour::ALL`] |
 //! | `x-test-work-ms: N` | the write's work before it is applied, in ms (default 0) |
 //! | `x-test-chunks: N` | `slow-stream`: number of chunks (default 10) |
 //! | `x-test-chunk-ms: N` | `slow-stream`: ms between chunks (default 100) |
+//! | `x-test-flood-bytes: N` | `flood`: bytes of answer body (default 32 MiB) |
 //! | `x-test-id: S` | recorded as [`WriteRecord::test_id`], to find a write again |
 //!
 //! An unknown `x-test-behaviour` is answered `400` and the connection closed.
@@ -69,6 +71,8 @@ pub const WORK_HEADER: &str = "x-test-work-ms";
 pub const CHUNKS_HEADER: &str = "x-test-chunks";
 /// Header: `slow-stream`'s pause between chunks (ms).
 pub const CHUNK_MS_HEADER: &str = "x-test-chunk-ms";
+/// Header: `flood`'s answer size in bytes.
+pub const FLOOD_BYTES_HEADER: &str = "x-test-flood-bytes";
 /// Header: an identifier recorded with the write.
 pub const ID_HEADER: &str = "x-test-id";
 /// Header carrying the fencing token.
@@ -86,10 +90,12 @@ pub enum Behaviour {
     BreakAfterHead,
     SlowStream,
     EarlyAnswer,
+    Flood,
 }
 
 impl Behaviour {
-    /// Every behaviour.
+    /// The behaviours of an exchange of ordinary size (the randomized mix
+    /// draws from these); `flood` is for the one case it was made for.
     pub const ALL: [Behaviour; 4] = [
         Behaviour::Normal,
         Behaviour::BreakAfterHead,
@@ -104,6 +110,7 @@ impl Behaviour {
             Behaviour::BreakAfterHead => "break-after-head",
             Behaviour::SlowStream => "slow-stream",
             Behaviour::EarlyAnswer => "early-answer",
+            Behaviour::Flood => "flood",
         }
     }
 
@@ -112,6 +119,7 @@ impl Behaviour {
         let s = s.trim();
         Behaviour::ALL
             .into_iter()
+            .chain([Behaviour::Flood])
             .find(|b| b.as_str().eq_ignore_ascii_case(s))
     }
 }
@@ -873,6 +881,24 @@ async fn serve_request(shared: &Arc<Shared>, mut conn: Conn, head: Head) -> Opti
             shared.apply(id);
             shared.end(id);
             None
+        }
+        Behaviour::Flood => {
+            work(work_ms).await;
+            let total = head.header_u64(FLOOD_BYTES_HEADER).unwrap_or(32 << 20);
+            let piece = chunk(&vec![b'x'; 64 * 1024]);
+            let mut alive = conn.stream.write_all(CHUNKED_HEAD).await.is_ok();
+            let mut sent = 0;
+            while alive && sent < total {
+                alive = conn.stream.write_all(&piece).await.is_ok();
+                sent += 64 * 1024;
+            }
+            alive = alive && conn.stream.write_all(LAST_CHUNK).await.is_ok();
+            if !alive {
+                shared.answer_cut(id);
+            }
+            shared.apply(id);
+            shared.end(id);
+            alive.then_some(conn)
         }
         Behaviour::SlowStream => {
             work(work_ms).await;
