@@ -161,12 +161,18 @@ impl Exchange {
     /// Nothing of the request reached the upstream (the connection could not
     /// be made): the key may open at once.
     pub fn not_sent(&self) {
+        self.release_now();
+    }
+
+    /// Lets the key open now, whatever the exchange's progress.
+    fn release_now(&self) {
         let admission = self
             .state
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .admission
             .take();
+        // Dropped outside the lock, as in `update`.
         drop(admission);
     }
 }
@@ -177,13 +183,7 @@ impl Exchange {
 /// response body alive but idle). The key may open.
 impl crate::upstream::OnCut for Exchange {
     fn cut(&self) {
-        let admission = self
-            .state
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .admission
-            .take();
-        drop(admission);
+        self.release_now();
     }
 }
 

@@ -199,6 +199,16 @@ pub struct Permit {
     key: Arc<str>,
 }
 
+/// How a ticket's store call ended.
+enum CallEnd {
+    /// The store answered: this is the key's highest token.
+    Answered(i64),
+    /// No answer: the call may still commit.
+    Unknown,
+    /// Refused before the store was written.
+    NeverMade,
+}
+
 /// A refusal: a higher token than the presented one reached the gate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Stale {
@@ -345,25 +355,19 @@ impl Ticket {
     /// unknown (the call may still commit later). A ticket that needed no
     /// store call ignores this.
     pub fn settle(&mut self, answer: Option<i64>) {
-        if !self.recording {
-            return;
-        }
-        self.recording = false;
-        let mut slots = self.gate.lock();
-        if let Some(s) = slots.map.get_mut(&self.key) {
-            s.recording -= 1;
-            match answer {
-                // An answer from before a reset may be above its value.
-                Some(_) if s.resets != self.resets => {}
-                Some(highest) => s.durable = Some(s.durable.map_or(highest, |d| d.max(highest))),
-                None => s.unsettled_until = Some(Instant::now() + self.gate.unsettled_for),
-            }
-        }
+        self.end_call(match answer {
+            Some(highest) => CallEnd::Answered(highest),
+            None => CallEnd::Unknown,
+        });
     }
 
     /// Ends this ticket's store call as never made (refused before the
     /// store was written): nothing can commit later.
     pub fn settle_unrecorded(&mut self) {
+        self.end_call(CallEnd::NeverMade);
+    }
+
+    fn end_call(&mut self, end: CallEnd) {
         if !self.recording {
             return;
         }
@@ -371,6 +375,17 @@ impl Ticket {
         let mut slots = self.gate.lock();
         if let Some(s) = slots.map.get_mut(&self.key) {
             s.recording -= 1;
+            match end {
+                // An answer from before a reset may be above its value.
+                CallEnd::Answered(_) if s.resets != self.resets => {}
+                CallEnd::Answered(highest) => {
+                    s.durable = Some(s.durable.map_or(highest, |d| d.max(highest)))
+                }
+                CallEnd::Unknown => {
+                    s.unsettled_until = Some(Instant::now() + self.gate.unsettled_for)
+                }
+                CallEnd::NeverMade => {}
+            }
         }
     }
 

@@ -247,16 +247,20 @@ type NameParam = Result<Path<String>, PathRejection>;
 type BodyParam = Result<Bytes, BytesRejection>;
 
 /// Unwraps the extractors, turning their rejections into problem documents,
-/// and authorizes the caller: a request without a known client is refused
-/// (401) before its name or body is looked at.
-fn inputs<'a>(
-    auth: &'a Clients,
-    creds: Credentials<'_>,
+/// and authorizes the caller against the current config's clients: a
+/// request without a known client is refused (401) before its name or body
+/// is looked at.
+fn inputs(
+    s: &LockApiState,
+    conn: &ConnParam,
+    headers: &http::HeaderMap,
     name: NameParam,
     body: Option<BodyParam>,
-) -> Result<(String, Bytes, Option<&'a Client>), Box<Response>> {
+) -> Result<(String, Bytes, Option<Client>), Box<Response>> {
     let refused = |e| Box::new(crate::error::auth_problem(&e).into_response());
-    let client = auth.authenticate(creds).map_err(refused)?;
+    let live = s.live.load();
+    let creds = credentials(headers, conn.as_deref().map(|c| &**c));
+    let client = live.auth.authenticate(creds).map_err(refused)?;
     let name = match name {
         Ok(Path(n)) => n,
         Err(e) => {
@@ -286,7 +290,7 @@ fn inputs<'a>(
             ));
         }
     };
-    Ok((name, body, client))
+    Ok((name, body, client.cloned()))
 }
 
 async fn acquire(
@@ -296,9 +300,7 @@ async fn acquire(
     name: NameParam,
     body: BodyParam,
 ) -> Response {
-    let creds = credentials(&headers, conn.as_deref().map(|c| &**c));
-    let live = s.live.load_full();
-    let (name, body, client) = match inputs(&live.auth, creds, name, Some(body)) {
+    let (name, body, client) = match inputs(&s, &conn, &headers, name, Some(body)) {
         Ok(v) => v,
         Err(r) => return *r,
     };
@@ -321,7 +323,7 @@ async fn acquire(
         Ok(v) => v,
         Err(b) => return b.into_response(),
     };
-    let lease = Clients::lease_id(client, super::new_lease_id());
+    let lease = Clients::lease_id(client.as_ref(), super::new_lease_id());
     match s.locks.acquire(&name, &lease, ttl, wait).await {
         Ok(grant) => (StatusCode::CREATED, Json(grant)).into_response(),
         Err(e) => lock_error(&name, e, s.retry_after),
@@ -335,9 +337,7 @@ async fn renew(
     name: NameParam,
     body: BodyParam,
 ) -> Response {
-    let creds = credentials(&headers, conn.as_deref().map(|c| &**c));
-    let live = s.live.load_full();
-    let (name, body, client) = match inputs(&live.auth, creds, name, Some(body)) {
+    let (name, body, client) = match inputs(&s, &conn, &headers, name, Some(body)) {
         Ok(v) => v,
         Err(r) => return *r,
     };
@@ -349,7 +349,7 @@ async fn renew(
         Ok(v) => v,
         Err(b) => return b.into_response(),
     };
-    if let Err(e) = Clients::owns_lease(client, &lease) {
+    if let Err(e) = Clients::owns_lease(client.as_ref(), &lease) {
         return crate::error::auth_problem(&e).into_response();
     }
     match s.locks.renew(&name, &lease, ttl).await {
@@ -365,9 +365,7 @@ async fn release(
     name: NameParam,
     body: BodyParam,
 ) -> Response {
-    let creds = credentials(&headers, conn.as_deref().map(|c| &**c));
-    let live = s.live.load_full();
-    let (name, body, client) = match inputs(&live.auth, creds, name, Some(body)) {
+    let (name, body, client) = match inputs(&s, &conn, &headers, name, Some(body)) {
         Ok(v) => v,
         Err(r) => return *r,
     };
@@ -376,7 +374,7 @@ async fn release(
         Ok(v) => v,
         Err(b) => return b.into_response(),
     };
-    if let Err(e) = Clients::owns_lease(client, &lease) {
+    if let Err(e) = Clients::owns_lease(client.as_ref(), &lease) {
         return crate::error::auth_problem(&e).into_response();
     }
     match s.locks.release(&name, &lease).await {
@@ -391,9 +389,7 @@ async fn status(
     headers: http::HeaderMap,
     name: NameParam,
 ) -> Response {
-    let creds = credentials(&headers, conn.as_deref().map(|c| &**c));
-    let live = s.live.load_full();
-    let (name, _, _) = match inputs(&live.auth, creds, name, None) {
+    let (name, _, _) = match inputs(&s, &conn, &headers, name, None) {
         Ok(v) => v,
         Err(r) => return *r,
     };

@@ -42,6 +42,21 @@ pub struct Page<T> {
     pub next: Option<String>,
 }
 
+impl<T> Page<T> {
+    /// A page of at most `limit` items from a query that asked for one row
+    /// more: that extra row, if it came, says a next page exists, which
+    /// starts after the key of the last item kept.
+    fn of(mut items: Vec<T>, limit: usize, key: impl Fn(&T) -> String) -> Self {
+        let next = if items.len() > limit {
+            items.truncate(limit);
+            items.last().map(key)
+        } else {
+            None
+        };
+        Page { items, next }
+    }
+}
+
 /// The smallest string above every string that starts with `prefix`, in
 /// byte (code point) order; `None` when there is none (an empty prefix, or
 /// one of only `char::MAX`).
@@ -155,7 +170,7 @@ impl FenceStore {
         // One more than asked: whether there is a next page.
         let take = limit as i64 + 1;
         let timeout = self.timeout();
-        let mut items = bounded(timeout, StoreError::Timeout, async {
+        let items = bounded(timeout, StoreError::Timeout, async {
             let found = match self {
                 FenceStore::Postgres(s) => records(
                     sqlx::query(&format!(
@@ -191,13 +206,7 @@ impl FenceStore {
             Ok(found)
         })
         .await?;
-        let next = if items.len() > limit {
-            items.truncate(limit);
-            items.last().map(|r| r.resource_key.clone())
-        } else {
-            None
-        };
-        Ok(Page { items, next })
+        Ok(Page::of(items, limit, |r| r.resource_key.clone()))
     }
 
     /// Sets `key`'s highest token to `to` (lower or higher), durably, with
@@ -308,7 +317,7 @@ impl FenceStore {
         let end = prefix_end(prefix);
         let take = limit as i64 + 1;
         let timeout = self.timeout();
-        let mut items: Vec<String> = bounded(timeout, StoreError::Timeout, async {
+        let items: Vec<String> = bounded(timeout, StoreError::Timeout, async {
             Ok(match self {
                 FenceStore::Postgres(s) => {
                     sqlx::query_scalar(
@@ -340,13 +349,7 @@ impl FenceStore {
             })
         })
         .await?;
-        let next = if items.len() > limit {
-            items.truncate(limit);
-            items.last().cloned()
-        } else {
-            None
-        };
-        Ok(Page { items, next })
+        Ok(Page::of(items, limit, String::clone))
     }
 
     /// The highest fence the lock API has granted for the lock `name` (0 if
