@@ -572,6 +572,13 @@ struct RawDemo {
 // ---------------------------------------------------------------------------
 
 impl Config {
+    /// Whether the lock API is open to the network: enabled, with no
+    /// `[[auth.clients]]`, on a traffic listener that is not a loopback
+    /// address. Worth a warning at start-up and after every reload.
+    pub fn lock_api_open_to_network(&self) -> bool {
+        self.locks.enabled && !self.auth.enabled() && !self.server.listen.ip().is_loopback()
+    }
+
     /// Loads a config file with overrides from the process environment.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         // `vars_os`, not `vars`: the latter panics on a variable that is not

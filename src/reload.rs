@@ -142,6 +142,19 @@ impl Reloader {
             locks.set_signing_keys(config.tokens.clone());
         }
         self.live.store(Arc::new(Live::new(&config, &self.metrics)));
+        warn_if_open(&config);
         Ok(())
+    }
+}
+
+/// Warns when `config` leaves the lock API open to the network (see
+/// [`Config::lock_api_open_to_network`]): at start-up, and after a reload
+/// that removed the last client.
+pub fn warn_if_open(config: &Config) {
+    if config.lock_api_open_to_network() {
+        tracing::warn!(
+            listen = %config.server.listen,
+            "the lock API is open to anyone who can reach this listener: no [[auth.clients]] are configured"
+        );
     }
 }

@@ -135,12 +135,7 @@ async fn serve(path: PathBuf) -> ExitCode {
     for d in &config.deprecations {
         tracing::warn!(config = %path.display(), "{d}");
     }
-    if config.locks.enabled && !config.auth.enabled() && !config.server.listen.ip().is_loopback() {
-        tracing::warn!(
-            listen = %config.server.listen,
-            "the lock API is open to anyone who can reach this listener: no [[auth.clients]] are configured"
-        );
-    }
+    crate::reload::warn_if_open(&config);
     let store_url = crate::config::redact_url(&config.store.url);
     let app = match Application::build(config).await {
         Ok(a) => a,

@@ -96,6 +96,90 @@ async fn client_certificates_are_verified_against_the_configured_ca() {
     }
 }
 
+/// A verified client certificate whose CN is a client's `tls_subject`
+/// authenticates as that client on the lock API, with its globs and its
+/// leases; an unknown CN is 401 like no credential; a bearer key, when sent,
+/// is what authenticates (a wrong one is refused whatever the certificate).
+#[tokio::test]
+async fn a_client_certificate_authenticates_as_the_client_of_its_cn() {
+    use sha2::Digest;
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = Upstream::start().await;
+    let ca = Ca::new("test CA");
+    let clients = Ca::new("client CA");
+    let (_, cert, key) = ca.server_files("gateway");
+    let client_ca = clients.write("clients.pem", &clients.pem());
+    let auth = format!(
+        "[[auth.clients]]\nname = \"billing\"\ntls_subject = \"billing-worker\"\nlocks = [\"billing:*\"]\n\
+         [[auth.clients]]\nname = \"ops\"\napi_key_sha256 = \"{}\"\nlocks = [\"*\"]\n",
+        hex::encode(sha2::Sha256::digest(b"key-ops"))
+    );
+    let extra = format!(
+        "{}{}{auth}",
+        docs_route(&up.url()),
+        pki::tls_section(&cert, &key, Some((&client_ca, "optional")))
+    );
+    let app = TestApp::spawn(&store.url, &extra).await;
+    let base = format!("https://127.0.0.1:{}/_fencegate/locks", app.addr.port());
+    let billing = pki::client(&ca, Some(&clients.client("billing-worker")));
+    let stranger = pki::client(&ca, Some(&clients.client("someone-else")));
+    let anonymous = pki::client(&ca, None);
+    let ttl = serde_json::json!({"ttl_ms": 5000});
+
+    let grant = billing
+        .post(format!("{base}/billing:run"))
+        .json(&ttl)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(grant.status(), 201);
+    let grant: serde_json::Value = grant.json().await.unwrap();
+    let outside = billing
+        .post(format!("{base}/doc:1"))
+        .json(&ttl)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(outside.status(), 403, "outside the client's globs");
+    for (who, client) in [("an unknown CN", &stranger), ("no certificate", &anonymous)] {
+        let resp = client
+            .post(format!("{base}/billing:other"))
+            .json(&ttl)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 401, "{who}");
+        assert!(resp.headers().contains_key("www-authenticate"), "{who}");
+    }
+    // A bearer key decides when it is sent: a wrong one is refused even
+    // with billing's certificate, ops's key is ops (whose lease billing's
+    // is not).
+    let wrong_key = billing
+        .post(format!("{base}/billing:other"))
+        .bearer_auth("not-a-key")
+        .json(&ttl)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(wrong_key.status(), 401);
+    let as_ops = billing
+        .post(format!("{base}/billing:run/release"))
+        .bearer_auth("key-ops")
+        .json(&serde_json::json!({"lease": grant["lease"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(as_ops.status(), 403, "billing's lease is not ops's");
+    let released = billing
+        .post(format!("{base}/billing:run/release"))
+        .json(&serde_json::json!({"lease": grant["lease"]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(released.status(), 204);
+    assert!(up.requests().is_empty(), "lock calls reach no upstream");
+}
+
 #[tokio::test]
 async fn unusable_tls_files_are_config_problems() {
     let ca = Ca::new("test CA");

@@ -129,6 +129,22 @@ async fn the_lock_api_needs_a_known_client_within_its_globs() {
             .as_str()
             .unwrap()
             .contains("not acquired by client 'ops'"));
+        // billing on a name outside its globs: 403 before any lease is
+        // looked at.
+        let outside = format!("/_fencegate/locks/ops:deploy/{action}");
+        let refused = problem(
+            call(
+                &app,
+                "POST",
+                &outside,
+                Some("key-billing"),
+                Some(body.clone()),
+            )
+            .await,
+            403,
+        )
+        .await;
+        assert_eq!(refused["type"], "urn:fencegate:problem:forbidden");
     }
     let renewed = call(
         &app,
@@ -210,60 +226,71 @@ async fn admin_actions_need_an_admin_key() {
 }
 
 /// On a `token = "issued"` route a forged integer is refused (403), never
-/// recorded and never forwarded; a granted fence is accepted.
+/// recorded and never forwarded; a granted fence is accepted. On the table
+/// backend of both stores, and on Redis and Redlock, whose grants the
+/// store learns as their durable floor.
 #[tokio::test]
 async fn issued_routes_refuse_tokens_nobody_was_granted() {
-    for backend in [Backend::Sqlite, Backend::Postgres] {
+    let redis = require_shared_redis();
+    let nodes: Vec<PrivateRedis> = (0..3).map(|_| PrivateRedis::start()).collect();
+    let urls: Vec<String> = nodes.iter().map(|n| format!("\"{}\"", n.url())).collect();
+    for (backend, locks) in [
+        (Backend::Sqlite, String::new()),
+        (Backend::Postgres, String::new()),
+        (
+            Backend::Sqlite,
+            format!("[locks]\nbackend = \"redis\"\nredis_url = \"{redis}\"\n"),
+        ),
+        (
+            Backend::Postgres,
+            format!(
+                "[locks]\nbackend = \"redlock\"\nredis_urls = [{}]\n",
+                urls.join(", ")
+            ),
+        ),
+    ] {
         let store = TestStore::new(backend).await;
         let up = Upstream::start().await;
-        let routes = format!("{}token = \"issued\"\n", docs_route(&up.url()));
+        let routes = format!("{}token = \"issued\"\n{locks}", docs_route(&up.url()));
         let app = TestApp::spawn(&store.url, &routes).await;
-        let body = problem(app.put("/docs/victim", Some(MAX), "forged").await, 403).await;
+        // A name of its own: the shared Redis outlives every test.
+        let id = format!("victim-{:016x}", rand::random::<u64>());
+        let (path, lock) = (format!("/docs/{id}"), format!("doc:{id}"));
+        let body = problem(app.put(&path, Some(MAX), "forged").await, 403).await;
         assert_eq!(body["type"], "urn:fencegate:problem:unissued-token");
         assert_eq!(body["highest_issued"], 0);
         assert_eq!(body["presented_token"], i64::MAX);
-        let fence = call(&app, "GET", "/fences/doc:victim", None, None).await;
+        let fence = call(&app, "GET", &format!("/fences/{lock}"), None, None).await;
         assert_eq!(fence.status(), 404, "a refused token is not recorded");
-        let grant: Value = acquire(&app, "doc:victim", None)
-            .await
-            .json()
-            .await
-            .unwrap();
+        let grant: Value = acquire(&app, &lock, None).await.json().await.unwrap();
         let fence = grant["fence"].as_i64().unwrap();
         assert_eq!(
-            app.put("/docs/victim", Some(&fence.to_string()), "ok")
+            app.put(&path, Some(&fence.to_string()), "ok")
                 .await
                 .status(),
             200
         );
         let next = (fence + 1).to_string();
-        problem(app.put("/docs/victim", Some(&next), "early").await, 403).await;
+        problem(app.put(&path, Some(&next), "early").await, 403).await;
         // A second grant makes the next fence valid, also on a key whose
         // issued fence memory already knows.
         let release = call(
             &app,
             "POST",
-            "/_fencegate/locks/doc:victim/release",
+            &format!("/_fencegate/locks/{lock}/release"),
             None,
             Some(json!({"lease": grant["lease"]})),
         )
         .await;
         assert_eq!(release.status(), 204);
-        let again: Value = acquire(&app, "doc:victim", None)
-            .await
-            .json()
-            .await
-            .unwrap();
+        let again: Value = acquire(&app, &lock, None).await.json().await.unwrap();
         assert_eq!(again["fence"].as_i64(), Some(fence + 1));
-        assert_eq!(
-            app.put("/docs/victim", Some(&next), "again").await.status(),
-            200
-        );
+        assert_eq!(app.put(&path, Some(&next), "again").await.status(), 200);
         let bodies: Vec<_> = up.applied().iter().map(|a| a.body.clone()).collect();
         assert_eq!(
             bodies,
             vec!["ok", "again"],
-            "{backend:?}: only granted writes arrived"
+            "{backend:?} {locks}: only granted writes arrived"
         );
     }
 }
@@ -480,12 +507,24 @@ async fn a_reset_that_commits_after_a_later_one_still_reaches_every_instance() {
 #[tokio::test]
 async fn breaking_a_lease_ends_it_on_every_backend() {
     let url = require_shared_redis();
+    let nodes: Vec<PrivateRedis> = (0..3).map(|_| PrivateRedis::start()).collect();
     for (locks, backend) in [
         (String::new(), Backend::Sqlite),
         (String::new(), Backend::Postgres),
         (
             format!("[locks]\nbackend = \"redis\"\nredis_url = \"{url}\"\n"),
             Backend::Sqlite,
+        ),
+        (
+            format!(
+                "[locks]\nbackend = \"redlock\"\nredis_urls = [{}]\n",
+                nodes
+                    .iter()
+                    .map(|n| format!("\"{}\"", n.url()))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+            Backend::Postgres,
         ),
     ] {
         let store = TestStore::new(backend).await;
@@ -625,5 +664,48 @@ async fn listings_page_through_more_keys_than_one_page() {
             .unwrap();
         assert_eq!(rest["locks"][0]["name"], "lk:c");
         assert_eq!(rest["next"], Value::Null);
+    }
+}
+
+/// Without `[[auth.clients]]` the lock API is open: `serve` warns when the
+/// traffic listener is not a loopback address, and so does a reload that
+/// removes the last client. A loopback listener, or a config with a client,
+/// gets no warning. (The process listens on every address but is sent no
+/// traffic.)
+#[tokio::test]
+async fn an_open_lock_api_on_a_reachable_listener_is_warned_about() {
+    use crate::support::process::GatewayProcess;
+    const WARNING: &str = "the lock API is open to anyone who can reach this listener";
+    let (one, two) = (
+        TestStore::new(Backend::Sqlite).await,
+        TestStore::new(Backend::Sqlite).await,
+    );
+    let config = |store: &TestStore, listen: &str, auth: &str| {
+        format!(
+            "[server]\nlisten = \"{listen}\"\nadmin_listen = \"127.0.0.1:0\"\n\
+             [store]\nurl = \"{}\"\n{auth}",
+            store.url
+        )
+    };
+    let text = |listen: &str, auth: &str| config(&two, listen, auth);
+    let quiet = GatewayProcess::start(&config(&one, "127.0.0.1:0", ""));
+    let open = GatewayProcess::start(&text("0.0.0.0:0", ""));
+    assert_eq!(open.log().matches(WARNING).count(), 1, "{}", open.log());
+    reload(&open, &text("0.0.0.0:0", &auth_section()), 1).await;
+    assert_eq!(open.log().matches(WARNING).count(), 1, "{}", open.log());
+    reload(&open, &text("0.0.0.0:0", ""), 2).await;
+    assert_eq!(open.log().matches(WARNING).count(), 2, "{}", open.log());
+    assert!(!quiet.log().contains(WARNING), "{}", quiet.log());
+}
+
+/// Rewrites a gateway process's config, sends SIGHUP, and waits until it has
+/// logged its `reloads`-th successful reload.
+async fn reload(gw: &crate::support::process::GatewayProcess, config: &str, reloads: usize) {
+    gw.rewrite_config(config);
+    gw.signal(libc::SIGHUP);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while gw.log().matches("config reloaded").count() < reloads {
+        assert!(Instant::now() < deadline, "no reload:\n{}", gw.log());
+        tokio::time::sleep(Duration::from_millis(25)).await;
     }
 }
