@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::support::app::{docs_route, TestApp};
-use crate::support::cli::{cli, closed_port, process_exists, CannedServer, Cli};
+use crate::support::cli::{cli, closed_port, process_exists, process_running, CannedServer, Cli};
 use crate::support::db::{Backend, TestStore};
 use crate::support::pki::{self, Ca};
 use crate::support::upstream::Upstream;
@@ -315,6 +315,116 @@ async fn each_exit_code() {
     assert!(run.stderr().contains("renewal refused"), "{}", run.stderr());
     // It ignored SIGTERM: SIGKILL came after the grace.
     assert!(started.elapsed() < Duration::from_secs(5));
+}
+
+/// CMD leads a process group of its own, and the wrapper signals the whole
+/// group: a background job CMD started (a grandchild, which would go on
+/// writing with the token if only CMD's own pid were signalled) is stopped
+/// on loss and gets the signals passed on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_whole_process_group_is_stopped_and_signalled() {
+    let s = Setup::new(Backend::Sqlite, "").await;
+    let dir = tempfile::tempdir().unwrap();
+    const SCRIPT: &str = r#"sleep 300 & echo $! > "$PIDFILE"; echo ready; wait"#;
+    let grandchild = |file: &std::path::Path| -> i32 {
+        std::fs::read_to_string(file)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap()
+    };
+    let gone = |pid: i32| async move {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while process_running(pid) && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        !process_running(pid)
+    };
+
+    // Loss: the wrapper is paused past its lease.
+    let lost_pid = dir.path().join("lost");
+    let mut lost = s.run(
+        "grp:lost",
+        &["--ttl-ms", "1200", "--kill-grace-ms", "500"],
+        SCRIPT,
+        &[("PIDFILE", lost_pid.to_str().unwrap())],
+    );
+    assert!(lost.wait_for_stdout("ready", LIMIT).await);
+    let pid = grandchild(&lost_pid);
+    assert!(process_running(pid));
+    lost.signal(libc::SIGSTOP);
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    lost.signal(libc::SIGCONT);
+    assert_eq!(lost.exit_code(LIMIT).await, 76, "{}", lost.stderr());
+    assert!(
+        gone(pid).await,
+        "the background job outlived the lost lease"
+    );
+
+    // A signal to the wrapper reaches the whole group.
+    let term_pid = dir.path().join("term");
+    let mut term = s.run(
+        "grp:term",
+        &[],
+        SCRIPT,
+        &[("PIDFILE", term_pid.to_str().unwrap())],
+    );
+    assert!(term.wait_for_stdout("ready", LIMIT).await);
+    let pid = grandchild(&term_pid);
+    term.signal(libc::SIGTERM);
+    assert_eq!(term.exit_code(LIMIT).await, 143, "{}", term.stderr());
+    assert!(gone(pid).await, "SIGTERM did not reach the background job");
+    assert_eq!(s.status("grp:term").await["held"], false);
+}
+
+/// The exit codes `each_exit_code` leaves out: 126 for a command that is
+/// not executable, and 128 + N for a signal received while still waiting
+/// for the lock (nothing was run; the lock held elsewhere is untouched).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_command_that_cannot_run_and_a_signal_while_waiting() {
+    let s = Setup::new(Backend::Sqlite, "").await;
+    let gateway = s.gateway();
+    let dir = tempfile::tempdir().unwrap();
+    let not_executable = dir.path().join("job.sh");
+    std::fs::write(&not_executable, "#!/bin/sh\necho ran\n").unwrap();
+    let done = cli(
+        &[
+            "lock",
+            "run",
+            "code:126",
+            "--gateway",
+            &gateway,
+            "--",
+            not_executable.to_str().unwrap(),
+        ],
+        &[],
+    )
+    .await;
+    assert_eq!(done.code, 126, "{done:?}");
+    assert_eq!(s.status("code:126").await["held"], false);
+
+    let grant = s
+        .app
+        .http
+        .post(s.app.url("/_fencegate/locks/code:held"))
+        .json(&serde_json::json!({"ttl_ms": 30000}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(grant.status(), 201);
+    for (sig, code) in [
+        (libc::SIGHUP, 129),
+        (libc::SIGINT, 130),
+        (libc::SIGTERM, 143),
+    ] {
+        let mut waiting = s.run("code:held", &["--wait-ms", "20000"], "echo ran", &[]);
+        // Let it start waiting: its first acquire is refused at once.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        waiting.signal(sig);
+        assert_eq!(waiting.exit_code(LIMIT).await, code, "{}", waiting.stderr());
+        assert!(!waiting.stdout().contains("ran"));
+    }
+    assert_eq!(s.status("code:held").await["held"], true);
 }
 
 /// `lock acquire|renew|release|status` print the gateway's JSON (problems

@@ -667,6 +667,80 @@ async fn listings_page_through_more_keys_than_one_page() {
     }
 }
 
+/// `GET /locks` on the Redis and Redlock backends (names come from the
+/// store, which learns every grant as its durable floor; status from the
+/// backend), and its bad parameters.
+#[tokio::test]
+async fn lock_listings_on_redis_and_redlock_and_their_bad_parameters() {
+    let redis = require_shared_redis();
+    let nodes: Vec<PrivateRedis> = (0..3).map(|_| PrivateRedis::start()).collect();
+    let urls: Vec<String> = nodes.iter().map(|n| format!("\"{}\"", n.url())).collect();
+    for locks in [
+        format!("[locks]\nbackend = \"redis\"\nredis_url = \"{redis}\"\n"),
+        format!(
+            "[locks]\nbackend = \"redlock\"\nredis_urls = [{}]\n",
+            urls.join(", ")
+        ),
+    ] {
+        let store = TestStore::new(Backend::Sqlite).await;
+        let app = TestApp::spawn(&store.url, &locks).await;
+        // A prefix of its own: the shared Redis outlives every test.
+        let prefix = format!("ls{:08x}:", rand::random::<u32>());
+        for n in ["a", "b", "c"] {
+            assert_eq!(
+                acquire(&app, &format!("{prefix}{n}"), None).await.status(),
+                201
+            );
+        }
+        let page: Value = call(
+            &app,
+            "GET",
+            &format!("/locks?prefix={prefix}&limit=2"),
+            None,
+            None,
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+        let names: Vec<_> = page["locks"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|l| l["name"].as_str().unwrap().to_string())
+            .collect();
+        assert_eq!(
+            names,
+            vec![format!("{prefix}a"), format!("{prefix}b")],
+            "{locks}"
+        );
+        assert_eq!(page["locks"][0]["held"], true, "{locks}");
+        assert!(page["locks"][0]["fence"].as_i64().unwrap() >= 1);
+        let next = page["next"].as_str().unwrap().to_string();
+        let rest: Value = call(
+            &app,
+            "GET",
+            &format!("/locks?prefix={prefix}&after={next}"),
+            None,
+            None,
+        )
+        .await
+        .json()
+        .await
+        .unwrap();
+        assert_eq!(rest["locks"][0]["name"], format!("{prefix}c"), "{locks}");
+        assert_eq!(rest["next"], Value::Null);
+        for bad in [
+            "/locks?limit=0",
+            "/locks?limit=5000",
+            "/locks?limit=-1",
+            "/locks?owner=me",
+        ] {
+            problem(call(&app, "GET", bad, None, None).await, 400).await;
+        }
+    }
+}
+
 /// Without `[[auth.clients]]` the lock API is open: `serve` warns when the
 /// traffic listener is not a loopback address, and so does a reload that
 /// removes the last client. A loopback listener, or a config with a client,

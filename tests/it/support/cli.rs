@@ -165,6 +165,19 @@ pub fn process_exists(pid: i32) -> bool {
     rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
 }
 
+/// Whether a process with this pid is alive: it exists and is not a zombie
+/// (a grandchild of a test may wait a while for a reaper).
+pub fn process_running(pid: i32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which is in parentheses.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .is_some_and(|state| state != "Z" && state != "X"),
+        Err(_) => false,
+    }
+}
+
 /// An HTTP server answering every request with a problem document whose
 /// status `decide` picks from the request's `Authorization` header; it
 /// records the headers it saw.
