@@ -31,7 +31,7 @@
 //! and nobody polls them when the client stops reading the answer or the
 //! upstream stops reading the request: hyper then waits on a full socket.
 //! So each connection's driver task also watches the deadline of the
-//! exchange it carries ([`Cutoff`]) and, when it passes with the exchange
+//! exchange it carries (`Cutoff`) and, when it passes with the exchange
 //! not over, drops the connection, which closes the socket. After that
 //! nothing of the write can move, whoever stalls.
 //!

@@ -6,6 +6,11 @@
 //! settings into loaded keys ([`JwtKeys::load`]), signs grants
 //! ([`JwtKeys::sign`]) and checks presented tokens ([`JwtKeys::verify`]).
 //!
+//! # Layout
+//!
+//! * `keys`: `[tokens]` turned into checked keys, and signing.
+//! * `verify`: a presented token checked against them, reason by reason.
+//!
 //! # Security choices
 //!
 //! * **The configuration decides the algorithm, never the token.** The
