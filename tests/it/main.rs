@@ -7,6 +7,7 @@ mod answer_table;
 mod chaos;
 mod client;
 mod config_errors;
+mod dashboard;
 mod durability;
 mod exchange_lifetime;
 mod group_commit;
