@@ -19,6 +19,7 @@ mod lock_cli;
 mod lock_delay;
 mod locks_api;
 mod locks_redis;
+mod openapi;
 mod operating;
 mod ordering;
 mod pg_outage;
