@@ -8,6 +8,7 @@ mod chaos;
 mod client;
 mod config_errors;
 mod dashboard;
+mod deploy;
 mod durability;
 mod exchange_lifetime;
 mod group_commit;
