@@ -28,6 +28,8 @@ RUN mkdir src benches \
 #    cargo cannot mistake them for up to date (COPY keeps the files' mtimes).
 COPY src ./src
 COPY migrations ./migrations
+# The OpenAPI document is compiled in (admin GET /openapi.json).
+COPY docs/openapi.json ./docs/openapi.json
 RUN rm -rf target/release/.fingerprint/fencegate-* \
         target/release/deps/fencegate-* \
         target/release/deps/libfencegate-* \

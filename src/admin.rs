@@ -1,6 +1,7 @@
 //! The admin listener: health, readiness, metrics, fence and lock
-//! inspection, and the break-glass admin actions. Kept off the traffic
-//! listener so it can be bound to a private address.
+//! inspection, and the break-glass admin actions; the dashboard's page and
+//! reads (`dashboard`) and the API description (`openapi`) are merged in.
+//! Kept off the traffic listener so it can be bound to a private address.
 //!
 //! Reads (GET) are open: the listener is private. Actions (POST) need an
 //! `admin = true` client's bearer key (see `auth`).
@@ -30,6 +31,10 @@ pub struct AdminState {
     /// Who may call the admin actions (`auth`), as the current config
     /// says: a reload swaps it.
     pub live: crate::reload::Shared,
+    /// The recent refusals, recorded by the traffic listener.
+    pub refusals: std::sync::Arc<crate::refusals::Refusals>,
+    /// This instance, for the dashboard.
+    pub about: crate::dashboard::About,
 }
 
 pub fn router(state: AdminState) -> Router {
@@ -41,6 +46,8 @@ pub fn router(state: AdminState) -> Router {
         .route("/fences/{*key}", get(fence).post(fence_action))
         .route("/locks", get(list_locks))
         .route("/locks/{*name}", post(lock_action))
+        .route("/openapi.json", get(crate::openapi::serve))
+        .merge(crate::dashboard::router())
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -108,7 +115,7 @@ fn path_rest(uri: &Uri, prefix: &str) -> Result<String, Box<Response>> {
     }
 }
 
-fn bad_request(field: &str, why: String) -> Response {
+pub(crate) fn bad_request(field: &str, why: String) -> Response {
     Problem::new(
         StatusCode::BAD_REQUEST,
         "bad-admin-request",
@@ -358,7 +365,7 @@ async fn not_found() -> Response {
         StatusCode::NOT_FOUND,
         "not-found",
         "Not found",
-        "the admin API serves GET /healthz, /readyz, /metrics, /fences, /fences/{key}, /locks, and POST /fences/{key}/reset, /locks/{name}/break",
+        "the admin API serves GET / (the dashboard), /healthz, /readyz, /metrics, /openapi.json, /instance, /routes, /refusals, /fences, /fences/{key}, /locks, and POST /fences/{key}/reset, /locks/{name}/break",
     )
     .into_response()
 }

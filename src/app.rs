@@ -116,8 +116,10 @@ impl Application {
         } else {
             None
         };
+        let refusals = Arc::new(crate::refusals::Refusals::new());
         let gateway = GatewayState {
             live: live.clone(),
+            refusals: refusals.clone(),
             fence: fence.clone(),
             client: crate::upstream::UpstreamClient::new(),
             store_runtime: tokio::runtime::Handle::current(),
@@ -139,6 +141,8 @@ impl Application {
             retry_after: config.store.retry_after,
             locks: locks.as_ref().map(|l| l.locks.clone()),
             live: live.clone(),
+            refusals,
+            about: crate::dashboard::About::of(&config),
         };
         Ok(Self {
             listeners: Listeners {

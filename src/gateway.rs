@@ -69,6 +69,8 @@ pub struct GatewayState {
     /// Pooled upstream connections, shared by all routes.
     pub client: UpstreamClient,
     pub metrics: Metrics,
+    /// The recent refusals the dashboard shows.
+    pub refusals: Arc<crate::refusals::Refusals>,
     /// `[server] max_body_bytes`.
     pub max_body_bytes: u64,
     /// Sent as `Retry-After` with 503 answers.
@@ -101,6 +103,8 @@ pub async fn respond(state: Arc<GatewayState>, req: Request<Body>, peer: Downstr
             route,
             fenced,
             error,
+            method,
+            path,
         } => {
             let result = Err(error);
             let summary = Summary {
@@ -108,17 +112,22 @@ pub async fn respond(state: Arc<GatewayState>, req: Request<Body>, peer: Downstr
                 fenced,
                 forwarded: false,
                 keyed: false,
+                method: &method,
+                path: path.as_deref(),
             };
             account(&state, summary, access, &result);
             result
         }
         Admitted::PassThrough { route, req } => {
+            let method = req.method().clone();
             let result = forward(&state, &route, req, peer, None).await;
             let summary = Summary {
                 route: Some(&route),
                 fenced: false,
                 forwarded: true,
                 keyed: false,
+                method: &method,
+                path: None,
             };
             account(&state, summary, access, &result);
             result
@@ -151,6 +160,9 @@ struct Summary<'a> {
     forwarded: bool,
     /// A fenced write with an `Idempotency-Key`.
     keyed: bool,
+    method: &'a Method,
+    /// The path, when a refusal is about its spelling.
+    path: Option<&'a str>,
 }
 
 /// The access-log line of a request, filled in as its phases learn more.
@@ -178,8 +190,8 @@ impl Access {
 
 /// Per-request accounting, the one place where a request's end is counted
 /// and logged: for fenced writes its [`Outcome`] (exactly one per write),
-/// for the rest pass-through counts; upstream failures; error logs; the
-/// access-log line.
+/// for the rest pass-through counts; upstream failures; the recent
+/// refusals the dashboard shows; error logs; the access-log line.
 fn account(
     state: &GatewayState,
     summary: Summary<'_>,
@@ -191,6 +203,8 @@ fn account(
         fenced,
         forwarded,
         keyed,
+        method,
+        path,
     } = summary;
     let mut decided = None;
     if let Some(route) = route {
@@ -262,6 +276,12 @@ fn account(
         );
     }
     let Err(e) = result else { return };
+    let seen = crate::refusals::Seen {
+        route: route.map(|r| r.name.as_str()),
+        method,
+        path: path.unwrap_or_default(),
+    };
+    state.refusals.note(seen, e);
     match e {
         GatewayError::Store(err @ crate::store::StoreError::KeyBusy(_)) => {
             tracing::info!(error = %err, "resource key busy; answering 503")
@@ -336,6 +356,10 @@ enum Admitted {
         route: Option<Arc<GatedRoute>>,
         fenced: bool,
         error: GatewayError,
+        method: Method,
+        /// Only for a refusal of the path's spelling, which the dashboard
+        /// shows: nothing is copied for the rest.
+        path: Option<String>,
     },
     /// A safe method: forwarded without a check.
     PassThrough {
@@ -355,10 +379,18 @@ fn admit(
     req: Request<Body>,
     access: &mut Option<Access>,
 ) -> Admitted {
-    let refused = |route: Option<&Arc<GatedRoute>>, fenced, error| Admitted::Refused {
-        route: route.cloned(),
-        fenced,
-        error,
+    let refused = |route: Option<&Arc<GatedRoute>>, fenced, error: GatewayError| {
+        let about_path = matches!(
+            error,
+            GatewayError::Client(ClientError::AmbiguousPath(_) | ClientError::AmbiguousKey(_))
+        );
+        Admitted::Refused {
+            route: route.cloned(),
+            fenced,
+            path: about_path.then(|| req.uri().path().to_string()),
+            method: req.method().clone(),
+            error,
+        }
     };
     // Phase: match route.
     let (route, captures) = match match_route(&live.routes, req.uri().path()) {
@@ -534,12 +566,15 @@ impl FencedWrite {
         let task = async move {
             let route = self.route.clone();
             let keyed = self.idem.is_some();
+            let method = self.req.method().clone();
             let (forwarded, result) = self.decide_and_forward(&state, peer, &answer).await;
             let summary = Summary {
                 route: Some(&route),
                 fenced: true,
                 forwarded,
                 keyed,
+                method: &method,
+                path: None,
             };
             account(&state, summary, access, &result);
             let _ = answer.send(result);

@@ -44,6 +44,9 @@
 //! * [`auth`]: the API clients: bearer keys, client certificates, lock-name
 //!   globs, the admin flag.
 //! * [`admin`]: the admin listener: health, readiness, metrics, fences.
+//! * [`dashboard`]: the admin listener's live page and the reads it polls.
+//! * [`refusals`]: the bounded ring of recent refusals the dashboard shows.
+//! * [`openapi`]: the OpenAPI document of the lock and admin APIs.
 //! * [`metrics`]: every metric, with typed labels.
 //! * [`logging`]: log output as text or JSON lines.
 //! * [`config`]: typed, validated TOML with environment overrides.
@@ -61,6 +64,7 @@ pub mod auth;
 pub mod cli;
 pub mod client;
 pub mod config;
+pub mod dashboard;
 pub mod demo;
 pub mod error;
 pub mod exchange;
@@ -72,7 +76,9 @@ pub mod jwt;
 pub mod locks;
 pub mod logging;
 pub mod metrics;
+pub mod openapi;
 pub mod proxy;
+pub mod refusals;
 pub mod reload;
 pub mod routing;
 pub mod server;

@@ -1,6 +1,7 @@
 //! Prometheus metrics, served as text on the admin listener.
 
-use std::sync::{Arc, OnceLock};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
@@ -143,15 +144,21 @@ pub enum UpstreamFailure {
     Timeout,
 }
 
+impl UpstreamFailure {
+    pub const ALL: [UpstreamFailure; 2] = [UpstreamFailure::Unreachable, UpstreamFailure::Timeout];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            UpstreamFailure::Unreachable => "unreachable",
+            UpstreamFailure::Timeout => "timeout",
+        }
+    }
+}
+
 impl EncodeLabelValue for UpstreamFailure {
     fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
-        std::fmt::Write::write_str(
-            encoder,
-            match self {
-                UpstreamFailure::Unreachable => "unreachable",
-                UpstreamFailure::Timeout => "timeout",
-            },
-        )
+        std::fmt::Write::write_str(encoder, self.as_str())
     }
 }
 
@@ -241,7 +248,34 @@ pub struct Metrics {
     /// `renew_refused`, `release`, `release_refused`, `expired`,
     /// `unavailable`).
     pub lock_events: Family<LockLabels, Counter>,
+    /// Each route name's counters, shared by every [`RouteMetrics`] made
+    /// for that name: a reload makes new ones, and the dashboard reads
+    /// them (a family cannot be read without creating the series).
+    routes: Arc<Mutex<HashMap<String, Arc<RouteCells>>>>,
     registry: std::sync::Arc<Registry>,
+}
+
+/// One route's labelled counters, each looked up in its family the first
+/// time it happens, so a label appears in the exposition only once it has.
+#[derive(Default)]
+struct RouteCells {
+    /// In `Outcome::ALL` order.
+    decisions: [OnceLock<Counter>; Outcome::ALL.len()],
+    /// In `UpstreamFailure::ALL` order.
+    upstream_errors: [OnceLock<Counter>; UpstreamFailure::ALL.len()],
+}
+
+/// What one route has counted since the process started, for the
+/// dashboard.
+#[derive(Debug, Clone, Default, serde::Serialize)]
+pub struct RouteCounts {
+    /// Fenced writes by outcome label; outcomes that never happened are
+    /// left out.
+    pub decisions: std::collections::BTreeMap<&'static str, u64>,
+    /// Requests forwarded without a check.
+    pub passthrough: u64,
+    /// Upstream failures by kind label.
+    pub upstream_errors: std::collections::BTreeMap<&'static str, u64>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -254,6 +288,11 @@ impl Metrics {
         let decisions = Family::<DecisionLabels, Counter>::default();
         let idempotency = Family::<IdempotencyLabels, Counter>::default();
         let config_reloads = Family::<ReloadLabels, Counter>::default();
+        // Both results from the start: an alert on the increase of a
+        // counter sees its first failure only if the series existed before.
+        for result in ["ok", "error"] {
+            let _ = config_reloads.get_or_create(&ReloadLabels { result });
+        }
         registry.register(
             "config_reloads",
             "Config reloads on SIGHUP, by result",
@@ -269,6 +308,11 @@ impl Metrics {
             Family::new_with_constructor(latency_histogram);
         let upstream_errors = Family::<UpstreamErrorLabels, Counter>::default();
         let store_errors = Family::<StoreErrorLabels, Counter>::default();
+        // Every operation from the start, at 0, for the same reason as the
+        // reloads: the store-unavailable alert rates this counter.
+        for op in [StoreOp::Record, StoreOp::Get, StoreOp::Ping] {
+            let _ = store_errors.get_or_create(&StoreErrorLabels { op });
+        }
         let decision_time = latency_histogram();
         let gate_keys = Gauge::default();
         let lock_events = Family::<LockLabels, Counter>::default();
@@ -323,6 +367,7 @@ impl Metrics {
             decision_time,
             gate_keys,
             lock_events,
+            routes: Default::default(),
             registry: std::sync::Arc::new(registry),
         }
     }
@@ -334,13 +379,12 @@ impl Metrics {
             .inc();
     }
 
-    pub fn upstream_error(&self, route: &str, kind: UpstreamFailure) {
-        self.upstream_errors
-            .get_or_create(&UpstreamErrorLabels {
-                route: route.to_string(),
-                kind,
-            })
-            .inc();
+    /// A config reload's count by result.
+    pub fn config_reloads(&self, ok: bool) -> u64 {
+        let result = if ok { "ok" } else { "error" };
+        self.config_reloads
+            .get_or_create(&ReloadLabels { result })
+            .get()
     }
 
     pub fn lock_event(&self, backend: &'static str, event: &'static str) {
@@ -371,12 +415,18 @@ impl Metrics {
         RouteMetrics {
             passthrough: self.passthrough.get_or_create(&labels).clone(),
             upstream_latency: self.upstream_latency.get_or_create(&labels).clone(),
-            // Resolved lazily: a label appears in the exposition only once
-            // it has happened, as before.
-            decisions: Default::default(),
+            cells: self.cells(route),
             route: route.to_string(),
             metrics: self.clone(),
         }
+    }
+
+    /// The named route's counters, made on first use.
+    fn cells(&self, route: &str) -> Arc<RouteCells> {
+        // A poisoned lock only means a panic elsewhere while inserting; the
+        // map is still whole.
+        let mut routes = self.routes.lock().unwrap_or_else(|e| e.into_inner());
+        routes.entry(route.to_string()).or_default().clone()
     }
 
     /// The Prometheus text exposition.
@@ -397,6 +447,35 @@ mod tests {
         for (i, o) in Outcome::ALL.iter().enumerate() {
             assert_eq!(*o as usize, i, "{o:?} is out of order in Outcome::ALL");
         }
+    }
+
+    #[test]
+    fn upstream_failures_index_their_counters() {
+        for (i, k) in UpstreamFailure::ALL.iter().enumerate() {
+            assert_eq!(
+                *k as usize, i,
+                "{k:?} is out of order in UpstreamFailure::ALL"
+            );
+        }
+    }
+
+    #[test]
+    fn a_reloaded_route_keeps_its_counts() {
+        let m = Metrics::new();
+        let before = m.for_route("docs");
+        before.decision(Outcome::Stale);
+        before.decision(Outcome::Stale);
+        before.upstream_error(UpstreamFailure::Unreachable);
+        let after = m.for_route("docs");
+        after.decision(Outcome::Forwarded);
+        let c = after.counts();
+        assert_eq!(c.decisions.get("stale"), Some(&2));
+        assert_eq!(c.decisions.get("forwarded"), Some(&1));
+        assert_eq!(c.decisions.get("late"), None, "never happened");
+        assert_eq!(c.upstream_errors.get("unreachable"), Some(&1));
+        assert!(m
+            .render()
+            .contains("fencegate_decisions_total{route=\"docs\",outcome=\"stale\"} 2"));
     }
 
     #[test]
@@ -431,9 +510,9 @@ impl Default for Metrics {
 pub struct RouteMetrics {
     passthrough: Counter,
     upstream_latency: Histogram,
-    /// One counter per [`Outcome`], in `Outcome::ALL` order, each looked up
-    /// in its family the first time it happens.
-    decisions: Arc<[OnceLock<Counter>; Outcome::ALL.len()]>,
+    /// Decisions and upstream failures, shared with every other
+    /// `RouteMetrics` of this route name.
+    cells: Arc<RouteCells>,
     /// For the rarer labels, looked up when they happen.
     route: String,
     metrics: Metrics,
@@ -449,7 +528,7 @@ impl RouteMetrics {
     }
 
     pub fn decision(&self, outcome: Outcome) {
-        self.decisions[outcome as usize]
+        self.cells.decisions[outcome as usize]
             .get_or_init(|| {
                 self.metrics
                     .decisions
@@ -463,7 +542,33 @@ impl RouteMetrics {
     }
 
     pub fn upstream_error(&self, kind: UpstreamFailure) {
-        self.metrics.upstream_error(&self.route, kind);
+        self.cells.upstream_errors[kind as usize]
+            .get_or_init(|| {
+                self.metrics
+                    .upstream_errors
+                    .get_or_create(&UpstreamErrorLabels {
+                        route: self.route.clone(),
+                        kind,
+                    })
+                    .clone()
+            })
+            .inc();
+    }
+
+    /// Everything counted for this route name so far.
+    pub fn counts(&self) -> RouteCounts {
+        let read = |cell: &OnceLock<Counter>| cell.get().map(Counter::get);
+        RouteCounts {
+            decisions: Outcome::ALL
+                .iter()
+                .filter_map(|o| Some((o.as_str(), read(&self.cells.decisions[*o as usize])?)))
+                .collect(),
+            passthrough: self.passthrough.get(),
+            upstream_errors: UpstreamFailure::ALL
+                .iter()
+                .filter_map(|k| Some((k.as_str(), read(&self.cells.upstream_errors[*k as usize])?)))
+                .collect(),
+        }
     }
 
     pub fn idempotency(&self, outcome: IdempotencyOutcome) {
