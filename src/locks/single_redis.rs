@@ -31,6 +31,7 @@ use super::redis_node::{
     delay_key, delay_ms, fence_key, lock_key, parse_value, pttl, spawn_subscriber, ttl_ms,
     wait_subscribed, AbortOnDrop, Node, RELEASED_CHANNEL,
 };
+use crate::config::RedisTarget;
 use crate::store::FenceStore;
 
 /// Acquire (single instance). KEYS[1] the lock, KEYS[2] the fence counter,
@@ -99,15 +100,46 @@ impl RedisLocks {
         op_timeout: Duration,
         notifier: Arc<Notifier>,
     ) -> Result<Self, LockError> {
-        let node = Node::new(url, op_timeout)?;
+        Self::on(Node::new(url, op_timeout)?, store, op_timeout, notifier).await
+    }
+
+    /// As [`RedisLocks::connect`], on the master that Sentinel names
+    /// `master_name`, asking `sentinels` again after every failover.
+    pub async fn connect_sentinel(
+        sentinels: &[String],
+        master_name: &str,
+        store: FenceStore,
+        op_timeout: Duration,
+        notifier: Arc<Notifier>,
+    ) -> Result<Self, LockError> {
+        let node = Node::sentinel(sentinels, master_name, op_timeout)?;
+        Self::on(node, store, op_timeout, notifier).await
+    }
+
+    /// As configured: `[locks] redis_url`, or Sentinel discovery.
+    pub async fn connect_to(
+        target: &RedisTarget,
+        store: FenceStore,
+        op_timeout: Duration,
+        notifier: Arc<Notifier>,
+    ) -> Result<Self, LockError> {
+        match target {
+            RedisTarget::Url(url) => Self::connect(url, store, op_timeout, notifier).await,
+            RedisTarget::Sentinel {
+                sentinels,
+                master_name,
+            } => Self::connect_sentinel(sentinels, master_name, store, op_timeout, notifier).await,
+        }
+    }
+
+    async fn on(
+        node: Node,
+        store: FenceStore,
+        op_timeout: Duration,
+        notifier: Arc<Notifier>,
+    ) -> Result<Self, LockError> {
         let (tx, rx) = watch::channel(false);
-        let subscriber = spawn_subscriber(
-            node.client().clone(),
-            node.label.clone(),
-            op_timeout,
-            notifier,
-            tx,
-        );
+        let subscriber = spawn_subscriber(node.clone(), notifier, tx);
         let this = Self {
             inner: Arc::new(Inner {
                 node,
@@ -122,7 +154,7 @@ impl RedisLocks {
         if let Err(e) = ping {
             tracing::warn!(error = %e, "Redis is not reachable yet; lock calls answer 503 until it is");
         } else if !subscribed {
-            tracing::warn!(redis = %this.inner.node.label, "not subscribed to {RELEASED_CHANNEL} yet");
+            tracing::warn!(redis = %this.inner.node.label(), "not subscribed to {RELEASED_CHANNEL} yet");
         }
         Ok(this)
     }
