@@ -13,7 +13,12 @@
 //!   Redis loses its data (FLUSHALL, a restart without persistence, a
 //!   failover to a replica that missed the last INCR);
 //! - every Redis call is bounded by `op_timeout`: a Redis that is down or
-//!   hung answers [`LockError::Unavailable`] within that bound, never a grant.
+//!   hung answers [`LockError::Unavailable`] within that bound, never a grant;
+//! - the server is found at one URL or through Sentinel, and found again
+//!   after a failover: a connection is dropped on a failover's symptoms and
+//!   every new one must reach a master, so a promoted replica is used
+//!   without a restart and a replica is never granted from (see
+//!   [`redis_node`](super::redis_node)).
 //!
 //! The keys, the renew and release scripts, the release subscription and
 //! the way lock-delay is kept are shared with Redlock, in
