@@ -141,15 +141,25 @@ pub(crate) fn ttl_ms(ttl: Duration) -> u64 {
 enum Target {
     /// One address (a server, or a VIP or proxy that follows failovers).
     Url(redis::Client),
-    /// The master that Sentinel names (the name is in each client).
-    ///
-    /// One [`SentinelClient`] per Sentinel, each asked on its own and all at
-    /// once: the crate's client asks its Sentinels one after another on a
-    /// connection without timeouts, so one Sentinel that hangs (a host gone
-    /// without a reset) would hold up every discovery behind it. Each client
-    /// confirms with `ROLE` that the address it was given is a master before
-    /// answering.
-    Sentinel(Vec<tokio::sync::Mutex<SentinelClient>>),
+    /// The master that Sentinel names `master_name`.
+    Sentinel {
+        master_name: String,
+        sentinels: Vec<Sentinel>,
+    },
+}
+
+/// One Sentinel, as discovery and the switch watch use it.
+///
+/// One [`SentinelClient`] per Sentinel, each asked on its own and all at
+/// once: the crate's client asks its Sentinels one after another on a
+/// connection without timeouts, so one Sentinel that hangs (a host gone
+/// without a reset) would hold up every discovery behind it. Each client
+/// confirms with `ROLE` that the address it was given is a master before
+/// answering.
+struct Sentinel {
+    discovery: tokio::sync::Mutex<SentinelClient>,
+    /// The Sentinel itself, for its `+switch-master` events.
+    client: redis::Client,
 }
 
 impl Target {
@@ -160,10 +170,10 @@ impl Target {
     async fn locate(&self) -> RedisResult<redis::Client> {
         match self {
             Target::Url(client) => Ok(client.clone()),
-            Target::Sentinel(sentinels) => {
-                let asks = sentinels
-                    .iter()
-                    .map(|s| Box::pin(async move { s.lock().await.async_get_client().await }));
+            Target::Sentinel { sentinels, .. } => {
+                let asks = sentinels.iter().map(|s| {
+                    Box::pin(async move { s.discovery.lock().await.async_get_client().await })
+                });
                 futures_util::future::select_ok(asks)
                     .await
                     .map(|(client, _)| client)
@@ -311,21 +321,28 @@ impl Node {
                 "Sentinel discovery needs at least one Sentinel".into(),
             ));
         }
+        let invalid = |e: RedisError| LockError::Unavailable(format!("invalid Sentinel URL: {e}"));
         let clients = sentinels
             .iter()
             .map(|url| {
-                SentinelClient::build(
+                let discovery = SentinelClient::build(
                     vec![url.as_str()],
                     master_name.to_string(),
                     None,
                     SentinelServerType::Master,
                 )
-                .map(tokio::sync::Mutex::new)
-                .map_err(|e| LockError::Unavailable(format!("invalid Sentinel URL: {e}")))
+                .map_err(invalid)?;
+                Ok(Sentinel {
+                    discovery: tokio::sync::Mutex::new(discovery),
+                    client: redis::Client::open(url.as_str()).map_err(invalid)?,
+                })
             })
-            .collect::<Result<Vec<_>, _>>()?;
+            .collect::<Result<Vec<_>, LockError>>()?;
         Ok(Self::with_target(
-            Target::Sentinel(clients),
+            Target::Sentinel {
+                master_name: master_name.to_string(),
+                sentinels: clients,
+            },
             format!("master '{master_name}' (Sentinel)"),
             timeout,
         ))
@@ -412,10 +429,20 @@ impl Node {
 
     fn unavailable(&self, addr: Option<&str>, why: &dyn Display) -> LockError {
         match (&self.0.target, addr) {
-            (Target::Sentinel(_), Some(addr)) => {
+            (Target::Sentinel { .. }, Some(addr)) => {
                 LockError::Unavailable(format!("redis {} at {addr}: {why}", self.0.label))
             }
             _ => LockError::Unavailable(format!("redis {}: {why}", self.0.label)),
+        }
+    }
+
+    /// Sentinel names `addr` (host:port) the master now: a connection to
+    /// another server is dropped, so the next call goes there.
+    fn master_named(&self, addr: &str) {
+        if let Some(live) = self.current() {
+            if live.addr != addr {
+                self.forget(&live, &format_args!("Sentinel names {addr} the master now"));
+            }
         }
     }
 
@@ -644,6 +671,119 @@ pub(crate) fn spawn_subscriber(
         }
     });
     AbortOnDrop(task.abort_handle())
+}
+
+/// The channel on which Sentinels announce a new master.
+const SWITCH_MASTER: &str = "+switch-master";
+
+/// Under Sentinel, starts one task per Sentinel that listens for its
+/// `+switch-master` events and moves the node's connection at once.
+///
+/// Why: in a failover where the old master stays up (`SENTINEL FAILOVER`,
+/// or a master that comes back), nothing breaks the gateway's connection to
+/// it, and it keeps accepting writes until Sentinel makes it a replica,
+/// seconds later: grants there would be lost with its data. The event comes
+/// when the new master is chosen. A Sentinel's event missed while its
+/// listener was down is made up for when it subscribes again (it asks that
+/// Sentinel which master it names now), and else by the usual symptoms
+/// (`READONLY`, the connections Sentinel closes as it reconfigures the old
+/// master). Nothing for a node at one URL: empty.
+pub(crate) fn spawn_sentinel_watch(node: &Node) -> Vec<AbortOnDrop> {
+    let Target::Sentinel { sentinels, .. } = &node.0.target else {
+        return Vec::new();
+    };
+    (0..sentinels.len())
+        .map(|i| {
+            let node = node.clone();
+            AbortOnDrop(tokio::spawn(watch_sentinel(node, i)).abort_handle())
+        })
+        .collect()
+}
+
+/// The loop of one Sentinel's listener (see [`spawn_sentinel_watch`]).
+async fn watch_sentinel(node: Node, index: usize) {
+    let Target::Sentinel {
+        master_name,
+        sentinels,
+    } = &node.0.target
+    else {
+        return;
+    };
+    let Some(sentinel) = sentinels.get(index) else {
+        return;
+    };
+    let client = &sentinel.client;
+    let label = client.get_connection_info().addr.to_string();
+    let bound = node.0.timeout.max(Duration::from_secs(1));
+    let mut backoff = BACKOFF_MIN;
+    loop {
+        let connect = async {
+            let mut pubsub = client.get_async_pubsub().await?;
+            pubsub.subscribe(SWITCH_MASTER).await?;
+            RedisResult::Ok(pubsub)
+        };
+        match tokio::time::timeout(bound, Box::pin(connect)).await {
+            Ok(Ok(pubsub)) => {
+                backoff = BACKOFF_MIN;
+                // A switch while nobody listened: what it names now.
+                let named = async {
+                    let config = AsyncConnectionConfig::new()
+                        .set_connection_timeout(bound)
+                        .set_response_timeout(bound);
+                    let mut c = client
+                        .get_multiplexed_async_connection_with_config(&config)
+                        .await?;
+                    redis::cmd("SENTINEL")
+                        .arg("GET-MASTER-ADDR-BY-NAME")
+                        .arg(master_name)
+                        .query_async::<Option<(String, u16)>>(&mut c)
+                        .await
+                };
+                if let Ok(Ok(Some((host, port)))) =
+                    tokio::time::timeout(bound, Box::pin(named)).await
+                {
+                    node.master_named(&format!("{host}:{port}"));
+                }
+                let (mut sink, mut stream) = pubsub.split();
+                let mut ping = tokio::time::interval(SUBSCRIPTION_PING);
+                ping.tick().await;
+                loop {
+                    tokio::select! {
+                        msg = stream.next() => match msg {
+                            // "<name> <old ip> <old port> <new ip> <new port>"
+                            Some(msg) => {
+                                let Ok(text) = msg.get_payload::<String>() else { continue };
+                                let words: Vec<&str> = text.split_whitespace().collect();
+                                if let [name, _, _, host, port] = words[..] {
+                                    if name == master_name {
+                                        tracing::info!(redis = %node.0.label, sentinel = %label, master = %format_args!("{host}:{port}"), "Sentinel switched the master");
+                                        node.master_named(&format!("{host}:{port}"));
+                                    }
+                                }
+                            }
+                            None => break,
+                        },
+                        _ = ping.tick() => {
+                            let pong = tokio::time::timeout(bound, sink.ping::<redis::Value>()).await;
+                            if !matches!(pong, Ok(Ok(_))) {
+                                break;
+                            }
+                        }
+                    }
+                }
+                tracing::debug!(sentinel = %label, "lost the {SWITCH_MASTER} subscription; resubscribing");
+            }
+            Ok(Err(e)) => {
+                tracing::debug!(sentinel = %label, error = %e, "cannot subscribe to {SWITCH_MASTER}; retrying");
+            }
+            Err(_) => {
+                tracing::debug!(sentinel = %label, "subscribing to {SWITCH_MASTER} timed out; retrying");
+            }
+        }
+        let nap = backoff.mul_f64(0.5 + rand::random::<f64>() / 2.0);
+        tokio::time::sleep(nap).await;
+        backoff = (backoff * 2).min(BACKOFF_MAX);
+    }
 }
 
 /// Resolves when `rx` sees a new value; never, once its sender is gone (it

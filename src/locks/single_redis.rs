@@ -33,8 +33,8 @@ use tokio::sync::watch;
 use super::backend::{Lease, LockBackend, LockError, LockState};
 use super::notify::Notifier;
 use super::redis_node::{
-    delay_key, delay_ms, fence_key, lock_key, parse_value, pttl, spawn_subscriber, ttl_ms,
-    wait_subscribed, AbortOnDrop, Node, RELEASED_CHANNEL,
+    delay_key, delay_ms, fence_key, lock_key, parse_value, pttl, spawn_sentinel_watch,
+    spawn_subscriber, ttl_ms, wait_subscribed, AbortOnDrop, Node, RELEASED_CHANNEL,
 };
 use crate::config::RedisTarget;
 use crate::store::FenceStore;
@@ -84,6 +84,8 @@ struct Inner {
     store: FenceStore,
     subscribed: watch::Receiver<bool>,
     _subscriber: AbortOnDrop,
+    /// Under Sentinel: the `+switch-master` listeners.
+    _sentinel_watch: Vec<AbortOnDrop>,
 }
 
 /// What the acquire script answered.
@@ -145,12 +147,14 @@ impl RedisLocks {
     ) -> Result<Self, LockError> {
         let (tx, rx) = watch::channel(false);
         let subscriber = spawn_subscriber(node.clone(), notifier, tx);
+        let sentinel_watch = spawn_sentinel_watch(&node);
         let this = Self {
             inner: Arc::new(Inner {
                 node,
                 store,
                 subscribed: rx.clone(),
                 _subscriber: subscriber,
+                _sentinel_watch: sentinel_watch,
             }),
             delay: Duration::ZERO,
         };

@@ -496,6 +496,78 @@ async fn sentinel_discovery_follows_the_master_through_a_failover() {
     drop(group);
 }
 
+/// `SENTINEL FAILOVER`: a switch while the old master stays up, still a
+/// master that accepts writes until Sentinel makes it a replica of the new
+/// one, seconds later. The gateway follows at Sentinel's `+switch-master`
+/// event: grants on the new master within a few tries, the subscription
+/// there, the lease granted before renewed and released there (it was
+/// replicated), the next fence higher, `/readyz` 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_failover_command_moves_the_gateway_to_the_new_master() {
+    let name = unique("fg");
+    let group = tokio::task::spawn_blocking(move || SentinelGroup::start(&name))
+        .await
+        .expect("sentinel group");
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = Upstream::start().await;
+    let extra = format!(
+        "{}[locks]\nbackend = \"redis\"\nredis_sentinels = {}\nredis_master_name = \"{}\"\n\
+         redis_timeout_ms = {REDIS_TIMEOUT_MS}\n",
+        docs_route(&up.url()),
+        group.toml_list(),
+        group.name
+    );
+    let app = TestApp::spawn(&store.url, &extra).await;
+    wait_ready(&app).await;
+    let h = granted(acquire(&app, "doc:f", 60_000, 0).await).await;
+    group.first.wait_replicated(1);
+
+    command::<()>(
+        &group.sentinels[0].url(),
+        redis::cmd("SENTINEL").arg("FAILOVER").arg(&group.name),
+    );
+    {
+        let group = &group;
+        tokio::task::block_in_place(|| group.wait_master(group.second.port, RECOVERY));
+    }
+
+    // Grants go to the new master, though the old one accepts writes until
+    // Sentinel makes it a replica, seconds later: the gateway moved on
+    // Sentinel's +switch-master event. (A grant that raced the event is
+    // on the old master; its fence is still durable, and unique.)
+    let mut tries = 0;
+    let g = loop {
+        tries += 1;
+        let name = unique("doc:g");
+        let g = grant_after_failover(&app, &name, 10_000).await;
+        if group.second.exists(&lock_key(&name)) {
+            break g;
+        }
+        assert!(tries < 20, "grants still land on the old master");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(fence(&g), 1);
+    wait_subscribers(&group.second, 1).await;
+    let renew_url = app.url("/_fencegate/locks/doc:f/renew");
+    let r = post(
+        &app.http,
+        &renew_url,
+        json!({"lease": h["lease"], "ttl_ms": 60_000}),
+    )
+    .await;
+    assert_eq!(r.status(), 200, "{}", r.text().await.unwrap_or_default());
+    release_after_failover(&app, "doc:f", h["lease"].as_str().unwrap()).await;
+    let next = granted(acquire(&app, "doc:f", 10_000, 0).await).await;
+    assert!(
+        fence(&next) > fence(&h),
+        "{} then {}",
+        fence(&h),
+        fence(&next)
+    );
+    wait_ready(&app).await;
+    app.stop().await;
+}
+
 /// Redlock: one node loses its data (FLUSHALL) and another restarts empty
 /// while a lease is held. Only one node still has the holder's key, so a
 /// majority grants the lock to someone else (Redlock's known weakness):

@@ -255,6 +255,9 @@ fn spawn(port: u16, dir: &Path, extra: &[String]) -> Result<Child, String> {
         .args(["--save", ""])
         .args(["--appendonly", "no"])
         .args(["--daemonize", "no"])
+        // A replica's first sync starts at once, not after Redis's 5 s
+        // wait for more replicas to share it.
+        .args(["--repl-diskless-sync-delay", "0"])
         .arg("--dir")
         .arg(dir)
         .arg("--logfile")
