@@ -270,9 +270,16 @@ async fn replica_promoted_behind_a_proxy_keeps_fences_rising_and_refuses_the_old
     assert!(r.headers().contains_key("retry-after"), "{:?}", r.headers());
     problem(r, 503).await;
 
-    // Promotion; the proxy now leads to the new master.
+    // Promotion; the proxy now leads to the new master, which never got
+    // O's lease nor the third increment.
     replica.promote();
     proxy.switch(replica.port, true);
+    assert!(
+        !replica.exists(&lock_key(lost)),
+        "O's lease was not replicated"
+    );
+    let behind: i64 = command(&replica.url(), redis::cmd("GET").arg(fence_key(lost)));
+    assert_eq!(behind, 2, "the new master's counter is behind");
 
     // The new holder N: O's lease and the third increment were lost, yet
     // N's fence is above O's.
