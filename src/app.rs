@@ -378,9 +378,9 @@ async fn lock_service(
                     .with_lock_delay(config.locks.lock_delay),
             )
         }
-        LockBackendConfig::Redis { url } => Backend::Redis(
-            RedisLocks::connect(
-                url,
+        LockBackendConfig::Redis { target } => Backend::Redis(
+            RedisLocks::connect_to(
+                target,
                 store.clone(),
                 config.locks.redis_timeout,
                 notifier.clone(),

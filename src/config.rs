@@ -82,10 +82,25 @@ pub enum LockBackendConfig {
     /// The `[store]` database.
     Store,
     Redis {
-        url: String,
+        target: RedisTarget,
     },
     Redlock {
         urls: Vec<String>,
+    },
+}
+
+/// Where `backend = "redis"` finds its server.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RedisTarget {
+    /// `redis_url`: one address. After a failover it must lead to the new
+    /// master by itself (a VIP, a DNS name or a TCP proxy that follows it).
+    Url(String),
+    /// `redis_sentinels` and `redis_master_name`: the master is the one
+    /// Sentinel names, asked again whenever the connection to it is lost or
+    /// it turns out to be a replica.
+    Sentinel {
+        sentinels: Vec<String>,
+        master_name: String,
     },
 }
 
@@ -467,8 +482,12 @@ impl Default for RawStore {
 struct RawLocks {
     enabled: bool,
     backend: Choice<LockBackendKind>,
-    redis_url: String,
+    /// Optional so that setting it next to `redis_sentinels` can be told
+    /// from the default.
+    redis_url: Option<String>,
     redis_urls: Vec<String>,
+    redis_sentinels: Option<Vec<String>>,
+    redis_master_name: Option<String>,
     min_ttl_ms: u64,
     max_ttl_ms: u64,
     max_wait_ms: u64,
@@ -481,8 +500,10 @@ impl Default for RawLocks {
         Self {
             enabled: true,
             backend: Choice::Known(LockBackendKind::Store),
-            redis_url: "redis://127.0.0.1:6379".into(),
+            redis_url: None,
             redis_urls: Vec::new(),
+            redis_sentinels: None,
+            redis_master_name: None,
             min_ttl_ms: 100,
             max_ttl_ms: 600_000,
             max_wait_ms: 60_000,
@@ -792,6 +813,9 @@ fn set_in_value(
     }
 }
 
+/// `[locks] redis_url` when not set.
+const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
+
 /// The longest `[locks] lock_delay_ms`: a delay is a safety margin for a
 /// write in flight, not a way to keep a name locked.
 const MAX_LOCK_DELAY_MS: u64 = 60_000;
@@ -978,17 +1002,28 @@ impl Validator<'_> {
             "\"store\", \"redis\" or \"redlock\"",
             LockBackendKind::Store,
         );
-        let backend = match kind {
-            LockBackendKind::Store => LockBackendConfig::Store,
-            LockBackendKind::Redis => {
-                if !raw.redis_url.starts_with("redis://") {
+        if !matches!(kind, LockBackendKind::Redis) {
+            for (key, set) in [
+                ("locks.redis_sentinels", raw.redis_sentinels.is_some()),
+                ("locks.redis_master_name", raw.redis_master_name.is_some()),
+            ] {
+                if set {
                     self.problem(
-                        "locks.redis_url",
-                        format!("'{}' is not a redis:// URL", redact_url(&raw.redis_url)),
+                        key,
+                        "Sentinel discovery is for backend = \"redis\"; Redlock's nodes are independent servers listed in locks.redis_urls",
                     );
                 }
-                LockBackendConfig::Redis { url: raw.redis_url }
             }
+        }
+        let backend = match kind {
+            LockBackendKind::Store => LockBackendConfig::Store,
+            LockBackendKind::Redis => LockBackendConfig::Redis {
+                target: self.redis_target(
+                    raw.redis_url,
+                    raw.redis_sentinels,
+                    raw.redis_master_name,
+                ),
+            },
             LockBackendKind::Redlock => {
                 if raw.redis_urls.len() < 3 {
                     self.problem(
@@ -1053,6 +1088,102 @@ impl Validator<'_> {
                 raw.lock_delay_ms,
                 MAX_LOCK_DELAY_MS,
             )),
+        }
+    }
+
+    /// `backend = "redis"`: one URL, or Sentinel discovery. Both at once
+    /// would leave it unclear which one the gateway talks to, so it is a
+    /// problem rather than a precedence rule.
+    fn redis_target(
+        &mut self,
+        url: Option<String>,
+        sentinels: Option<Vec<String>>,
+        master_name: Option<String>,
+    ) -> RedisTarget {
+        let (sentinels, master_name) = match (sentinels, master_name) {
+            (None, None) => {
+                let url = url.unwrap_or_else(|| DEFAULT_REDIS_URL.to_string());
+                if !url.starts_with("redis://") {
+                    self.problem(
+                        "locks.redis_url",
+                        format!("'{}' is not a redis:// URL", redact_url(&url)),
+                    );
+                }
+                return RedisTarget::Url(url);
+            }
+            (Some(s), None) => {
+                self.problem(
+                    "locks.redis_master_name",
+                    "missing: locks.redis_sentinels is set, and Sentinel needs the name of the master to find",
+                );
+                (s, None)
+            }
+            (None, Some(n)) => {
+                self.problem(
+                    "locks.redis_sentinels",
+                    "missing: locks.redis_master_name is set, and needs the Sentinels to ask (redis://host:port URLs)",
+                );
+                (Vec::new(), Some(n))
+            }
+            (Some(s), Some(n)) => {
+                if s.is_empty() {
+                    self.problem(
+                        "locks.redis_sentinels",
+                        "is empty: list at least one Sentinel (redis://host:port)",
+                    );
+                }
+                (s, Some(n))
+            }
+        };
+        if let Some(url) = url {
+            self.problem(
+                "locks.redis_url",
+                format!(
+                    "'{}' is set together with locks.redis_sentinels: the master is found through Sentinel; remove one of them",
+                    redact_url(&url)
+                ),
+            );
+        }
+        for (i, u) in sentinels.iter().enumerate() {
+            if !u.starts_with("redis://") {
+                self.problem(
+                    format!("locks.redis_sentinels[{i}]"),
+                    format!("'{}' is not a redis:// URL", redact_url(u)),
+                );
+            } else if redis::Client::open(u.as_str()).is_err() {
+                self.problem(
+                    format!("locks.redis_sentinels[{i}]"),
+                    format!("'{}' is not a valid Redis URL", redact_url(u)),
+                );
+            }
+        }
+        let mut seen = HashSet::new();
+        for u in &sentinels {
+            if !seen.insert(u) {
+                self.problem(
+                    "locks.redis_sentinels",
+                    format!("'{}' is listed twice", redact_url(u)),
+                );
+            }
+        }
+        let named = master_name.is_some();
+        let master_name = master_name.unwrap_or_default();
+        let name_ok = !master_name.is_empty()
+            && !master_name
+                .chars()
+                .any(|c| c.is_whitespace() || c.is_control());
+        if named && !name_ok {
+            self.problem(
+                "locks.redis_master_name",
+                format!(
+                    "'{}' is not a master name: it must be non-empty, without spaces or control characters",
+                    master_name.escape_debug()
+                ),
+            );
+        }
+        RedisTarget::Sentinel {
+            sentinels,
+            master_name,
         }
     }
 
@@ -1576,6 +1707,86 @@ mod tests {
         );
         let s = load(&with("-1")).unwrap_err().to_string();
         assert!(s.contains("lock_delay_ms"), "{s}");
+    }
+
+    fn with_locks(locks: &str) -> String {
+        GOOD.replace("[store]", &format!("[locks]\n{locks}\n[store]"))
+    }
+
+    #[test]
+    fn redis_url_or_sentinels() {
+        let c = load(&with_locks("backend = \"redis\"")).unwrap();
+        assert_eq!(
+            c.locks.backend,
+            LockBackendConfig::Redis {
+                target: RedisTarget::Url("redis://127.0.0.1:6379".into())
+            }
+        );
+        let c = load(&with_locks(
+            "backend = \"redis\"\nredis_sentinels = [\"redis://10.0.0.1:26379\", \"redis://10.0.0.2:26379\"]\nredis_master_name = \"locks\"",
+        ))
+        .unwrap();
+        assert_eq!(
+            c.locks.backend,
+            LockBackendConfig::Redis {
+                target: RedisTarget::Sentinel {
+                    sentinels: vec![
+                        "redis://10.0.0.1:26379".into(),
+                        "redis://10.0.0.2:26379".into()
+                    ],
+                    master_name: "locks".into(),
+                }
+            }
+        );
+    }
+
+    #[test]
+    fn sentinel_keys_are_checked() {
+        let cases: &[(&str, &[&str])] = &[
+            (
+                "backend = \"redis\"\nredis_sentinels = [\"redis://h:26379\"]",
+                &["test.toml: locks.redis_master_name: missing: locks.redis_sentinels is set"],
+            ),
+            (
+                "backend = \"redis\"\nredis_master_name = \"m\"",
+                &["test.toml: locks.redis_sentinels: missing: locks.redis_master_name is set"],
+            ),
+            (
+                "backend = \"redis\"\nredis_sentinels = []\nredis_master_name = \"m\"",
+                &["test.toml: locks.redis_sentinels: is empty"],
+            ),
+            (
+                "backend = \"redis\"\nredis_url = \"redis://h:6379\"\nredis_sentinels = [\"redis://h:26379\"]\nredis_master_name = \"m\"",
+                &["test.toml: locks.redis_url: 'redis://h:6379' is set together with locks.redis_sentinels"],
+            ),
+            (
+                "backend = \"redis\"\nredis_sentinels = [\"http://h:26379\", \"redis://a:1\", \"redis://a:1\"]\nredis_master_name = \"my master\"",
+                &[
+                    "test.toml: locks.redis_sentinels[0]: 'http://h:26379' is not a redis:// URL",
+                    "test.toml: locks.redis_sentinels: 'redis://a:1' is listed twice",
+                    "test.toml: locks.redis_master_name: 'my master' is not a master name",
+                ],
+            ),
+            (
+                "backend = \"redlock\"\nredis_urls = [\"redis://a:1\", \"redis://b:1\", \"redis://c:1\"]\nredis_sentinels = [\"redis://h:26379\"]\nredis_master_name = \"m\"",
+                &[
+                    "test.toml: locks.redis_sentinels: Sentinel discovery is for backend = \"redis\"",
+                    "test.toml: locks.redis_master_name: Sentinel discovery is for backend = \"redis\"",
+                ],
+            ),
+            (
+                "redis_master_name = \"m\"",
+                &["test.toml: locks.redis_master_name: Sentinel discovery is for backend = \"redis\""],
+            ),
+        ];
+        for (locks, needles) in cases {
+            let s = load(&with_locks(locks)).unwrap_err().to_string();
+            for needle in *needles {
+                assert!(s.contains(needle), "missing {needle:?} in:\n{s}");
+            }
+            // One problem per needle: no echo of the same mistake.
+            assert_eq!(s.lines().count(), needles.len(), "{s}");
+        }
     }
 
     /// Closed choices are typed, yet an unknown value is reported together

@@ -208,6 +208,14 @@ impl LockService {
     /// expiry, until the holder's lease runs out), never busy-polls.
     /// `lease` is the new lease's id: secret and unique (see
     /// [`new_lease_id`]; the API tags it with the client that asked).
+    ///
+    /// A backend that cannot answer on the first try is `Unavailable` at
+    /// once. Once the lock was seen held, the acquire keeps waiting through
+    /// an outage (a Redis failover, a store restart), trying again at the
+    /// re-check interval, and answers `Unavailable` only if the outage
+    /// outlasts the wait: the waiter is still in line when the backend is
+    /// back, as a client retrying by itself would be, without one more
+    /// round trip.
     pub async fn acquire(
         &self,
         name: &str,
@@ -216,28 +224,28 @@ impl LockService {
         wait: Duration,
     ) -> Result<Grant, LockError> {
         let deadline = Instant::now() + wait;
+        let mut seen_held = false;
         loop {
             // Register before trying, so a release in between is not missed.
             let waiter = self.inner.notifier.register(name);
+            let mut nap = FALLBACK_RECHECK;
             match self.inner.backend.try_acquire(name, lease, ttl).await {
                 Ok(l) => {
                     self.count("grant");
                     return self.grant(l, ttl);
                 }
                 Err(LockError::Held { expires_in }) => {
-                    let now = Instant::now();
-                    if now >= deadline {
+                    if Instant::now() >= deadline {
                         self.count("held");
                         return Err(LockError::Held { expires_in });
                     }
-                    let mut nap = (deadline - now).min(FALLBACK_RECHECK);
+                    seen_held = true;
                     if let Some(e) = expires_in {
                         nap = nap.min(e + Duration::from_millis(2));
                     }
-                    tokio::select! {
-                        _ = waiter.wait() => {}
-                        _ = tokio::time::sleep(nap) => {}
-                    }
+                }
+                Err(e @ LockError::Unavailable(_)) if seen_held && Instant::now() < deadline => {
+                    tracing::debug!(lock = name, error = %e, "lock backend unavailable while waiting; still waiting");
                 }
                 Err(e) => {
                     self.count(match e {
@@ -246,6 +254,11 @@ impl LockService {
                     });
                     return Err(e);
                 }
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            tokio::select! {
+                _ = waiter.wait() => {}
+                _ = tokio::time::sleep(nap.min(left)) => {}
             }
         }
     }

@@ -119,10 +119,10 @@ impl Redlock {
         let mut nodes = Vec::with_capacity(urls.len());
         for url in urls {
             let node = Node::new(url, per_node_timeout)?;
-            if nodes.iter().any(|n: &Node| n.label == node.label) {
+            if nodes.iter().any(|n: &Node| n.label() == node.label()) {
                 return Err(LockError::Unavailable(format!(
                     "redlock lists {} twice: the nodes must be independent",
-                    node.label
+                    node.label()
                 )));
             }
             nodes.push(node);
@@ -131,13 +131,7 @@ impl Redlock {
         let mut subscribers = Vec::with_capacity(nodes.len());
         for node in &nodes {
             let (tx, rx) = watch::channel(false);
-            subscribers.push(spawn_subscriber(
-                node.client().clone(),
-                node.label.clone(),
-                per_node_timeout,
-                notifier.clone(),
-                tx,
-            ));
+            subscribers.push(spawn_subscriber(node.clone(), notifier.clone(), tx));
             subscribed.push(rx);
         }
         let quorum = nodes.len() / 2 + 1;
@@ -161,7 +155,7 @@ impl Redlock {
         let (pings, _) = tokio::join!(pings, subs);
         for (node, ping) in this.inner.nodes.iter().zip(pings) {
             if let Err(e) = ping {
-                tracing::warn!(redis = %node.label, error = %e, "redlock node not reachable yet");
+                tracing::warn!(redis = %node.label(), error = %e, "redlock node not reachable yet");
             }
         }
         Ok(this)

@@ -13,7 +13,12 @@
 //!   Redis loses its data (FLUSHALL, a restart without persistence, a
 //!   failover to a replica that missed the last INCR);
 //! - every Redis call is bounded by `op_timeout`: a Redis that is down or
-//!   hung answers [`LockError::Unavailable`] within that bound, never a grant.
+//!   hung answers [`LockError::Unavailable`] within that bound, never a grant;
+//! - the server is found at one URL or through Sentinel, and found again
+//!   after a failover: a connection is dropped on a failover's symptoms and
+//!   every new one must reach a master, so a promoted replica is used
+//!   without a restart and a replica is never granted from (see
+//!   [`redis_node`](super::redis_node)).
 //!
 //! The keys, the renew and release scripts, the release subscription and
 //! the way lock-delay is kept are shared with Redlock, in
@@ -28,9 +33,10 @@ use tokio::sync::watch;
 use super::backend::{Lease, LockBackend, LockError, LockState};
 use super::notify::Notifier;
 use super::redis_node::{
-    delay_key, delay_ms, fence_key, lock_key, parse_value, pttl, spawn_subscriber, ttl_ms,
-    wait_subscribed, AbortOnDrop, Node, RELEASED_CHANNEL,
+    delay_key, delay_ms, fence_key, lock_key, parse_value, pttl, spawn_sentinel_watch,
+    spawn_subscriber, ttl_ms, wait_subscribed, AbortOnDrop, Node, RELEASED_CHANNEL,
 };
+use crate::config::RedisTarget;
 use crate::store::FenceStore;
 
 /// Acquire (single instance). KEYS[1] the lock, KEYS[2] the fence counter,
@@ -78,6 +84,8 @@ struct Inner {
     store: FenceStore,
     subscribed: watch::Receiver<bool>,
     _subscriber: AbortOnDrop,
+    /// Under Sentinel: the `+switch-master` listeners.
+    _sentinel_watch: Vec<AbortOnDrop>,
 }
 
 /// What the acquire script answered.
@@ -99,21 +107,54 @@ impl RedisLocks {
         op_timeout: Duration,
         notifier: Arc<Notifier>,
     ) -> Result<Self, LockError> {
-        let node = Node::new(url, op_timeout)?;
+        Self::on(Node::new(url, op_timeout)?, store, op_timeout, notifier).await
+    }
+
+    /// As [`RedisLocks::connect`], on the master that Sentinel names
+    /// `master_name`, asking `sentinels` again after every failover.
+    pub async fn connect_sentinel(
+        sentinels: &[String],
+        master_name: &str,
+        store: FenceStore,
+        op_timeout: Duration,
+        notifier: Arc<Notifier>,
+    ) -> Result<Self, LockError> {
+        let node = Node::sentinel(sentinels, master_name, op_timeout)?;
+        Self::on(node, store, op_timeout, notifier).await
+    }
+
+    /// As configured: `[locks] redis_url`, or Sentinel discovery.
+    pub async fn connect_to(
+        target: &RedisTarget,
+        store: FenceStore,
+        op_timeout: Duration,
+        notifier: Arc<Notifier>,
+    ) -> Result<Self, LockError> {
+        match target {
+            RedisTarget::Url(url) => Self::connect(url, store, op_timeout, notifier).await,
+            RedisTarget::Sentinel {
+                sentinels,
+                master_name,
+            } => Self::connect_sentinel(sentinels, master_name, store, op_timeout, notifier).await,
+        }
+    }
+
+    async fn on(
+        node: Node,
+        store: FenceStore,
+        op_timeout: Duration,
+        notifier: Arc<Notifier>,
+    ) -> Result<Self, LockError> {
         let (tx, rx) = watch::channel(false);
-        let subscriber = spawn_subscriber(
-            node.client().clone(),
-            node.label.clone(),
-            op_timeout,
-            notifier,
-            tx,
-        );
+        let subscriber = spawn_subscriber(node.clone(), notifier, tx);
+        let sentinel_watch = spawn_sentinel_watch(&node);
         let this = Self {
             inner: Arc::new(Inner {
                 node,
                 store,
                 subscribed: rx.clone(),
                 _subscriber: subscriber,
+                _sentinel_watch: sentinel_watch,
             }),
             delay: Duration::ZERO,
         };
@@ -122,7 +163,7 @@ impl RedisLocks {
         if let Err(e) = ping {
             tracing::warn!(error = %e, "Redis is not reachable yet; lock calls answer 503 until it is");
         } else if !subscribed {
-            tracing::warn!(redis = %this.inner.node.label, "not subscribed to {RELEASED_CHANNEL} yet");
+            tracing::warn!(redis = %this.inner.node.label(), "not subscribed to {RELEASED_CHANNEL} yet");
         }
         Ok(this)
     }
