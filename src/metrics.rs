@@ -187,7 +187,70 @@ pub struct UpstreamErrorLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct LockLabels {
     pub backend: &'static str,
-    pub event: &'static str,
+    pub event: LockEvent,
+}
+
+/// The `event` label of `fencegate_lock_events_total`: what one lock API
+/// call (or readiness probe of the lock backend) came to.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum LockEvent {
+    Grant,
+    /// An acquire refused: held by another holder (after its wait).
+    Held,
+    Renew,
+    /// A renew by someone who is not the holder (or whose lease is gone,
+    /// where the backend cannot tell that apart).
+    RenewRefused,
+    Release,
+    ReleaseRefused,
+    /// A renew or release of a lease that ran out.
+    Expired,
+    /// An admin break ended a lease.
+    Break,
+    /// An acquire refused because the fence reached its maximum.
+    Exhausted,
+    /// A lock call the backend could not answer.
+    Unavailable,
+    /// `/readyz` found the backend not answering.
+    PingFailed,
+}
+
+impl LockEvent {
+    pub const ALL: [LockEvent; 11] = [
+        LockEvent::Grant,
+        LockEvent::Held,
+        LockEvent::Renew,
+        LockEvent::RenewRefused,
+        LockEvent::Release,
+        LockEvent::ReleaseRefused,
+        LockEvent::Expired,
+        LockEvent::Break,
+        LockEvent::Exhausted,
+        LockEvent::Unavailable,
+        LockEvent::PingFailed,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LockEvent::Grant => "grant",
+            LockEvent::Held => "held",
+            LockEvent::Renew => "renew",
+            LockEvent::RenewRefused => "renew_refused",
+            LockEvent::Release => "release",
+            LockEvent::ReleaseRefused => "release_refused",
+            LockEvent::Expired => "expired",
+            LockEvent::Break => "break",
+            LockEvent::Exhausted => "exhausted",
+            LockEvent::Unavailable => "unavailable",
+            LockEvent::PingFailed => "ping_failed",
+        }
+    }
+}
+
+impl EncodeLabelValue for LockEvent {
+    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+        std::fmt::Write::write_str(encoder, self.as_str())
+    }
 }
 
 /// The `op` label of `fencegate_store_errors_total`.
@@ -387,7 +450,7 @@ impl Metrics {
             .get()
     }
 
-    pub fn lock_event(&self, backend: &'static str, event: &'static str) {
+    pub fn lock_event(&self, backend: &'static str, event: LockEvent) {
         self.lock_events
             .get_or_create(&LockLabels { backend, event })
             .inc();

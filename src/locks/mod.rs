@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use chrono::{DateTime, Utc};
 use rand::RngCore;
 
-use crate::metrics::Metrics;
+use crate::metrics::{LockEvent, Metrics};
 pub use backend::{Lease, LockBackend, LockError, LockState};
 use notify::Notifier;
 use table::TableLocks;
@@ -190,11 +190,11 @@ impl LockService {
     }
 
     /// Whether the backend answers, for `/readyz`; a failure counts as
-    /// `unavailable`.
+    /// `ping_failed`.
     pub async fn ping(&self) -> Result<(), LockError> {
         let pinged = self.inner.backend.ping().await;
         if pinged.is_err() {
-            self.count("unavailable");
+            self.count(LockEvent::PingFailed);
         }
         pinged
     }
@@ -231,12 +231,12 @@ impl LockService {
             let mut nap = FALLBACK_RECHECK;
             match self.inner.backend.try_acquire(name, lease, ttl).await {
                 Ok(l) => {
-                    self.count("grant");
+                    self.count(LockEvent::Grant);
                     return self.grant(l, ttl);
                 }
                 Err(LockError::Held { expires_in }) => {
                     if Instant::now() >= deadline {
-                        self.count("held");
+                        self.count(LockEvent::Held);
                         return Err(LockError::Held { expires_in });
                     }
                     seen_held = true;
@@ -249,8 +249,8 @@ impl LockService {
                 }
                 Err(e) => {
                     self.count(match e {
-                        LockError::Exhausted => "exhausted",
-                        _ => "unavailable",
+                        LockError::Exhausted => LockEvent::Exhausted,
+                        _ => LockEvent::Unavailable,
                     });
                     return Err(e);
                 }
@@ -266,14 +266,14 @@ impl LockService {
     pub async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Grant, LockError> {
         match self.inner.backend.renew(name, lease, ttl).await {
             Ok(l) => {
-                self.count("renew");
+                self.count(LockEvent::Renew);
                 self.grant(l, ttl)
             }
             Err(e) => {
                 self.count(match e {
-                    LockError::NotHolder => "renew_refused",
-                    LockError::Expired => "expired",
-                    _ => "unavailable",
+                    LockError::NotHolder => LockEvent::RenewRefused,
+                    LockError::Expired => LockEvent::Expired,
+                    _ => LockEvent::Unavailable,
                 });
                 Err(e)
             }
@@ -284,12 +284,12 @@ impl LockService {
         let r = self.inner.backend.release(name, lease).await;
         match &r {
             Ok(()) => {
-                self.count("release");
+                self.count(LockEvent::Release);
                 self.inner.notifier.notify(name);
             }
-            Err(LockError::NotHolder) => self.count("release_refused"),
-            Err(LockError::Expired) => self.count("expired"),
-            Err(_) => self.count("unavailable"),
+            Err(LockError::NotHolder) => self.count(LockEvent::ReleaseRefused),
+            Err(LockError::Expired) => self.count(LockEvent::Expired),
+            Err(_) => self.count(LockEvent::Unavailable),
         }
         r
     }
@@ -299,11 +299,11 @@ impl LockService {
         let broken = self.inner.backend.break_lease(name).await;
         match &broken {
             Ok(true) => {
-                self.count("break");
+                self.count(LockEvent::Break);
                 self.inner.notifier.notify(name);
             }
             Ok(false) => {}
-            Err(_) => self.count("unavailable"),
+            Err(_) => self.count(LockEvent::Unavailable),
         }
         broken
     }
@@ -343,7 +343,7 @@ impl LockService {
         })
     }
 
-    fn count(&self, event: &'static str) {
+    fn count(&self, event: LockEvent) {
         self.inner
             .metrics
             .lock_event(self.inner.backend.label(), event);
