@@ -150,6 +150,8 @@ pub struct PgStore {
     owner: Option<Arc<OwnerLock>>,
     /// What the latest connections learned about the server's writability.
     view: Arc<ServerView>,
+    /// For `/readyz`'s own connection while the server looks read-only.
+    opts: Arc<PgConnectOptions>,
 }
 
 impl PgStore {
@@ -176,7 +178,7 @@ impl PgStore {
             })?;
         MIGRATOR.run(&pool).await?;
         let owner = if single {
-            Some(OwnerLock::acquire(opts, cfg.timeout, view.clone()).await?)
+            Some(OwnerLock::acquire(opts.clone(), cfg.timeout, view.clone()).await?)
         } else {
             None
         };
@@ -195,6 +197,7 @@ impl PgStore {
             timeout: cfg.timeout,
             owner,
             view,
+            opts: Arc::new(opts),
         })
     }
 
@@ -357,7 +360,10 @@ impl PgStore {
 
     /// See `FenceStore::readiness`. The probe runs on a pooled connection,
     /// which passed the writability check when it was opened; the probe
-    /// asks again, for a primary made read-only since.
+    /// asks again, for a primary made read-only since. While the server
+    /// looks read-only the pool would only retry (and refuse) connections
+    /// until its timeout, so the probe opens one of its own and answers at
+    /// once.
     pub async fn readiness(&self) -> StoreReadiness {
         let mut r = StoreReadiness {
             backend: "postgres",
@@ -367,7 +373,23 @@ impl PgStore {
             writer_lock: self.owner.as_ref().map(|o| o.state()),
             durability: None,
         };
-        match probe(&self.pool, self.timeout).await {
+        let probed = match self.view.read_only() {
+            None => probe(&self.pool, self.timeout).await,
+            Some(_) => {
+                let probed = bounded(self.timeout, StoreError::Timeout, async {
+                    let mut conn = PgConnection::connect_with(&self.opts).await?;
+                    let p = probe(&mut conn, self.timeout).await;
+                    let _ = conn.close().await;
+                    p
+                })
+                .await;
+                if matches!(&probed, Ok(p) if !p.in_recovery && !p.read_only) {
+                    self.view.saw(None);
+                }
+                probed
+            }
+        };
+        match probed {
             Ok(p) => {
                 let read_only = if p.in_recovery {
                     Some(ReadOnly::InRecovery)
@@ -532,10 +554,13 @@ fn checked_pool(view: &Arc<ServerView>, max: u32, timeout: Duration) -> PgPoolOp
 }
 
 /// Runs the readiness probe (writability and replication).
-async fn probe(pool: &PgPool, timeout: Duration) -> Result<Probe, StoreError> {
+async fn probe<'c, E>(on: E, timeout: Duration) -> Result<Probe, StoreError>
+where
+    E: sqlx::Executor<'c, Database = sqlx::Postgres>,
+{
     bounded(timeout, StoreError::Timeout, async {
         let row: (bool, bool, String, String, i64, i64, i64) =
-            sqlx::query_as(PROBE).fetch_one(pool).await?;
+            sqlx::query_as(PROBE).fetch_one(on).await?;
         Ok(Probe {
             in_recovery: row.0,
             read_only: row.1,
@@ -791,7 +816,7 @@ async fn watch(
             Ok(Attempt::HeldElsewhere) => say(
                 &me,
                 &mut said,
-                "another fencegate instance holds it; this instance keeps answering 503".into(),
+                "another fencegate instance holds it".into(),
                 true,
             ),
             Err(StoreError::ReadOnly(ro)) => {

@@ -9,6 +9,7 @@ mod client;
 mod config_errors;
 mod durability;
 mod exchange_lifetime;
+mod failover_pg;
 mod group_commit;
 mod headers;
 mod idempotency;
