@@ -217,15 +217,24 @@ impl PgStore {
 
     /// An error, explained by what connections learned: a pool that timed
     /// out because every server it reached was read-only reports that.
+    /// Only failures to reach a server are explained: an error the server
+    /// itself gave stays what it is.
     fn explain(&self, e: StoreError) -> StoreError {
-        match e {
-            StoreError::Timeout(_) | StoreError::Database(_) | StoreError::Other(_) => {
-                match self.view.read_only() {
-                    Some(ro) => StoreError::ReadOnly(ro),
-                    None => e,
-                }
-            }
-            e => e,
+        let unreached = matches!(
+            e,
+            StoreError::Timeout(_)
+                // The batcher passes its errors on as text.
+                | StoreError::Other(_)
+                | StoreError::Database(
+                    sqlx::Error::PoolTimedOut
+                        | sqlx::Error::Io(_)
+                        | sqlx::Error::Configuration(_)
+                        | sqlx::Error::Protocol(_)
+                )
+        );
+        match self.view.read_only() {
+            Some(ro) if unreached => StoreError::ReadOnly(ro),
+            _ => e,
         }
     }
 

@@ -563,8 +563,19 @@ async fn single_mode_fails_over_to_a_synchronous_standby() {
     let err = refused
         .err()
         .expect("a single instance started on a standby");
-    assert!(err.to_string().contains("read-only"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("is read-only: the server is in recovery"),
+        "{err}"
+    );
     tokio::time::sleep(Duration::from_millis(500)).await;
+    // Seconds of retries later, the lock is still not taken on the standby:
+    // there it would exclude nobody writing a primary.
+    let (_, ready) = readyz(&app).await;
+    let lock = &ready["details"]["store"]["writer_lock"];
+    assert_eq!(lock["held"], false, "{ready}");
+    let why = lock["detail"].as_str().unwrap_or_default();
+    assert!(why.contains("waiting for a writable primary"), "{ready}");
 
     let promoting = Instant::now();
     let standby = promote(standby).await;
@@ -647,6 +658,7 @@ async fn shared_mode_fails_over_to_a_synchronous_standby() {
 
     // A write admitted through a before the crash, still at the upstream
     // after the promotion.
+    let slow_sent = Instant::now();
     let slow = {
         let (http, url) = (a.http.clone(), a.url("/docs/slow"));
         tokio::spawn(async move {
@@ -690,6 +702,18 @@ async fn shared_mode_fails_over_to_a_synchronous_standby() {
             .unwrap_or_default();
         assert!(detail.contains("in recovery"), "{ready}");
     }
+    // An instance started on the standby itself refuses to start: its
+    // connections are refused on connect, before migrations could find
+    // nothing to do there.
+    let refused = TestApp::try_spawn(&standby.url(), &routes).await;
+    let err = refused
+        .err()
+        .expect("a shared instance started on a standby");
+    assert!(
+        err.to_string()
+            .contains("is read-only: the server is in recovery"),
+        "{err}"
+    );
     let r = b.put("/docs/new", Some("1"), "on the standby").await;
     let body = problem(r, 503).await;
     assert!(
@@ -711,6 +735,10 @@ async fn shared_mode_fails_over_to_a_synchronous_standby() {
     // The slow write's marker came through the failover: b's higher token
     // waits until the write can no longer be in flight, although a's key
     // lock ended with the old primary and b has never seen the key.
+    eprintln!(
+        "shared mode: token 11 first sent {:?} after the slow write (9 s at the upstream)",
+        slow_sent.elapsed()
+    );
     assert!(
         !slow.is_finished(),
         "the failover took longer than the slow write (9 s): this check would prove nothing"
