@@ -798,7 +798,11 @@ async fn watch(
                         ),
                         true,
                     );
-                    conn = None;
+                    // The session may still be alive (a slow server): end it,
+                    // so that the lock is free for the next attempt, ours.
+                    if let Some(c) = conn.take() {
+                        let _ = tokio::time::timeout(timeout, c.close()).await;
+                    }
                 }
             }
             continue;
@@ -825,7 +829,7 @@ async fn watch(
             Ok(Attempt::HeldElsewhere) => say(
                 &me,
                 &mut said,
-                "another fencegate instance holds it".into(),
+                "another session holds it: another fencegate instance in \"single\" mode, or this instance's previous session until the server notices it is gone".into(),
                 true,
             ),
             Err(StoreError::ReadOnly(ro)) => {
