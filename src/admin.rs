@@ -64,24 +64,39 @@ async fn healthz() -> impl IntoResponse {
     Json(serde_json::json!({"status": "ok"}))
 }
 
+/// 200 when fenced writes can be decided, else a 503 problem; either way
+/// `details` says what was found: the store (reachable, writable, the
+/// single-writer lock, the durability check) and the lock backend.
 async fn readyz(State(s): State<AdminState>) -> Response {
-    let store = s.store.ping().await.map_err(|e| {
+    let store = s.store.readiness().await;
+    let store_problem = store.problem();
+    if store_problem.is_some() {
         s.metrics.store_error(StoreOp::Ping);
-        e.to_string()
-    });
+    }
     // A failed lock-backend ping is counted by the lock service itself.
     let locks = match &s.locks {
-        Some(l) => l.ping().await.map_err(|e| e.to_string()),
-        None => Ok(()),
+        Some(l) => Some(l.ping().await.map_err(|e| e.to_string())),
+        None => None,
     };
-    match store.and(locks) {
-        Ok(()) => Json(serde_json::json!({"status": "ready", "store": "ok"})).into_response(),
-        Err(e) => Problem::new(
+    let details = serde_json::json!({
+        "store": store,
+        "locks": match &locks {
+            None => serde_json::Value::Null,
+            Some(Ok(())) => "ok".into(),
+            Some(Err(e)) => e.as_str().into(),
+        },
+    });
+    let problem = store_problem.or(locks.and_then(|l| l.err()));
+    match problem {
+        None => Json(serde_json::json!({"status": "ready", "store": "ok", "details": details}))
+            .into_response(),
+        Some(e) => Problem::new(
             StatusCode::SERVICE_UNAVAILABLE,
             "not-ready",
             "Not ready",
             format!("not ready: {e}"),
         )
+        .with("details", details)
         .header(
             header::RETRY_AFTER,
             HeaderValue::from(s.retry_after.as_secs().max(1)),

@@ -356,6 +356,28 @@ impl GatewayError {
                 header::RETRY_AFTER,
                 HeaderValue::from(retry_after.as_secs().max(1)),
             ),
+            GatewayError::Store(crate::store::StoreError::ReadOnly(why)) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store-unavailable",
+                "Fence store unavailable",
+                format!(
+                    "the fence store is read-only ({why}): a failover may be in progress; fenced writes wait for a writable primary; nothing was forwarded"
+                ),
+            )
+            .header(
+                header::RETRY_AFTER,
+                HeaderValue::from(retry_after.as_secs().max(1)),
+            ),
+            GatewayError::Store(crate::store::StoreError::NotOwner) => Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "store-unavailable",
+                "Fence store unavailable",
+                "this single-mode instance does not hold the store's single-writer lock on a writable primary (lost with its connection, or during a failover), so it decides no fenced write until it takes the lock again; nothing was forwarded",
+            )
+            .header(
+                header::RETRY_AFTER,
+                HeaderValue::from(retry_after.as_secs().max(1)),
+            ),
             GatewayError::Store(_) => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-unavailable",

@@ -5,6 +5,14 @@
 //! ([`Fence::check`]). The token is durable before the write is forwarded,
 //! so after a crash or restart anything lower than a forwarded token is
 //! still refused.
+//!
+//! In `single` mode on Postgres, every decision (a refusal from memory
+//! included) first checks that this instance holds the single-writer lock
+//! on a writable primary, and an admission checks again after its wait at
+//! the gate, the last moment before the write is forwarded. Across a
+//! failover the lock is lost and taken again, possibly by another
+//! instance in between; deciding nothing while it is not held is what keeps
+//! two `single` instances from ever deciding at the same time.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -65,8 +73,14 @@ impl Fence {
         // Single mode: nothing else writes the store, so a settled cached
         // token is exact. Shared mode: other instances raise tokens.
         let exact = !store.is_shared();
+        let gate = match store.writer_generation() {
+            Some(generation) => {
+                Gate::exact_while(cache_keys, generation, store.late_commit_bound())
+            }
+            None => Gate::new(cache_keys, exact, store.late_commit_bound()),
+        };
         Self {
-            gate: Gate::new(cache_keys, exact, store.late_commit_bound()),
+            gate,
             store,
             quarantine_until: None,
         }
@@ -122,6 +136,9 @@ impl Fence {
     /// refuses a token below the key's known durable token, without a store
     /// call or a task. Cheap enough for the request's own task.
     pub fn arrive(&self, key: &str, token: i64) -> Result<Arrival, GatewayError> {
+        // Even a refusal is a decision: none is made from memory while this
+        // instance is not the store's single writer (an atomic load).
+        self.store.check_writer()?;
         self.gate
             .arrive(key, token)
             .map_err(|s| stale(key, token, s.highest))
@@ -279,10 +296,16 @@ impl Fence {
                 tokio::time::sleep_until(until.into()).await;
             }
         }
-        ticket
+        let permit = ticket
             .admit(token)
             .await
-            .map_err(|s| stale(key, token, s.highest))
+            .map_err(|s| stale(key, token, s.highest))?;
+        // The wait at the gate (or the quarantine) may have outlasted the
+        // lock: checked again right before the write may go, and the permit
+        // dropped unused if it is gone. The token stays recorded, which only
+        // makes older tokens stale sooner.
+        self.store.check_writer()?;
+        Ok(permit)
     }
 }
 

@@ -50,6 +50,13 @@
 //!   on the key ended without a known outcome: a statement that timed out on
 //!   our side may still commit on the store's, later. In both cases the
 //!   request goes to the store, which is always right.
+//! * "nothing else writes the store" holds only while this instance holds
+//!   the single-writer lock. On Postgres that lock can be lost and taken
+//!   again (a failover, a broken connection), and in between another
+//!   instance may have written. So each cached value remembers the lock's
+//!   generation it was read under, and is exact only in that generation;
+//!   after a new acquisition equal tokens go to the store until it has
+//!   answered again. Lower bounds stay: they never depended on the lock.
 //!
 //! Idle slots are only evicted when no ticket references them and no
 //! unknown outcome is pending on them, so neither a late, lower answer nor a
@@ -59,6 +66,7 @@
 //! steps per release.
 
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -74,6 +82,9 @@ pub struct Gate {
     /// from memory. Shared mode: other instances raise tokens too, and the
     /// cache is only a lower bound.
     exact: bool,
+    /// Single mode on Postgres: the single-writer lock's generation
+    /// (see the module docs); `None` when the lock cannot be lost.
+    writer: Option<Arc<AtomicU64>>,
     /// How long a key stays unsettled after a store call on it ended without
     /// a known outcome: longer than such a call can still commit on the
     /// store's side (see `unsettled_until`).
@@ -135,6 +146,8 @@ struct Slot {
     /// not known. Not 0: 0 is a valid token, and an unknown key's token
     /// taken for 0 would let a stale 0 through as "already recorded".
     durable: Option<i64>,
+    /// The single-writer lock's generation `durable` was read under.
+    durable_generation: u64,
     /// Store calls on this key in flight. While one is, the store may hold a
     /// higher token than `durable` already (committed, answer on its way).
     recording: usize,
@@ -191,6 +204,8 @@ pub struct Ticket {
     recording: bool,
     /// The slot's reset count when the ticket was taken.
     resets: u64,
+    /// The single-writer lock's generation when the ticket was taken.
+    generation: u64,
 }
 
 /// The right to have one write in flight for a key with a token.
@@ -224,8 +239,32 @@ impl Gate {
             slots: Mutex::new(Slots::default()),
             capacity,
             exact,
+            writer: None,
             unsettled_for,
         })
+    }
+
+    /// An exact gate whose memory is exact only within one generation of
+    /// the single-writer lock, counted by `generation` (see the module
+    /// docs).
+    pub fn exact_while(
+        capacity: usize,
+        generation: Arc<AtomicU64>,
+        unsettled_for: Duration,
+    ) -> Arc<Self> {
+        Arc::new(Self {
+            slots: Mutex::new(Slots::default()),
+            capacity,
+            exact: true,
+            writer: Some(generation),
+            unsettled_for,
+        })
+    }
+
+    fn generation(&self) -> u64 {
+        self.writer
+            .as_ref()
+            .map_or(0, |g| g.load(Ordering::Acquire))
     }
 
     fn lock(&self) -> MutexGuard<'_, Slots> {
@@ -261,7 +300,11 @@ impl Gate {
         slot.refs += 1;
         slot.used = seen;
         let resets = slot.resets;
-        let recorded = self.exact && slot.durable == Some(token) && slot.settled(Instant::now());
+        let generation = self.generation();
+        let recorded = self.exact
+            && slot.durable == Some(token)
+            && slot.durable_generation == generation
+            && slot.settled(Instant::now());
         if !recorded {
             slot.recording += 1;
         }
@@ -274,6 +317,7 @@ impl Gate {
             live: true,
             recording: !recorded,
             resets,
+            generation,
         };
         Ok(if recorded {
             Arrival::Recorded(ticket)
@@ -378,8 +422,12 @@ impl Ticket {
             match end {
                 // An answer from before a reset may be above its value.
                 CallEnd::Answered(_) if s.resets != self.resets => {}
+                // A late, lower answer changes nothing. Otherwise the answer
+                // is the store's value under this ticket's generation.
+                CallEnd::Answered(highest) if s.durable.is_some_and(|d| d > highest) => {}
                 CallEnd::Answered(highest) => {
-                    s.durable = Some(s.durable.map_or(highest, |d| d.max(highest)))
+                    s.durable = Some(highest);
+                    s.durable_generation = self.generation;
                 }
                 CallEnd::Unknown => {
                     s.unsettled_until = Some(Instant::now() + self.gate.unsettled_for)
@@ -670,6 +718,43 @@ mod cache_tests {
         drop(in_flight);
         drop(waiting.await.unwrap().unwrap());
         assert!(matches!(gate.arrive("k", 5), Ok(Arrival::Recorded(_))));
+    }
+
+    /// Single mode on Postgres: once the single-writer lock was taken again,
+    /// another instance may have written in between, so memory from the
+    /// previous generation only refuses (a lower bound), never admits,
+    /// until the store has answered again.
+    #[tokio::test]
+    async fn a_new_writer_generation_ends_the_equal_fast_path() {
+        // Asserts that the store must decide, without leaving an unknown
+        // outcome behind.
+        fn needs_store(gate: &Arc<Gate>, token: i64) {
+            match gate.arrive("k", token) {
+                Ok(Arrival::Record(mut t)) => t.settle_unrecorded(),
+                Ok(Arrival::Recorded(_)) => panic!("{token} admitted from memory"),
+                Err(Stale { highest }) => panic!("{token} refused below {highest}"),
+            }
+        }
+        let generation = Arc::new(AtomicU64::new(1));
+        let gate = Gate::exact_while(100, generation.clone(), UNSETTLED);
+        record(&gate, "k", 5).settle(Some(5));
+        assert!(matches!(gate.arrive("k", 5), Ok(Arrival::Recorded(_))));
+        // Arrived under generation 1, answered after generation 2 began.
+        let mut late = record(&gate, "k", 6);
+        generation.store(2, Ordering::Release);
+        late.settle(Some(6));
+        drop(late);
+        needs_store(&gate, 6);
+        assert!(matches!(gate.arrive("k", 4), Err(Stale { highest: 6 })));
+        // The store answers under generation 2: exact again.
+        record(&gate, "k", 6).settle(Some(6));
+        assert!(matches!(gate.arrive("k", 6), Ok(Arrival::Recorded(_))));
+        // A lower answer in the new generation (the old primary's last
+        // commits did not reach the new one) keeps the bound, not exactness.
+        generation.store(3, Ordering::Release);
+        record(&gate, "k", 6).settle(Some(5));
+        needs_store(&gate, 6);
+        assert!(matches!(gate.arrive("k", 5), Err(Stale { highest: 6 })));
     }
 
     /// Shared mode: other instances raise tokens, so equal is never enough.

@@ -14,6 +14,7 @@ mod admin;
 pub mod batch;
 mod idempotency;
 mod postgres;
+pub mod readiness;
 pub(crate) mod sql;
 mod sqlite;
 
@@ -24,19 +25,26 @@ use crate::config::{StoreBackend, StoreConfig, StoreMode};
 
 pub use admin::{prefix_end, FenceRecord, Page, ResetRecord};
 pub use idempotency::{Found, RecordId, StoredAnswer, PURGE_BATCH};
-pub use postgres::{Entered, KeyLock, PgStore};
+pub use postgres::{Entered, KeyLock, PgStore, ReadOnly, OWNER_LEASE};
+pub use readiness::StoreReadiness;
 pub use sqlite::SqliteStore;
 
 /// Why the store could not answer.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    /// Built by the `From` below, which tells a read-only server apart.
     #[error("database error: {0}")]
-    Database(#[from] sqlx::Error),
+    Database(sqlx::Error),
+    /// The server answered but takes no writes: a standby (a failover in
+    /// progress, or a VIP not moved yet) or `default_transaction_read_only`.
+    /// Unavailable, never success: nothing it says decides a write.
+    #[error("the fence store is read-only: {0}")]
+    ReadOnly(ReadOnly),
     #[error("no answer within {0:?}")]
     Timeout(Duration),
     #[error("migration failed: {0}")]
     Migrate(#[from] sqlx::migrate::MigrateError),
-    #[error("this instance does not hold the store's single-writer lock")]
+    #[error("this instance does not hold the store's single-writer lock on a writable primary")]
     NotOwner,
     /// Shared mode: another instance's older write kept the key's lock
     /// longer than `key_lock_wait_ms` (Postgres's `lock_timeout`). The store
@@ -49,6 +57,22 @@ pub enum StoreError {
     Late,
     #[error("{0}")]
     Other(String),
+}
+
+impl From<sqlx::Error> for StoreError {
+    fn from(e: sqlx::Error) -> Self {
+        // SQLSTATE 25006 read_only_sql_transaction: a write reached a
+        // standby, or a primary that was made read-only under us.
+        let read_only = e
+            .as_database_error()
+            .and_then(|d| d.code())
+            .is_some_and(|c| c == "25006");
+        if read_only {
+            StoreError::ReadOnly(ReadOnly::WriteRefused)
+        } else {
+            StoreError::Database(e)
+        }
+    }
 }
 
 /// A handle on the configured store; cheap to clone (pools inside).
@@ -132,11 +156,37 @@ impl FenceStore {
     }
 
     /// Fails when this instance may not write the store now (in `single`
-    /// mode on Postgres: the single-writer lock is not held).
+    /// mode on Postgres: the single-writer lock is not held on a writable
+    /// primary). An atomic load and a clock read: cheap enough for every
+    /// decision, including the ones made from memory.
     pub fn check_writer(&self) -> Result<(), StoreError> {
         match self {
             Self::Postgres(s) => s.check_owner(),
             Self::Sqlite(_) => Ok(()),
+        }
+    }
+
+    /// `single` mode on Postgres: counts the acquisitions of the
+    /// single-writer lock. Between two of them another instance may have
+    /// written the store, so memory that was exact under one is not under
+    /// the next (see `gate`). `None` where the lock cannot be lost and taken
+    /// again (SQLite's file lock lives as long as the process) or in
+    /// `shared` mode.
+    pub fn writer_generation(&self) -> Option<std::sync::Arc<std::sync::atomic::AtomicU64>> {
+        match self {
+            Self::Postgres(s) => s.writer_generation(),
+            Self::Sqlite(_) => None,
+        }
+    }
+
+    /// How long after its last confirmation this instance may still decide
+    /// writes as the single writer ([`OWNER_LEASE`] on Postgres in `single`
+    /// mode). A successor that finds the previous run unfinished must wait
+    /// this much longer than the crashed instance's forwards could last.
+    pub fn writer_lease(&self) -> Duration {
+        match self {
+            Self::Postgres(s) if !s.is_shared() => OWNER_LEASE,
+            _ => Duration::ZERO,
         }
     }
 
@@ -160,9 +210,31 @@ impl FenceStore {
         }
     }
 
-    /// Cheap reachability check for `/readyz`.
+    /// Cheap reachability check.
     pub async fn ping(&self) -> Result<(), StoreError> {
         dispatch!(self, s => s.ping().await)
+    }
+
+    /// What `/readyz` reports: reachable, writable, the single-writer lock,
+    /// and on Postgres the durability check, from one round trip.
+    pub async fn readiness(&self) -> StoreReadiness {
+        match self {
+            Self::Postgres(s) => s.readiness().await,
+            Self::Sqlite(s) => {
+                let answer = s.ping().await;
+                StoreReadiness {
+                    backend: "sqlite",
+                    mode: "single",
+                    server: match answer {
+                        Ok(()) => readiness::ServerState::Writable,
+                        Err(_) => readiness::ServerState::Unreachable,
+                    },
+                    detail: answer.err().map(|e| e.to_string()),
+                    writer_lock: None,
+                    durability: None,
+                }
+            }
+        }
     }
 
     /// Closes the pools (and releases the single-writer lock).

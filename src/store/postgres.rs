@@ -1,14 +1,44 @@
 //! Postgres: the production store.
+//!
+//! # Failover
+//!
+//! `[store] url` may name a VIP, a DNS name or a TCP proxy in front of a
+//! primary and its standbys, so the server behind one URL can change under a
+//! running gateway. What keeps decisions right through that:
+//!
+//! * Every new connection, in every pool and the single-writer lock's own,
+//!   asks the server whether it takes writes (`pg_is_in_recovery()`,
+//!   `transaction_read_only`) before it is used. One that does not is
+//!   closed: a standby's answer (its `stale`, say) never decides a write,
+//!   and the pool keeps trying until a writable primary answers. A write
+//!   refused later with SQLSTATE 25006 (a primary made read-only under open
+//!   connections) is unavailable too (`StoreError::ReadOnly`).
+//! * In `single` mode the single-writer lock is a session lock on one
+//!   server. The watcher confirms every [`OWNER_CHECK`] that its session is
+//!   alive on a writable primary, and each confirmation lets the instance
+//!   decide for [`OWNER_LEASE`] from when it was asked, so a check that
+//!   hangs (a partition without resets) stops decisions by itself. After the
+//!   session is gone the watcher takes the lock again, but only on a
+//!   writable primary: an advisory lock on a standby excludes nobody writing
+//!   the primary. Each acquisition starts a new generation: memory that was
+//!   exact under the previous one is not trusted as exact any more (another
+//!   instance may have written in between).
+//! * Shared mode's in-flight markers are rows, so they fail over with the
+//!   fences; its key locks are per session and end with the old primary.
+//!
+//! Nothing of this costs a round trip per decision: the checks run once per
+//! new connection and on the watcher's timer; a decision reads an atomic.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{Connection, PgConnection, PgPool};
 
 use tokio::task::JoinHandle;
 
+use super::readiness::{Probe, ServerState, StoreReadiness, WriterLock, PROBE};
 use super::sql::highest_token;
 use super::{bounded, StoreError};
 use crate::config::{redact_url, StoreConfig};
@@ -19,6 +49,32 @@ use crate::config::{redact_url, StoreConfig};
 pub const LOCK_NAMESPACE: i32 = 0x4647_4154;
 /// Second half of the single-writer lock.
 const SINGLE_WRITER_ID: i32 = 1;
+
+/// How long one confirmation of the single-writer lock lets this instance
+/// decide, counted from when the confirming query was sent. A successor
+/// that found this instance's run unfinished waits this long on top of the
+/// longest forward (see `app`), so decisions this instance made after its
+/// lock was really gone cannot overlap the successor's.
+pub const OWNER_LEASE: Duration = Duration::from_secs(2);
+/// How often the lock's session is asked whether it still holds the lock
+/// on a writable primary. Well inside the lease, so a loaded machine that
+/// delays a check by a second does not stop decisions.
+const OWNER_CHECK: Duration = Duration::from_millis(250);
+/// How often a lost single-writer lock is tried again.
+const OWNER_RETRY: Duration = Duration::from_millis(500);
+
+/// Whether the server takes writes, asked of every new connection.
+const WRITABLE: &str =
+    "SELECT pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'";
+
+/// Takes the single-writer lock, but only on a writable primary (CASE
+/// evaluates the branch it needs, so a standby's lock is never taken).
+const TRY_OWNER_LOCK: &str = "\
+SELECT pg_is_in_recovery(),
+       current_setting('transaction_read_only') = 'on',
+       CASE WHEN pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'
+            THEN NULL
+            ELSE pg_try_advisory_lock($1, $2) END";
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");
 
@@ -92,35 +148,46 @@ pub struct PgStore {
     /// Present in `single` mode: the advisory lock that makes this instance
     /// the only writer. Decisions are refused while it is not held.
     owner: Option<Arc<OwnerLock>>,
+    /// What the latest connections learned about the server's writability.
+    view: Arc<ServerView>,
+    /// For `/readyz`'s own connection while the server looks read-only.
+    opts: Arc<PgConnectOptions>,
 }
 
 impl PgStore {
     pub async fn open(cfg: &StoreConfig, single: bool) -> Result<Self, StoreError> {
         let opts = connect_options(&cfg.url, cfg.timeout)?;
+        let view = Arc::new(ServerView::default());
         let key_locks = if single {
             None
         } else {
-            Some(KeyLockPool::new(&opts, cfg))
+            Some(KeyLockPool::new(&opts, cfg, &view))
         };
-        let pool = PgPoolOptions::new()
-            .max_connections(cfg.pool_size)
-            .acquire_timeout(cfg.timeout)
+        let pool = checked_pool(&view, cfg.pool_size, cfg.timeout)
             .connect_with(opts.clone())
             .await
-            .map_err(|e| {
-                StoreError::Other(format!("cannot connect to {}: {e}", redact_url(&cfg.url)))
+            .map_err(|e| match view.read_only() {
+                // The pool retried until its timeout; say what it found.
+                Some(ro) => StoreError::Other(format!(
+                    "{} is read-only: {ro}; point [store] url at the primary (or the address that follows it)",
+                    redact_url(&cfg.url)
+                )),
+                None => {
+                    StoreError::Other(format!("cannot connect to {}: {e}", redact_url(&cfg.url)))
+                }
             })?;
         MIGRATOR.run(&pool).await?;
         let owner = if single {
-            Some(OwnerLock::acquire(opts, cfg.timeout).await?)
+            Some(OwnerLock::acquire(opts.clone(), cfg.timeout, view.clone()).await?)
         } else {
             None
         };
+        warn_of_durability(&pool, cfg.timeout).await;
         let batcher = single.then(|| {
-            let pool = pool.clone();
+            let (pool, view) = (pool.clone(), view.clone());
             super::batch::Batcher::spawn(MAX_BATCH, BATCHES_IN_FLIGHT, cfg.timeout, move |items| {
-                let pool = pool.clone();
-                async move { record_batch(&pool, items).await }
+                let (pool, view) = (pool.clone(), view.clone());
+                async move { view.learn(record_batch(&pool, items).await) }
             })
         });
         Ok(Self {
@@ -129,14 +196,45 @@ impl PgStore {
             key_locks,
             timeout: cfg.timeout,
             owner,
+            view,
+            opts: Arc::new(opts),
         })
     }
 
-    /// Fails when, in `single` mode, the single-writer lock is not held.
+    /// Fails when, in `single` mode, the single-writer lock is not held on a
+    /// writable primary (as of a confirmation younger than [`OWNER_LEASE`]).
     pub fn check_owner(&self) -> Result<(), StoreError> {
         match &self.owner {
-            Some(o) if !o.held.load(Ordering::Acquire) => Err(StoreError::NotOwner),
+            Some(o) if !o.held() => Err(StoreError::NotOwner),
             _ => Ok(()),
+        }
+    }
+
+    /// See `FenceStore::writer_generation`.
+    pub fn writer_generation(&self) -> Option<Arc<AtomicU64>> {
+        self.owner.as_ref().map(|o| o.generation.clone())
+    }
+
+    /// An error, explained by what connections learned: a pool that timed
+    /// out because every server it reached was read-only reports that.
+    /// Only failures to reach a server are explained: an error the server
+    /// itself gave stays what it is.
+    fn explain(&self, e: StoreError) -> StoreError {
+        let unreached = matches!(
+            e,
+            StoreError::Timeout(_)
+                // The batcher passes its errors on as text.
+                | StoreError::Other(_)
+                | StoreError::Database(
+                    sqlx::Error::PoolTimedOut
+                        | sqlx::Error::Io(_)
+                        | sqlx::Error::Configuration(_)
+                        | sqlx::Error::Protocol(_)
+                )
+        );
+        match self.view.read_only() {
+            Some(ro) if unreached => StoreError::ReadOnly(ro),
+            _ => e,
         }
     }
 
@@ -144,7 +242,7 @@ impl PgStore {
     pub async fn record(&self, key: &str, token: i64) -> Result<i64, StoreError> {
         self.check_owner()?;
         match &self.batcher {
-            Some(b) => b.record(key, token).await,
+            Some(b) => b.record(key, token).await.map_err(|e| self.explain(e)),
             // Shared mode decides in `enter`, with the key's lock held.
             None => Err(StoreError::Other(
                 "record is for single mode; shared mode decides in enter".into(),
@@ -201,12 +299,16 @@ impl PgStore {
             .key_locks
             .as_ref()
             .ok_or_else(|| StoreError::Other("enter() needs mode = \"shared\"".into()))?;
-        key_locks.enter(key, token, hold, self.timeout).await
+        key_locks
+            .enter(key, token, hold, self.timeout)
+            .await
+            .map_err(|e| self.explain(e))
     }
 
     /// Marks the store as in use by a running single-mode instance; returns
     /// whether the previous instance stopped cleanly.
     pub async fn begin_run(&self) -> Result<bool, StoreError> {
+        self.check_owner()?;
         bounded(self.timeout, StoreError::Timeout, async {
             let was_running: Option<bool> =
                 sqlx::query_scalar("SELECT running FROM gateway_state WHERE id = 1")
@@ -225,6 +327,10 @@ impl PgStore {
 
     /// Marks a clean stop: nothing of ours is in flight any more.
     pub async fn end_run(&self) -> Result<(), StoreError> {
+        // Only the lock's holder may say that nothing of the single writer
+        // is in flight: an instance that lost the lock to another must
+        // leave the mark for that one's successor.
+        self.check_owner()?;
         bounded(self.timeout, StoreError::Timeout, async {
             sqlx::query(
                 "UPDATE gateway_state SET running = false, changed_at = now() WHERE id = 1",
@@ -258,6 +364,69 @@ impl PgStore {
             Ok(())
         })
         .await
+        .map_err(|e| self.explain(e))
+    }
+
+    /// See `FenceStore::readiness`. The probe runs on a pooled connection,
+    /// which passed the writability check when it was opened; the probe
+    /// asks again, for a primary made read-only since. While the server
+    /// looks read-only the pool would only retry (and refuse) connections
+    /// until its timeout, so the probe opens one of its own and answers at
+    /// once.
+    pub async fn readiness(&self) -> StoreReadiness {
+        let mut r = StoreReadiness {
+            backend: "postgres",
+            mode: if self.is_shared() { "shared" } else { "single" },
+            server: ServerState::Writable,
+            detail: None,
+            writer_lock: self.owner.as_ref().map(|o| o.state()),
+            durability: None,
+        };
+        let probed = match self.view.read_only() {
+            None => probe(&self.pool, self.timeout).await,
+            Some(_) => {
+                let probed = bounded(self.timeout, StoreError::Timeout, async {
+                    let mut conn = PgConnection::connect_with(&self.opts).await?;
+                    let p = probe(&mut conn, self.timeout).await;
+                    let _ = conn.close().await;
+                    p
+                })
+                .await;
+                if matches!(&probed, Ok(p) if !p.in_recovery && !p.read_only) {
+                    self.view.saw(None);
+                }
+                probed
+            }
+        };
+        match probed {
+            Ok(p) => {
+                let read_only = if p.in_recovery {
+                    Some(ReadOnly::InRecovery)
+                } else if p.read_only {
+                    Some(ReadOnly::ReadOnlyTransactions)
+                } else {
+                    None
+                };
+                match read_only {
+                    Some(ro) => {
+                        r.server = ServerState::ReadOnly;
+                        r.detail = Some(ro.to_string());
+                    }
+                    None => r.durability = Some(p.durability()),
+                }
+            }
+            Err(e) => match self.explain(e) {
+                StoreError::ReadOnly(ro) => {
+                    r.server = ServerState::ReadOnly;
+                    r.detail = Some(ro.to_string());
+                }
+                e => {
+                    r.server = ServerState::Unreachable;
+                    r.detail = Some(e.to_string());
+                }
+            },
+        }
+        r
     }
 
     pub async fn close(&self) {
@@ -289,21 +458,184 @@ fn connect_options(url: &str, timeout: Duration) -> Result<PgConnectOptions, Sto
     ]))
 }
 
+/// Why a server takes no writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadOnly {
+    /// `pg_is_in_recovery()`: a standby, or one not promoted yet.
+    InRecovery,
+    /// `transaction_read_only` is on (`default_transaction_read_only`).
+    ReadOnlyTransactions,
+    /// A write failed with SQLSTATE 25006 (`read_only_sql_transaction`).
+    WriteRefused,
+}
+
+impl std::fmt::Display for ReadOnly {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ReadOnly::InRecovery => "the server is in recovery (a standby, not the primary)",
+            ReadOnly::ReadOnlyTransactions => {
+                "the server takes only read-only transactions (default_transaction_read_only is on)"
+            }
+            ReadOnly::WriteRefused => "the server refused a write as read-only (SQLSTATE 25006)",
+        })
+    }
+}
+
+/// What the latest evidence said about the server behind the URL: set by
+/// each new connection's check and by a write refused as read-only,
+/// cleared by a connection that passed the check or a batch that committed.
+/// It only explains failures (what a 503 and `/readyz` say): no decision
+/// relies on it.
+#[derive(Default)]
+struct ServerView(AtomicU8);
+
+impl ServerView {
+    fn saw(&self, read_only: Option<ReadOnly>) {
+        let code = match read_only {
+            None => 0,
+            Some(ReadOnly::InRecovery) => 1,
+            Some(ReadOnly::ReadOnlyTransactions) => 2,
+            Some(ReadOnly::WriteRefused) => 3,
+        };
+        // A load first: on the hot path (every committed batch) this stays
+        // a read of a shared cache line.
+        if self.0.load(Ordering::Relaxed) != code {
+            self.0.store(code, Ordering::Relaxed);
+        }
+    }
+
+    fn read_only(&self) -> Option<ReadOnly> {
+        match self.0.load(Ordering::Relaxed) {
+            1 => Some(ReadOnly::InRecovery),
+            2 => Some(ReadOnly::ReadOnlyTransactions),
+            3 => Some(ReadOnly::WriteRefused),
+            _ => None,
+        }
+    }
+
+    /// Notes what a statement's outcome says, and passes it on.
+    fn learn<T>(&self, r: Result<T, StoreError>) -> Result<T, StoreError> {
+        match &r {
+            Ok(_) => self.saw(None),
+            Err(StoreError::ReadOnly(ro)) => self.saw(Some(*ro)),
+            Err(_) => {}
+        }
+        r
+    }
+}
+
+/// Asks a connection whether its server takes writes.
+async fn writable(conn: &mut PgConnection) -> Result<Result<(), ReadOnly>, sqlx::Error> {
+    let (in_recovery, read_only): (bool, bool) =
+        sqlx::query_as(WRITABLE).fetch_one(&mut *conn).await?;
+    Ok(if in_recovery {
+        Err(ReadOnly::InRecovery)
+    } else if read_only {
+        Err(ReadOnly::ReadOnlyTransactions)
+    } else {
+        Ok(())
+    })
+}
+
+/// Pool options whose connections are checked once, when opened: a
+/// connection to a server that takes no writes is closed before anyone
+/// uses it, and the pool keeps trying (until its acquire timeout) for one
+/// that does. Checking on connect rather than before each use keeps the
+/// decision path at one round trip; a primary made read-only under open
+/// connections is caught by its 25006 instead.
+fn checked_pool(view: &Arc<ServerView>, max: u32, timeout: Duration) -> PgPoolOptions {
+    let view = view.clone();
+    PgPoolOptions::new()
+        .max_connections(max)
+        .acquire_timeout(timeout)
+        .after_connect(move |conn, _meta| {
+            let view = view.clone();
+            Box::pin(async move {
+                let answer = writable(conn).await?;
+                view.saw(answer.err());
+                answer.map_err(|ro| {
+                    sqlx::Error::Configuration(
+                        format!("connection refused by fencegate: {ro}").into(),
+                    )
+                })
+            })
+        })
+}
+
+/// Runs the readiness probe (writability and replication).
+async fn probe<'c, E>(on: E, timeout: Duration) -> Result<Probe, StoreError>
+where
+    E: sqlx::Executor<'c, Database = sqlx::Postgres>,
+{
+    bounded(timeout, StoreError::Timeout, async {
+        let row: (bool, bool, String, String, i64, i64, i64) =
+            sqlx::query_as(PROBE).fetch_one(on).await?;
+        Ok(Probe {
+            in_recovery: row.0,
+            read_only: row.1,
+            synchronous_commit: row.2,
+            synchronous_standby_names: row.3,
+            replicas: row.4,
+            synchronous_replicas: row.5,
+            hidden_replicas: row.6,
+        })
+    })
+    .await
+}
+
+/// The durability check at start-up: every warning logged (see
+/// `readiness`). A check that cannot run is logged too, but does not stop
+/// the start: the server's configuration is the operator's.
+async fn warn_of_durability(pool: &PgPool, timeout: Duration) {
+    match probe(pool, timeout).await {
+        Ok(p) => {
+            let d = p.durability();
+            for w in &d.warnings {
+                tracing::warn!(
+                    replicas = d.replicas,
+                    synchronous_replicas = d.synchronous_replicas,
+                    "fence store durability: {w}"
+                );
+            }
+        }
+        Err(e) => tracing::warn!(error = %e, "fence store durability: could not be checked"),
+    }
+}
+
 /// The single-writer lock: a session advisory lock held on a connection we
 /// own for the life of the process (never a pooled one, which a transaction
 /// pooler could hand to someone else).
+///
+/// Holding the lock is only proof of being the only writer while the
+/// session lives on a writable primary, and the process learns that a
+/// session died only when it next asks. So the right to decide is a lease:
+/// each confirmation (the session answered that its server is a writable
+/// primary) lets decisions run until [`OWNER_LEASE`] after the question was
+/// sent. A decision loads one atomic and reads the clock.
 pub struct OwnerLock {
-    /// False while the lock connection is gone; decisions answer 503 then.
-    held: AtomicBool,
+    /// The origin of `held_until`.
+    epoch: Instant,
+    /// Milliseconds after `epoch` until which decisions may be made; 0 when
+    /// the lock is known lost.
+    held_until: AtomicU64,
+    /// Acquisitions so far (see `FenceStore::writer_generation`).
+    generation: Arc<AtomicU64>,
+    /// Why the lock is not held, for `/readyz`.
+    why: Mutex<String>,
     /// Watches the lock connection and takes the lock again after an outage.
     task: JoinHandle<()>,
 }
 
 impl OwnerLock {
-    async fn acquire(opts: PgConnectOptions, timeout: Duration) -> Result<Arc<Self>, StoreError> {
+    async fn acquire(
+        opts: PgConnectOptions,
+        timeout: Duration,
+        view: Arc<ServerView>,
+    ) -> Result<Arc<Self>, StoreError> {
+        let asked = Instant::now();
         let conn = match try_lock(&opts, timeout).await {
-            Ok(Some(conn)) => conn,
-            Ok(None) => {
+            Ok(Attempt::Taken(conn)) => conn,
+            Ok(Attempt::HeldElsewhere) => {
                 return Err(StoreError::Other(
                     "another fencegate instance in \"single\" mode is using this store; \
                      stop it first, or run every instance with [store] mode = \"shared\""
@@ -312,66 +644,209 @@ impl OwnerLock {
             }
             Err(e) => return Err(e),
         };
-        let held = AtomicBool::new(true);
         let (tx, rx) = tokio::sync::oneshot::channel::<Arc<OwnerLock>>();
         let task = tokio::spawn(async move {
             let Ok(me) = rx.await else { return };
-            watch(me, conn, opts, timeout).await;
+            watch(me, conn, opts, timeout, view).await;
         });
-        let lock = Arc::new(Self { held, task });
+        let epoch = asked;
+        let lock = Arc::new(Self {
+            epoch,
+            held_until: AtomicU64::new(0),
+            generation: Arc::new(AtomicU64::new(1)),
+            why: Mutex::new(String::new()),
+            task,
+        });
+        lock.confirm(asked);
         let _ = tx.send(lock.clone());
         Ok(lock)
     }
+
+    /// Whether decisions may be made now.
+    fn held(&self) -> bool {
+        let now = self.epoch.elapsed().as_millis() as u64;
+        now < self.held_until.load(Ordering::Acquire)
+    }
+
+    /// The session confirmed the lock on a writable primary when asked at
+    /// `asked`.
+    fn confirm(&self, asked: Instant) {
+        let until = asked.saturating_duration_since(self.epoch) + OWNER_LEASE;
+        self.held_until
+            .store(until.as_millis() as u64, Ordering::Release);
+    }
+
+    /// Stops decisions at once; `why` is what `/readyz` shows.
+    fn revoke(&self, why: String) {
+        self.held_until.store(0, Ordering::Release);
+        *self.why.lock().unwrap_or_else(|e| e.into_inner()) = why;
+    }
+
+    /// For `/readyz`.
+    fn state(&self) -> WriterLock {
+        if self.held() {
+            return WriterLock {
+                held: true,
+                detail: None,
+            };
+        }
+        let why = self.why.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        WriterLock {
+            held: false,
+            detail: Some(if why.is_empty() {
+                format!(
+                    "its session has not confirmed it within {} ms",
+                    OWNER_LEASE.as_millis()
+                )
+            } else {
+                why
+            }),
+        }
+    }
 }
 
-async fn try_lock(
-    opts: &PgConnectOptions,
-    timeout: Duration,
-) -> Result<Option<PgConnection>, StoreError> {
+/// What an attempt to take the single-writer lock found.
+enum Attempt {
+    /// Taken, on a writable primary; the lock lives with this connection.
+    Taken(PgConnection),
+    /// Another session holds it.
+    HeldElsewhere,
+}
+
+async fn try_lock(opts: &PgConnectOptions, timeout: Duration) -> Result<Attempt, StoreError> {
     bounded(timeout, StoreError::Timeout, async {
         let mut conn = PgConnection::connect_with(opts).await?;
-        let got: bool = sqlx::query_scalar("SELECT pg_try_advisory_lock($1, $2)")
-            .bind(LOCK_NAMESPACE)
-            .bind(SINGLE_WRITER_ID)
-            .fetch_one(&mut conn)
-            .await?;
-        Ok(got.then_some(conn))
+        let (in_recovery, read_only, got): (bool, bool, Option<bool>) =
+            sqlx::query_as(TRY_OWNER_LOCK)
+                .bind(LOCK_NAMESPACE)
+                .bind(SINGLE_WRITER_ID)
+                .fetch_one(&mut conn)
+                .await?;
+        if in_recovery {
+            return Err(StoreError::ReadOnly(ReadOnly::InRecovery));
+        }
+        if read_only {
+            return Err(StoreError::ReadOnly(ReadOnly::ReadOnlyTransactions));
+        }
+        Ok(if got == Some(true) {
+            Attempt::Taken(conn)
+        } else {
+            Attempt::HeldElsewhere
+        })
     })
     .await
 }
 
-/// Pings the lock connection every second. When it breaks, the session (and
-/// with it the lock) is gone: stop deciding at once, then reconnect and take
-/// the lock again, unless another instance took it meanwhile.
+/// Confirms the lock every [`OWNER_CHECK`] on its own session. When the
+/// session breaks, the lock is gone with it: stop deciding at once, then
+/// take the lock again every [`OWNER_RETRY`] — on a writable primary only,
+/// and unless another instance took it meanwhile. A session whose server
+/// became read-only keeps the lock (nobody else can take it) but decides
+/// nothing until the server takes writes again.
 async fn watch(
     me: Arc<OwnerLock>,
-    mut conn: PgConnection,
+    conn: PgConnection,
     opts: PgConnectOptions,
     timeout: Duration,
+    view: Arc<ServerView>,
 ) {
-    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut conn = Some(conn);
+    let mut tick = tokio::time::interval(OWNER_CHECK);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut next_try = Instant::now();
+    // What was logged last: a state is logged when it changes, not on
+    // every tick.
+    let mut said = String::new();
+    fn say(me: &OwnerLock, said: &mut String, why: String, error: bool) {
+        if why != *said {
+            if error {
+                tracing::error!("single-writer lock: {why}; fenced writes answer 503");
+            } else {
+                tracing::warn!("single-writer lock: {why}; fenced writes answer 503");
+            }
+            *said = why.clone();
+        }
+        me.revoke(why);
+    }
     loop {
         tick.tick().await;
-        let alive = tokio::time::timeout(timeout, conn.ping()).await;
-        if matches!(alive, Ok(Ok(()))) {
+        if let Some(c) = conn.as_mut() {
+            let asked = Instant::now();
+            match tokio::time::timeout(timeout, writable(c)).await {
+                Ok(Ok(Ok(()))) => {
+                    if !said.is_empty() {
+                        tracing::info!("single-writer lock: its server takes writes again; fenced writes resume");
+                        said.clear();
+                    }
+                    me.confirm(asked);
+                }
+                Ok(Ok(Err(ro))) => {
+                    view.saw(Some(ro));
+                    say(&me, &mut said, format!("held, but {ro}"), false);
+                }
+                Ok(Err(e)) => {
+                    say(&me, &mut said, format!("lost with its session ({e})"), true);
+                    conn = None;
+                }
+                Err(_) => {
+                    say(
+                        &me,
+                        &mut said,
+                        format!(
+                            "lost: its session did not answer within {} ms",
+                            timeout.as_millis()
+                        ),
+                        true,
+                    );
+                    // The session may still be alive (a slow server): end it,
+                    // so that the lock is free for the next attempt, ours.
+                    if let Some(c) = conn.take() {
+                        let _ = tokio::time::timeout(timeout, c.close()).await;
+                    }
+                }
+            }
             continue;
         }
-        me.held.store(false, Ordering::Release);
-        tracing::error!("lost the store connection holding the single-writer lock; fenced writes answer 503 until it is back");
-        loop {
-            tick.tick().await;
-            match try_lock(&opts, timeout).await {
-                Ok(Some(c)) => {
-                    conn = c;
-                    me.held.store(true, Ordering::Release);
-                    tracing::info!("single-writer lock taken again; fenced writes resume");
-                    break;
-                }
-                Ok(None) => tracing::error!(
-                    "another fencegate instance took the single-writer lock of this store; this instance keeps answering 503"
-                ),
-                Err(e) => tracing::warn!(error = %e, "store still unreachable"),
+        if Instant::now() < next_try {
+            continue;
+        }
+        next_try = Instant::now() + OWNER_RETRY;
+        let asked = Instant::now();
+        match try_lock(&opts, timeout).await {
+            Ok(Attempt::Taken(c)) => {
+                conn = Some(c);
+                // Before the confirmation: a decision that sees the lock
+                // held must see the new generation too.
+                let generation = me.generation.fetch_add(1, Ordering::AcqRel) + 1;
+                view.saw(None);
+                me.confirm(asked);
+                tracing::info!(
+                    generation,
+                    "single-writer lock taken again on a writable primary; fenced writes resume"
+                );
+                said.clear();
             }
+            Ok(Attempt::HeldElsewhere) => say(
+                &me,
+                &mut said,
+                "another session holds it: another fencegate instance in \"single\" mode, or this instance's previous session until the server notices it is gone".into(),
+                true,
+            ),
+            Err(StoreError::ReadOnly(ro)) => {
+                view.saw(Some(ro));
+                say(
+                    &me,
+                    &mut said,
+                    format!("not taken: {ro}; waiting for a writable primary"),
+                    false,
+                );
+            }
+            Err(e) => say(
+                &me,
+                &mut said,
+                format!("not taken: the store is unreachable ({e})"),
+                false,
+            ),
         }
     }
 }
@@ -409,7 +884,7 @@ struct KeyLockPool {
 }
 
 impl KeyLockPool {
-    fn new(opts: &PgConnectOptions, cfg: &StoreConfig) -> Self {
+    fn new(opts: &PgConnectOptions, cfg: &StoreConfig, view: &Arc<ServerView>) -> Self {
         let lock_timeout = format!("{}ms", cfg.key_lock_wait.as_millis());
         // The waits happen inside Postgres (pg_advisory_lock): bound them
         // there with lock_timeout, so a wait ends with an error on a healthy
@@ -423,10 +898,8 @@ impl KeyLockPool {
                 ("lock_timeout", lock_timeout.as_str()),
                 ("synchronous_commit", "on"),
             ]);
-        let pool = PgPoolOptions::new()
-            .max_connections(cfg.key_lock_connections)
-            .acquire_timeout(cfg.timeout)
-            .connect_lazy_with(opts);
+        let pool =
+            checked_pool(view, cfg.key_lock_connections, cfg.timeout).connect_lazy_with(opts);
         Self {
             pool,
             wait: cfg.key_lock_wait,

@@ -11,6 +11,7 @@ mod dashboard;
 mod deploy;
 mod durability;
 mod exchange_lifetime;
+mod failover_pg;
 mod failover_redis;
 mod group_commit;
 mod headers;

@@ -1,5 +1,8 @@
-//! A private Postgres server, for tests that stop and restart it. Never the
-//! shared one.
+//! A private Postgres server, for tests that stop, restart, replicate and
+//! promote it. Never the shared one.
+//!
+//! Every server is stopped when its `PrivatePg` is dropped, also when a test
+//! panics (`pg_ctl stop -m immediate`), and its data directory removed.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -36,6 +39,11 @@ pub fn free_port() -> u16 {
 
 /// Runs a Postgres tool as the `postgres` user (initdb refuses root).
 fn as_postgres(bin: &std::path::Path, tool: &str, args: &[&str]) -> std::process::Output {
+    assert!(
+        bin.join(tool).exists(),
+        "{tool} is missing from {}: apt-get install postgresql",
+        bin.display()
+    );
     let is_root = unsafe { libc::geteuid() } == 0;
     let mut cmd = if is_root {
         let mut c = Command::new("runuser");
@@ -44,27 +52,40 @@ fn as_postgres(bin: &std::path::Path, tool: &str, args: &[&str]) -> std::process
     } else {
         Command::new(bin.join(tool))
     };
-    cmd.args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("run {tool}: {e}"))
+    cmd.args(args).output().unwrap_or_else(|e| {
+        panic!(
+            "run {tool}: {e} (running as root needs runuser, from util-linux, and a postgres user)"
+        )
+    })
+}
+
+/// A temp dir the `postgres` user owns.
+fn postgres_dir() -> tempfile::TempDir {
+    let dir = tempfile::Builder::new()
+        .prefix("fg-pg-")
+        .tempdir_in("/tmp")
+        .expect("temp dir");
+    if unsafe { libc::geteuid() } == 0 {
+        let st = Command::new("chown")
+            .args(["-R", "postgres:postgres"])
+            .arg(dir.path())
+            .status()
+            .expect("chown");
+        assert!(st.success(), "chown of the private Postgres dir failed");
+    }
+    dir
 }
 
 impl PrivatePg {
     pub fn start() -> PrivatePg {
+        Self::start_with(&[])
+    }
+
+    /// A server with `settings` (name, value) added to its postgresql.conf.
+    pub fn start_with(settings: &[(&str, &str)]) -> PrivatePg {
         let bin = pg_bin();
-        let dir = tempfile::Builder::new()
-            .prefix("fg-pg-")
-            .tempdir_in("/tmp")
-            .expect("temp dir");
+        let dir = postgres_dir();
         let data = dir.path().join("data");
-        if unsafe { libc::geteuid() } == 0 {
-            let st = Command::new("chown")
-                .args(["-R", "postgres:postgres"])
-                .arg(dir.path())
-                .status()
-                .expect("chown");
-            assert!(st.success(), "chown of the private Postgres dir failed");
-        }
         let out = as_postgres(
             &bin,
             "initdb",
@@ -90,12 +111,99 @@ impl PrivatePg {
             bin,
             _dir: dir,
         };
+        pg.configure(settings);
         pg.start_again();
         pg
     }
 
+    /// A streaming standby of `primary`, made with `pg_basebackup -R` and
+    /// started, with `settings` added (later lines win over the primary's,
+    /// which the base backup copied).
+    pub fn standby_of(primary: &PrivatePg, name: &str, settings: &[(&str, &str)]) -> PrivatePg {
+        let dir = postgres_dir();
+        let data = dir.path().join("data");
+        let port = primary.port.to_string();
+        let out = as_postgres(
+            &primary.bin,
+            "pg_basebackup",
+            &[
+                "-h",
+                "127.0.0.1",
+                "-p",
+                &port,
+                "-U",
+                "postgres",
+                "-D",
+                data.to_str().unwrap(),
+                "-R",
+                "-X",
+                "stream",
+                "-c",
+                "fast",
+                "--no-sync",
+            ],
+        );
+        assert!(
+            out.status.success(),
+            "pg_basebackup failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let pg = PrivatePg {
+            port: free_port(),
+            data,
+            bin: primary.bin.clone(),
+            _dir: dir,
+        };
+        let mut all = vec![("cluster_name", name)];
+        all.extend_from_slice(settings);
+        pg.configure(&all);
+        pg.start_again();
+        pg
+    }
+
+    /// Appends settings to postgresql.conf (read at the next start, or
+    /// reload).
+    fn configure(&self, settings: &[(&str, &str)]) {
+        use std::io::Write;
+        let mut conf = std::fs::OpenOptions::new()
+            .append(true)
+            .open(self.data.join("postgresql.conf"))
+            .expect("open postgresql.conf");
+        for (name, value) in settings {
+            writeln!(conf, "{name} = '{}'", value.replace('\'', "''"))
+                .expect("write postgresql.conf");
+        }
+    }
+
     pub fn url(&self) -> String {
         format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
+    }
+
+    pub fn addr(&self) -> std::net::SocketAddr {
+        std::net::SocketAddr::from(([127, 0, 0, 1], self.port))
+    }
+
+    /// `pg_ctl promote`: the standby becomes a primary; returns once it
+    /// takes writes.
+    pub fn promote(&self) {
+        let out = as_postgres(
+            &self.bin,
+            "pg_ctl",
+            &[
+                "-D",
+                self.data.to_str().unwrap(),
+                "-w",
+                "-t",
+                "30",
+                "promote",
+            ],
+        );
+        assert!(
+            out.status.success(),
+            "pg_ctl promote failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
     }
 
     /// Starts (again) on the same port and data directory.
