@@ -198,8 +198,37 @@ impl PrivateRedis {
     /// Blocks until `n` replicas acknowledged every write so far (`WAIT`),
     /// at most 5 s; panics otherwise.
     pub fn wait_replicated(&self, n: i64) {
-        let acked: i64 = command(&self.url(), redis::cmd("WAIT").arg(n).arg(5000));
-        assert!(acked >= n, "{acked} of {n} replicas acknowledged");
+        // Not WAIT: it waits for the writes of the connection it is sent
+        // on, and this one has made none. Compare offsets instead: every
+        // write made so far, by any client, is below the master's offset.
+        let info = |url: &str| -> String { command(url, redis::cmd("INFO").arg("replication")) };
+        let field = |text: &str, name: &str| -> Option<i64> {
+            text.lines()
+                .find_map(|l| l.trim().strip_prefix(name))
+                .and_then(|v| v.trim().parse().ok())
+        };
+        let target = field(&info(&self.url()), "master_repl_offset:")
+            .expect("master_repl_offset in INFO replication");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let text = info(&self.url());
+            // Lines like `slave0:ip=...,port=...,state=online,offset=123,lag=0`.
+            let caught_up = text
+                .lines()
+                .filter(|l| l.starts_with("slave"))
+                .filter_map(|l| l.split(',').find_map(|kv| kv.strip_prefix("offset=")))
+                .filter_map(|o| o.trim().parse::<i64>().ok())
+                .filter(|&o| o >= target)
+                .count() as i64;
+            if caught_up >= n {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "{caught_up} of {n} replicas reached offset {target}:\n{text}"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
     }
 
     /// How many times `command` (lower case) ran on this server
