@@ -1,7 +1,16 @@
 #!/usr/bin/env bash
-# Where the pass-through path spends its CPU, next to nginx doing the same job.
+# Where the pass-through path spends its CPU, next to nginx doing the same job;
+# or, with --raise, where a raising fenced write spends it, in fencegate and
+# in Postgres.
 #
 #   bash bench/profile.sh [BINARY]
+#   bash bench/profile.sh --raise [--shared] [BINARY]
+#
+# --raise: fencegate on a fresh Postgres database (single mode, or shared
+# with --shared); wrk -t2 -c64 PUTs whose every request raises its key's
+# token (bench/fenced.lua's `raise`). CPU per request is given for fencegate
+# and for Postgres (every server process of the cluster, so keep the
+# machine quiet), then fencegate is profiled as below.
 #
 # Starts an nginx upstream (`return 200`), an nginx reverse proxy and
 # fencegate (SQLite store: pass-through GETs never touch it) on free
@@ -28,6 +37,15 @@ for tool in perf nginx wrk python3; do
     command -v "$tool" >/dev/null 2>&1 || { echo "profile.sh: $tool is not installed" >&2; exit 1; }
 done
 
+SCENARIO=get
+MODE=single
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --raise) SCENARIO=raise; shift ;;
+        --shared) MODE=shared; shift ;;
+        *) break ;;
+    esac
+done
 BIN="${1:-}"
 if [ -z "$BIN" ]; then
     echo "building release with line tables into target/profile-build" >&2
@@ -44,6 +62,9 @@ PIDS=()
 cleanup() {
     for p in "${PIDS[@]}"; do kill "$p" 2>/dev/null || true; done
     wait 2>/dev/null || true
+    if [ -n "${DB:-}" ]; then
+        psql -qX -d postgres -c "DROP DATABASE IF EXISTS $DB WITH (FORCE)" >/dev/null 2>&1 || true
+    fi
 }
 trap cleanup EXIT
 
@@ -67,12 +88,23 @@ nginx_conf up "server { listen 127.0.0.1:$P_UP; location / { return 200 \"ok\"; 
 nginx_conf px "upstream backend { server 127.0.0.1:$P_UP; keepalive 64; keepalive_requests 1000000; }
 server { listen 127.0.0.1:$P_NGX; location / {
     proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection \"\"; } }"
+STORE_URL="sqlite://$W/fences.db"
+DB=""
+if [ "$SCENARIO" = raise ]; then
+    export PGHOST="${PGHOST:-127.0.0.1}" PGPORT="${PGPORT:-5432}" PGUSER="${PGUSER:-postgres}"
+    DB="fg_profile_$$"
+    psql -qX -d postgres -c "CREATE DATABASE $DB" >/dev/null
+    STORE_URL="postgres://$PGUSER@$PGHOST:$PGPORT/$DB"
+fi
 cat > "$W/fencegate.toml" <<EOF
 [server]
 listen = "127.0.0.1:$P_FG"
 admin_listen = "127.0.0.1:$P_ADM"
 [store]
-url = "sqlite://$W/fences.db"
+url = "$STORE_URL"
+mode = "$MODE"
+[locks]
+enabled = false
 [[routes]]
 name = "documents"
 path = "/docs/{id}"
@@ -97,6 +129,58 @@ ticks() { # CPU clock ticks (user + system) of a process and its children
     echo "$t"
 }
 HZ=$(getconf CLK_TCK)
+
+if [ "$SCENARIO" = raise ]; then
+    # Every server process of the cluster: the gateway's backends, and the
+    # WAL writer and checkpointer its commits make work.
+    pg_ticks() {
+        local t=0 p f
+        for p in $(pgrep -u postgres -x postgres || true); do
+            read -r -a f < "/proc/$p/stat" 2>/dev/null || continue
+            t=$((t + f[13] + f[14]))
+        done
+        echo "$t"
+    }
+    echo "CPU per raising fenced write ($MODE mode), wrk -t2 -c64 -d8s (one line per run)"
+    printf '%-8s %10s %18s %18s\n' run "2xx/s" "fencegate us/req" "postgres us/req"
+    for round in 1 2 3; do
+        before=$(ticks "$FG"); pg_before=$(pg_ticks)
+        wrk -t2 -c64 -d8s -s "$REPO/bench/fenced.lua" "http://127.0.0.1:$P_FG" \
+            -- raise 10000 "r$round-" 2 > "$W/wrk_raise_$round.txt"
+        after=$(ticks "$FG"); pg_after=$(pg_ticks)
+        python3 - "$W/wrk_raise_$round.txt" "$round" "$((after - before))" \
+            "$((pg_after - pg_before))" "$HZ" <<'EOF'
+import json, re, sys
+text = open(sys.argv[1]).read()
+line = next(l for l in text.splitlines() if l.startswith("BENCHJSON "))
+stats = json.loads(line[len("BENCHJSON "):])
+secs = float(re.search(r"requests in ([\d.]+)s", text).group(1))
+ok = stats["s2xx"]
+hz = int(sys.argv[5])
+fg = int(sys.argv[3]) / hz * 1e6 / max(ok, 1)
+pg = int(sys.argv[4]) / hz * 1e6 / max(ok, 1)
+print(f"{sys.argv[2]:<8} {ok / secs:>10,.0f} {fg:>18.1f} {pg:>18.1f}")
+EOF
+    done
+    echo
+    echo "perf record -e cpu-clock -g on fencegate, 8 s under wrk -t2 -c64 raise"
+    wrk -t2 -c64 -d12s -s "$REPO/bench/fenced.lua" "http://127.0.0.1:$P_FG" \
+        -- raise 10000 rp- 2 > /dev/null &
+    WRK=$!
+    sleep 2
+    perf record -q -e cpu-clock -F 2000 -g -p "$FG" -o "$W/perf.data" -- sleep 8 2>/dev/null
+    wait "$WRK"
+    set +o pipefail   # head closes the pipes early
+    perf report -i "$W/perf.data" --no-children --sort dso --stdio -g none 2>/dev/null \
+        | grep '%' | head -5
+    echo
+    echo "top user-space symbols (self time)"
+    perf report -i "$W/perf.data" --no-children --sort sym --stdio -g none 2>/dev/null \
+        | grep '%' | grep -v '\[k\]' | head -30 | cut -c1-150
+    echo
+    echo "raw outputs: $W (perf report -i $W/perf.data)"
+    exit 0
+fi
 
 echo "CPU per request, wrk -t1 -c64 -d5s GET (one line per run)"
 printf '%-22s %10s %14s\n' proxy req/s "CPU us/req"
