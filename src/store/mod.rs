@@ -23,7 +23,7 @@ use std::time::Duration;
 use crate::config::{StoreBackend, StoreConfig, StoreMode};
 
 pub use admin::{prefix_end, FenceRecord, Page, ResetRecord};
-pub use idempotency::{Found, RecordId, StoredAnswer, PURGE_BATCH};
+pub use idempotency::{Begin, Found, RecordId, StoredAnswer, PURGE_BATCH};
 pub use postgres::{Entered, KeyLock, PgStore};
 pub use sqlite::SqliteStore;
 
