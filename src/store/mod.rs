@@ -43,9 +43,10 @@ pub enum StoreError {
     /// itself is fine.
     #[error("the key stayed locked by an older write for more than {0:?} (key_lock_wait_ms)")]
     KeyBusy(Duration),
-    /// Shared mode: the decision was reached, but too late to forward the
-    /// write within its in-flight marker (the process stalled in between).
-    #[error("the decision came too late to forward the write within its in-flight marker")]
+    /// The decision was reached, but too late to forward the write within
+    /// its in-flight marker (shared mode) or its idempotency record's time
+    /// in flight (the process stalled in between).
+    #[error("the decision came too late to forward the write in time")]
     Late,
     #[error("{0}")]
     Other(String),
