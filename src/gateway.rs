@@ -581,9 +581,16 @@ impl FencedWrite {
         let decided = Instant::now();
         let issued_only = self.route.token == TokenKind::Issued;
         let store_timeout = state.fence.store.timeout();
-        let attempt: i64 = rand::random();
-        let route_name = self.route.name.clone();
+        // Owned handles, so that the record's id does not borrow `self`,
+        // whose request the forward consumes (an `Arc` and, for the usual
+        // methods, no allocation).
+        let route = self.route.clone();
+        let route_name = route.name.as_str();
         let method = self.req.method().clone();
+        let attempt: i64 = match first_use {
+            Some(_) => rand::random(),
+            None => 0,
+        };
         // A first use's record: decided with the fence, in one transaction
         // where the store allows it (see `Fence::check_keyed`).
         let (admission, record_until) = match &first_use {
@@ -603,7 +610,7 @@ impl FencedWrite {
             Some(first) => {
                 let begin = Begin {
                     id: RecordId {
-                        route: &route_name,
+                        route: route_name,
                         method: method.as_str(),
                         key: &first.key,
                     },
@@ -655,7 +662,7 @@ impl FencedWrite {
         let forget = |first: &Option<FirstUse>| {
             if let Some(first) = first {
                 let id = RecordId {
-                    route: &route_name,
+                    route: route_name,
                     method: method.as_str(),
                     key: &first.key,
                 };
@@ -698,7 +705,7 @@ impl FencedWrite {
         // Phase: forward, then store the answer before returning it.
         let result = forward(state, &self.route, self.req, peer, Some(admission)).await;
         let id = RecordId {
-            route: &route_name,
+            route: route_name,
             method: method.as_str(),
             key: &first.key,
         };
