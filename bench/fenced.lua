@@ -10,6 +10,14 @@
 --          counter c; the token is 2 + c*T + t, so each request to a key carries a
 --          higher token than the previous one on that key (and is > 1, the seed)
 --   stale  PUT  /docs/<PREFIX><n>, n random, X-Fence-Token: 0 (below the seeded 1)
+--   fresh  POST /keyed/<PREFIX><n>, n random, X-Fence-Token: 1, and an Idempotency-Key
+--          never sent before (run nonce, thread id, counter): every request is a
+--          first use
+--   replay POST /keyed/<PREFIX>1, X-Fence-Token: 1, Idempotency-Key: bench-replay,
+--          the same body: every request replays the answer run.sh stored first
+--
+-- The keyed modes send Content-Type: text/plain (part of the key's fingerprint,
+-- like the body and the token: run.sh's probe and oha send the same).
 --
 -- Every mode uses the same machinery (requests built in init(), one response()
 -- hook counting status classes), so the client does the same work per request
@@ -49,6 +57,17 @@ function init(args)
       counter = 0
       owned = math.floor(nkeys / nthreads)
       headers = {}
+   elseif mode == "fresh" then
+      counter = 0
+      nonce = tostring(os.time()) .. "-" .. tostring(math.random(0, 999999))
+      headers = { ["X-Fence-Token"] = "1", ["Content-Type"] = "text/plain" }
+   elseif mode == "replay" then
+      reqs[0] = wrk.format("POST", "/keyed/" .. prefix .. "1", {
+         ["X-Fence-Token"] = "1",
+         ["Content-Type"] = "text/plain",
+         ["Idempotency-Key"] = "bench-replay",
+      }, body)
+      nkeys = 1
    else
       error("unknown mode " .. tostring(mode))
    end
@@ -60,6 +79,10 @@ function request()
       headers["X-Fence-Token"] = tostring(2 + counter * nthreads + id)
       counter = counter + 1
       return wrk.format("PUT", "/docs/" .. prefix .. n, headers, body)
+   elseif mode == "fresh" then
+      headers["Idempotency-Key"] = "f" .. nonce .. "-" .. id .. "-" .. counter
+      counter = counter + 1
+      return wrk.format("POST", "/keyed/" .. prefix .. math.random(0, nkeys - 1), headers, body)
    end
    return reqs[math.random(0, nkeys - 1)]
 end

@@ -235,6 +235,14 @@ name = "documents"
 path = "/docs/{id}"
 upstream = "http://127.0.0.1:$P_UP"
 key = "doc:{id}"
+
+# (h) and (i): the same resources, with an Idempotency-Key on every write.
+[[routes]]
+name = "keyed"
+path = "/keyed/{id}"
+upstream = "http://127.0.0.1:$P_UP"
+key = "doc:{id}"
+idempotency = "required"
 EOF
 }
 
@@ -272,17 +280,41 @@ EOF
 [ "$(probe PUT 4 /docs/probe)" = 409 ] || die "PUT with stale token 4 was not refused (409)"
 [ "$(probe GET - /docs/probe)" = 200 ] || die "GET was not passed through (200)"
 
+# Keyed POSTs (h, i): a first use is forwarded, the same key again replayed.
+# Headers and body as bench/fenced.lua and oha send them (the fingerprint
+# covers Content-Type, X-Fence-Token and the body). Another resource than
+# /docs/probe, whose token is 5 by now.
+probe_keyed() { # path key -> "status replayed-header"
+    python3 - "$P_FG" "$@" <<'EOF'
+import http.client, sys
+port, path, key = sys.argv[1:4]
+c = http.client.HTTPConnection("127.0.0.1", int(port), timeout=10)
+c.request("POST", path, body=b"written-by-bench", headers={
+    "X-Fence-Token": "1", "Content-Type": "text/plain", "Idempotency-Key": key})
+r = c.getresponse()
+print(r.status, r.getheader("Idempotent-Replayed") or "-")
+EOF
+}
+[ "$(probe_keyed /keyed/probe-keyed probe-1)" = "200 -" ] || die "a keyed first use was not forwarded (200)"
+[ "$(probe_keyed /keyed/probe-keyed probe-1)" = "200 true" ] || die "a keyed repeat was not replayed"
+
 log "seeding $NKEYS keys with token 1"
 python3 "$BENCH/util.py" seed "http://127.0.0.1:$P_FG" k "$NKEYS" 1 >&2 \
     || die "seeding failed (not every PUT answered 2xx)"
+# (h) and (i) write the keys h0..h9999, seeded with token 1 too: (e) raises
+# the k keys' tokens, after which token 1 would be stale there.
+python3 "$BENCH/util.py" seed "http://127.0.0.1:$P_FG" h "$NKEYS" 1 >&2 \
+    || die "seeding the h keys failed (not every PUT answered 2xx)"
+# (i) replays this stored answer, and so does its oha run.
+[ "$(probe_keyed /keyed/h1 bench-replay)" = "200 -" ] || die "storing the answer (i) replays failed"
 
 # ---------------------------------------------------------------------------
 # Measurements
 # ---------------------------------------------------------------------------
-run_wrk() { # id, port, mode
-    log "($1) wrk -t$THREADS -c$CONNS -d${DURATION}s $3 on :$2"
+run_wrk() { # id, port, mode, [key prefix, default k]
+    log "($1) wrk -t$THREADS -c$CONNS -d${DURATION}s $3 ${4:-k} on :$2"
     wrk -t"$THREADS" -c"$CONNS" -d"${DURATION}s" --timeout 10s -s "$BENCH/fenced.lua" \
-        "http://127.0.0.1:$2" -- "$3" "$NKEYS" k "$THREADS" > "$OUT/wrk_$1.txt" 2>&1 \
+        "http://127.0.0.1:$2" -- "$3" "$NKEYS" "${4:-k}" "$THREADS" > "$OUT/wrk_$1.txt" 2>&1 \
         || { cat "$OUT/wrk_$1.txt" >&2; die "wrk failed in scenario $1"; }
     grep '^BENCHJSON' "$OUT/wrk_$1.txt" | sed 's/^BENCHJSON /    /' >&2
 }
@@ -292,20 +324,22 @@ run_wrk() { # id, port, mode
 # alternation's branch or a repeat count uniformly, so k(0|[1-9][0-9]{0,3})
 # would send half the requests to k0.)
 SEEDED_RE='k[1-9][0-9]{3}'
-run_oha() { # id, url path or regex path, method, token ("-": none)
-    local id=$1 path=$2 method=$3 token=$4 rate args=()
+run_oha() { # id, url path or regex path, method, token ("-": none), [Idempotency-Key]
+    local id=$1 path=$2 method=$3 token=$4 idem=${5:-} rate args=()
     rate=$(python3 "$BENCH/util.py" rate "$OUT/wrk_$id.txt")
     echo "$rate" > "$OUT/rate_$id.txt"
     args=(-z "${DURATION}s" -q "$rate" --latency-correction --no-tui -c "$CONNS" "${OHA_JSON[@]}" -m "$method")
     if [ "$token" != - ]; then args+=(-H "X-Fence-Token: $token" -d written-by-bench); fi
+    if [ -n "$idem" ]; then args+=(-H "Idempotency-Key: $idem" -T text/plain); fi
     if [ "$OHA_RANDOM" = yes ] && [[ "$path" == *'['* ]]; then
         # oha's regex URLs take '.' literally (escaping it as '\.' garbles the
         # URL: check with --dump-urls).
         args+=(--rand-regex-url "http://127.0.0.1:$P_FG$path")
         echo "random: $path" > "$OUT/ohaurl_$id.txt"
     else
-        # No regex URLs: one fixed key (k1 for the seeded-key scenarios).
-        path=$(sed -E 's/\[.*$//' <<<"$path")1
+        # No regex URLs: one fixed key (k1 for the seeded-key scenarios); a
+        # path without a regex is used as it is.
+        if [[ "$path" == *'['* ]]; then path=$(sed -E 's/\[.*$//' <<<"$path")1; fi
         args+=("http://127.0.0.1:$P_FG$path")
         echo "fixed: $path" > "$OUT/ohaurl_$id.txt"
     fi
@@ -342,6 +376,15 @@ run_wrk e "$P_FG" raise
 run_oha e '/docs/e[a-z0-9]{16}' PUT 1
 run_wrk f "$P_FG" stale
 run_oha f "/docs/$SEEDED_RE" PUT 0
+# (h) first uses of fresh keys. No oha run: oha sends one header value for a
+# whole run, so every request after its first would be a replay.
+run_wrk h "$P_FG" fresh h
+run_wrk i "$P_FG" replay h
+run_oha i "/keyed/h1" POST 1 bench-replay
+for outcome in first replayed in_progress reused outcome_unknown not_stored; do
+    python3 "$BENCH/util.py" metric "http://127.0.0.1:$P_FGA/metrics" fencegate_idempotency_total \
+        "outcome=\"$outcome\"" > "$OUT/fg_idem_$outcome.txt" || true
+done
 
 python3 "$BENCH/util.py" metric "http://127.0.0.1:$P_FGA/metrics" fencegate_decisions_total \
     'outcome="store_unavailable"' > "$OUT/fg_503.txt" || true

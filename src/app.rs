@@ -61,7 +61,8 @@ struct Core {
     locks: Option<LockApiState>,
     /// The gate, to check that nothing is in flight before a clean stop.
     gate: std::sync::Arc<crate::gate::Gate>,
-    /// Background tasks (notification listeners) to stop on shutdown.
+    /// Background tasks (notification listeners, the idempotency purge) to
+    /// stop on shutdown.
     tasks: Vec<tokio::task::JoinHandle<()>>,
     limits: Limits,
     /// `[server] workers`: threads serving the traffic listener.
@@ -105,6 +106,14 @@ impl Application {
         }
         let mut tasks: Vec<tokio::task::JoinHandle<()>> =
             fence.watch_resets().into_iter().collect();
+        // Expired Idempotency-Key records go, on every instance and whether
+        // or not a route uses them now (a reload may add one, and records
+        // outlive the routes that wrote them); aborted with the other tasks
+        // on shutdown, before the store closes.
+        tasks.push(tokio::spawn(crate::idempotency::purge_forever(
+            store.clone(),
+            config.store.idempotency_purge_interval,
+        )));
         // Routes, token keys and auth clients; a reload swaps them at once.
         let live: crate::reload::Shared = Arc::new(arc_swap::ArcSwap::from_pointee(
             crate::reload::Live::new(&config, &metrics),

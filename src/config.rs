@@ -193,6 +193,9 @@ pub struct StoreConfig {
     /// held by older tokens' writes on other instances (a paused instance
     /// holds them), before a 503.
     pub key_lock_wait: Duration,
+    /// How often expired `Idempotency-Key` records are purged (every
+    /// instance purges; see `idempotency::purge_forever`).
+    pub idempotency_purge_interval: Duration,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -458,6 +461,7 @@ struct RawStore {
     gate_pool_size: Option<u64>,
     gate_wait_ms: Option<u64>,
     cache_keys: u64,
+    idempotency_purge_interval_ms: u64,
 }
 
 impl Default for RawStore {
@@ -473,6 +477,7 @@ impl Default for RawStore {
             gate_pool_size: None,
             gate_wait_ms: None,
             cache_keys: 100_000,
+            idempotency_purge_interval_ms: crate::idempotency::PURGE_EVERY.as_millis() as u64,
         }
     }
 }
@@ -824,6 +829,9 @@ const MAX_LOCK_DELAY_MS: u64 = 60_000;
 const DEFAULT_KEY_LOCK_CONNECTIONS: u64 = 32;
 /// `[store] key_lock_wait_ms` when not set.
 const DEFAULT_KEY_LOCK_WAIT_MS: u64 = 10_000;
+/// The shortest `idempotency_purge_interval_ms`: a purge round is a few
+/// statements, not something to run in a tight loop.
+const MIN_PURGE_INTERVAL_MS: u64 = 100;
 
 /// Collects problems while turning raw values into typed ones.
 struct Validator<'a> {
@@ -910,6 +918,13 @@ impl Validator<'_> {
             self.problem(key, format!("must be at most {max}, got {value}"));
         }
         value.min(max)
+    }
+
+    fn between(&mut self, key: &str, value: u64, min: u64, max: u64) -> u64 {
+        if value < min || value > max {
+            self.problem(key, format!("must be between {min} and {max}, got {value}"));
+        }
+        value.clamp(min, max)
     }
 
     fn positive(&mut self, key: &str, value: u64, max: u64) -> u64 {
@@ -1419,6 +1434,12 @@ impl Validator<'_> {
                 "store.key_lock_wait_ms",
                 key_lock_wait_ms,
                 3_600_000,
+            )),
+            idempotency_purge_interval: Duration::from_millis(self.between(
+                "store.idempotency_purge_interval_ms",
+                raw.idempotency_purge_interval_ms,
+                MIN_PURGE_INTERVAL_MS,
+                86_400_000,
             )),
         }
     }

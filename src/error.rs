@@ -350,7 +350,7 @@ impl GatewayError {
                 StatusCode::SERVICE_UNAVAILABLE,
                 "decision-late",
                 "Decision too late",
-                "the write was admitted, but this instance stalled before it could be forwarded within the time other instances allow it; nothing was forwarded",
+                "the write was admitted, but this instance stalled before it could be forwarded in time (within its in-flight marker, which other instances go by, or within its Idempotency-Key record's time in flight); nothing was forwarded",
             )
             .header(
                 header::RETRY_AFTER,

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::error::{ClientError, GatewayError};
 use crate::gate::{Arrival, Gate, Permit};
-use crate::store::{Entered, FenceStore, KeyLock, StoreError};
+use crate::store::{Begin, Entered, FenceStore, KeyLock, StoreError};
 
 /// The right to forward one fenced write; drop it when the upstream is done
 /// with the write (see `exchange`).
@@ -44,6 +44,21 @@ impl Admission {
             lock.abandon();
         }
     }
+}
+
+/// A fenced write that is the first use of an `Idempotency-Key`, decided
+/// together with its in-flight record.
+pub enum Keyed {
+    /// Admitted, and the in-flight record written: it stays in flight (so
+    /// no duplicate is forwarded) until at least `record_until`, a local
+    /// lower bound of the record's `in_flight_until`.
+    Admitted {
+        admission: Admission,
+        record_until: Instant,
+    },
+    /// A live record of the key exists (a concurrent duplicate wrote it
+    /// first): not admitted, and not to be forwarded.
+    Duplicate,
 }
 
 /// How often a shared-mode instance looks for resets made elsewhere: a reset
@@ -164,7 +179,15 @@ impl Fence {
         }
         if let FenceStore::Postgres(pg) = &self.store {
             if pg.is_shared() {
-                return self.check_shared(pg, key, arrival, token, hold).await;
+                return match self
+                    .check_shared(pg, key, arrival, token, hold, None)
+                    .await?
+                {
+                    Some((admission, _)) => Ok(admission),
+                    None => Err(GatewayError::Internal(
+                        "a fence decision without an idempotency record found a duplicate",
+                    )),
+                };
             }
         }
         let permit = self.check_single(key, arrival, token).await?;
@@ -172,6 +195,72 @@ impl Fence {
             _permit: permit,
             key_lock: None,
             must_end_by: None,
+        })
+    }
+
+    /// [`Fence::check`] for the first use of an `Idempotency-Key`: decides
+    /// the write and writes `record`, its in-flight record, which a caller
+    /// that does not forward after all must forget.
+    ///
+    /// Shared mode writes both in one statement, so one transaction and one
+    /// commit: each write has its own statement there anyway. Single mode
+    /// writes the record in a statement of its own once the write is
+    /// admitted: its fence decisions are group-committed with other keys'
+    /// (and not written at all when the token is already the key's durable
+    /// one), so there is no transaction of this write's own to join. A crash
+    /// between the two leaves a recorded token and no record (nothing was
+    /// forwarded: a retry is a first use, forwarded once), and a crash after
+    /// the record but before the forward leaves a record that duplicates
+    /// see in progress, then "outcome unknown" — never forwarded twice.
+    ///
+    /// After an error the record may exist all the same (this instance's
+    /// gate refused the write after the shared-mode statement, or a
+    /// statement timed out and commits later): the caller forgets it, and
+    /// where that comes too late, duplicates hear "outcome unknown", the
+    /// safe side.
+    pub async fn check_keyed(
+        &self,
+        key: &str,
+        mut arrival: Arrival,
+        token: i64,
+        hold: Duration,
+        issued_only: bool,
+        record: &Begin<'_>,
+    ) -> Result<Keyed, GatewayError> {
+        if issued_only {
+            arrival = self.check_issued(key, arrival, token).await?;
+        }
+        if let FenceStore::Postgres(pg) = &self.store {
+            if pg.is_shared() {
+                let checked = self
+                    .check_shared(pg, key, arrival, token, hold, Some(record))
+                    .await?;
+                return Ok(match checked {
+                    Some((admission, entered_at)) => Keyed::Admitted {
+                        admission,
+                        // The record is written after the marker, in the
+                        // same statement.
+                        record_until: entered_at + record.in_flight,
+                    },
+                    None => Keyed::Duplicate,
+                });
+            }
+        }
+        let permit = self.check_single(key, arrival, token).await?;
+        let sent_at = Instant::now();
+        // The record's time counts from the statement's start on the
+        // store's clock, after this.
+        if !self.store.idem_begin(record).await? {
+            // Nothing was forwarded: the permit goes with it.
+            return Ok(Keyed::Duplicate);
+        }
+        Ok(Keyed::Admitted {
+            admission: Admission {
+                _permit: permit,
+                key_lock: None,
+                must_end_by: None,
+            },
+            record_until: sent_at + record.in_flight,
         })
     }
 
@@ -225,18 +314,25 @@ impl Fence {
         arrival: Arrival,
         token: i64,
         hold: Duration,
-    ) -> Result<Admission, GatewayError> {
+        record: Option<&Begin<'_>>,
+    ) -> Result<Option<(Admission, Instant)>, GatewayError> {
         // The shared gate is not exact: every write goes to Postgres.
         let (Arrival::Record(mut ticket) | Arrival::Recorded(mut ticket)) = arrival;
         // A little more than the forward's own bound, for the time between
         // the marker's write and the forward's start (a forward that would
         // run past the marker is not started: see `must_end_by`).
         let marker = hold + MARKER_SLACK;
-        let entered = pg.enter(key, token, marker).await;
+        let entered = pg.enter(key, token, marker, record).await;
         let lock = match entered {
             Ok(Entered::Stale(highest)) => {
                 ticket.settle(Some(highest));
                 return Err(stale(key, token, highest));
+            }
+            Ok(Entered::Duplicate) => {
+                // The fence part went through: the token is the key's
+                // durable one (or was raised to it); nothing is admitted.
+                ticket.settle(Some(token));
+                return Ok(None);
             }
             Ok(Entered::Admitted(lock)) => {
                 ticket.settle(Some(token));
@@ -251,11 +347,15 @@ impl Fence {
             .admit(token)
             .await
             .map_err(|s| stale(key, token, s.highest))?;
-        Ok(Admission {
-            _permit: permit,
-            must_end_by: Some(lock.marker_until()),
-            key_lock: Some(lock),
-        })
+        let entered_at = lock.entered_at();
+        Ok(Some((
+            Admission {
+                _permit: permit,
+                must_end_by: Some(lock.marker_until()),
+                key_lock: Some(lock),
+            },
+            entered_at,
+        )))
     }
 
     async fn check_single(

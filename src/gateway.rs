@@ -21,6 +21,7 @@ use tokio::sync::oneshot;
 use crate::config::{PathsMode, Route, TokenKind};
 use crate::error::{ClientError, GatewayError, UpstreamError};
 use crate::exchange::Exchange;
+use crate::fence::Keyed;
 use crate::fence::{Admission, Fence};
 use crate::gate::Arrival;
 use crate::idempotency;
@@ -30,7 +31,7 @@ use crate::metrics::{Metrics, Outcome, RouteMetrics, StoreOp, UpstreamFailure};
 use crate::proxy::{self, BodyOutcome, LimitedBody, RelayBody};
 use crate::reload::Live;
 use crate::routing::{self, PathError};
-use crate::store::{Found, RecordId, StoreError, StoredAnswer};
+use crate::store::{Begin, Found, RecordId, StoreError, StoredAnswer};
 use crate::token::{self, TokenError};
 use crate::upstream::UpstreamClient;
 
@@ -614,25 +615,101 @@ impl FencedWrite {
         };
         let decided = Instant::now();
         let issued_only = self.route.token == TokenKind::Issued;
-        let check = state.fence.check(
-            &self.key,
-            arrival,
-            self.token,
-            self.route.timeout,
-            issued_only,
-        );
-        let admission = match check.await {
-            Ok(a) => a,
-            Err(e) => return (false, Err(e)),
+        let store_timeout = state.fence.store.timeout();
+        // Owned handles, so that the record's id does not borrow `self`,
+        // whose request the forward consumes (an `Arc` and, for the usual
+        // methods, no allocation).
+        let route = self.route.clone();
+        let route_name = route.name.as_str();
+        let method = self.req.method().clone();
+        let attempt: i64 = match first_use {
+            Some(_) => rand::random(),
+            None => 0,
+        };
+        // A first use's record: decided with the fence, in one transaction
+        // where the store allows it (see `Fence::check_keyed`).
+        let (admission, record_until) = match &first_use {
+            None => {
+                let check = state.fence.check(
+                    &self.key,
+                    arrival,
+                    self.token,
+                    self.route.timeout,
+                    issued_only,
+                );
+                match check.await {
+                    Ok(a) => (a, None),
+                    Err(e) => return (false, Err(e)),
+                }
+            }
+            Some(first) => {
+                let begin = Begin {
+                    id: RecordId {
+                        route: route_name,
+                        method: method.as_str(),
+                        key: &first.key,
+                    },
+                    fingerprint: &first.fingerprint,
+                    attempt,
+                    in_flight: idempotency::in_flight(self.route.timeout, store_timeout),
+                    ttl: first.settings.ttl,
+                };
+                let check = state.fence.check_keyed(
+                    &self.key,
+                    arrival,
+                    self.token,
+                    self.route.timeout,
+                    issued_only,
+                    &begin,
+                );
+                match check.await {
+                    Ok(Keyed::Admitted {
+                        admission,
+                        record_until,
+                    }) => (admission, Some(record_until)),
+                    // A concurrent duplicate got there first: tell what it
+                    // found.
+                    Ok(Keyed::Duplicate) => {
+                        let key = first.key.clone();
+                        return match self.look_up(state, key).await {
+                            Ok(Ok(_)) => (
+                                false,
+                                Err(StoreError::Other("an idempotency record vanished".into())
+                                    .into()),
+                            ),
+                            Ok(Err(replay)) => (false, Ok(replay)),
+                            Err(e) => (false, Err(e)),
+                        };
+                    }
+                    Err(e) => {
+                        // Nothing was forwarded; the record may have been
+                        // written all the same (see `check_keyed`).
+                        forget_later(state, begin.id, attempt);
+                        return (false, Err(e));
+                    }
+                }
+            }
         };
         state
             .metrics
             .decision_time
             .observe(decided.elapsed().as_secs_f64());
+        let forget = |first: &Option<FirstUse>| {
+            if let Some(first) = first {
+                let id = RecordId {
+                    route: route_name,
+                    method: method.as_str(),
+                    key: &first.key,
+                };
+                forget_later(state, id, attempt);
+            }
+        };
         if answer.is_closed() {
             // The client left while we waited: nobody would see the answer,
             // so do not start a write on its behalf. The token stays
-            // recorded, which only ever makes older holders stale sooner.
+            // recorded, which only ever makes older holders stale sooner;
+            // the key's record goes (nothing was sent).
+            forget(&first_use);
             return (false, Err(ClientError::ClientGone.into()));
         }
         if let Some(end) = admission.must_end_by {
@@ -641,6 +718,18 @@ impl FencedWrite {
             // over before its exchange could run its course, so it must not
             // start. Nothing was sent; the key opens again.
             if end.saturating_duration_since(Instant::now()) < self.route.timeout {
+                forget(&first_use);
+                return (false, Err(StoreError::Late.into()));
+            }
+        }
+        if let Some(until) = record_until {
+            // Likewise for the key's record: the exchange and the storing of
+            // its answer must be over while the record is in flight. Past
+            // it, duplicates hear "outcome unknown", and once it expired
+            // one may take the key over and be forwarded.
+            if until.saturating_duration_since(Instant::now()) < self.route.timeout + store_timeout
+            {
+                forget(&first_use);
                 return (false, Err(StoreError::Late.into()));
             }
         }
@@ -648,49 +737,16 @@ impl FencedWrite {
             let result = forward(state, &self.route, self.req, peer, Some(admission)).await;
             return (true, result);
         };
-        // Phase: record the first use durably, then forward, then store the
-        // answer before returning it.
-        let id = self.record_id(&first.key);
-        let in_flight =
-            self.route.timeout + state.fence.store.timeout() * 2 + Duration::from_secs(1);
-        let ttl = first.settings.ttl;
-        match state
-            .fence
-            .store
-            .idem_begin(
-                id,
-                &first.fingerprint,
-                in_flight.as_millis() as u64,
-                ttl.as_millis() as u64,
-            )
-            .await
-        {
-            Ok(true) => {}
-            // A concurrent duplicate got there first: tell what it found.
-            Ok(false) => {
-                drop(admission);
-                let again = self.look_up(state, first.key).await;
-                return match again {
-                    Ok(Ok(_)) => (
-                        false,
-                        Err(StoreError::Other("an idempotency record vanished".into()).into()),
-                    ),
-                    Ok(Err(replay)) => (false, Ok(replay)),
-                    Err(e) => (false, Err(e)),
-                };
-            }
-            Err(e) => return (false, Err(e.into())),
-        }
-        let method = self.req.method().clone();
+        // Phase: forward, then store the answer before returning it.
         let result = forward(state, &self.route, self.req, peer, Some(admission)).await;
         let id = RecordId {
-            route: &self.route.name,
+            route: route_name,
             method: method.as_str(),
             key: &first.key,
         };
         (
             true,
-            idempotency_answer(state, &self.route, id, &first.settings, result).await,
+            idempotency_answer(state, &self.route, id, attempt, &first.settings, result).await,
         )
     }
 
@@ -780,12 +836,36 @@ fn replay(stored: StoredAnswer) -> Response {
     resp
 }
 
+/// Forgets `attempt`'s in-flight record of `id`, in the background (the
+/// answer does not wait for it): its request was not sent after all. If
+/// that fails, the record stays in flight until its time runs out and
+/// duplicates hear "outcome unknown" — the safe side.
+fn forget_later(state: &GatewayState, id: RecordId<'_>, attempt: i64) {
+    let store = state.fence.store.clone();
+    let (route, method, key) = (
+        id.route.to_string(),
+        id.method.to_string(),
+        id.key.to_string(),
+    );
+    state.store_runtime.spawn(async move {
+        let id = RecordId {
+            route: &route,
+            method: &method,
+            key: &key,
+        };
+        if let Err(err) = store.idem_forget(id, attempt).await {
+            tracing::warn!(error = %err, "cannot forget an unsent idempotency record; duplicates will see outcome unknown");
+        }
+    });
+}
+
 /// The end of a first use: the upstream's answer stored durably before it
 /// is returned; or, when it cannot be, the record told what is known.
 async fn idempotency_answer(
     state: &GatewayState,
     route: &GatedRoute,
     id: RecordId<'_>,
+    attempt: i64,
     settings: &idempotency::Settings,
     result: Result<Response, GatewayError>,
 ) -> Result<Response, GatewayError> {
@@ -795,14 +875,14 @@ async fn idempotency_answer(
         // Nothing of it was sent (the connection failed): the key may be
         // used again.
         Err(e @ GatewayError::Upstream(UpstreamError::Unreachable { sent: false, .. })) => {
-            if let Err(err) = store.idem_forget(id).await {
+            if let Err(err) = store.idem_forget(id, attempt).await {
                 tracing::warn!(error = %err, "cannot forget an unsent idempotency record; duplicates will see outcome unknown");
             }
             return Err(e);
         }
         Err(e) => {
             route.metrics.idempotency(IdempotencyOutcome::NotStored);
-            if let Err(err) = store.idem_unknown(id).await {
+            if let Err(err) = store.idem_unknown(id, attempt).await {
                 tracing::warn!(error = %err, "cannot mark an idempotency record unknown; it becomes so when its time runs out");
             }
             return Err(e);
@@ -820,7 +900,7 @@ async fn idempotency_answer(
                     .collect(),
                 body: bytes.clone(),
             };
-            if let Err(err) = store.idem_complete(id, &stored).await {
+            if let Err(err) = store.idem_complete(id, attempt, &stored).await {
                 // The answer is the truth: give it; duplicates will hear
                 // "outcome unknown" once the record's time runs out.
                 route.metrics.idempotency(IdempotencyOutcome::NotStored);
@@ -830,14 +910,14 @@ async fn idempotency_answer(
         }
         Ok(idempotency::Buffered::TooLarge(body)) => {
             route.metrics.idempotency(IdempotencyOutcome::NotStored);
-            if let Err(err) = store.idem_unknown(id).await {
+            if let Err(err) = store.idem_unknown(id, attempt).await {
                 tracing::warn!(error = %err, "cannot mark an idempotency record unknown; it becomes so when its time runs out");
             }
             Ok(Response::from_parts(parts, body))
         }
         Err(()) => {
             route.metrics.idempotency(IdempotencyOutcome::NotStored);
-            if let Err(err) = store.idem_unknown(id).await {
+            if let Err(err) = store.idem_unknown(id, attempt).await {
                 tracing::warn!(error = %err, "cannot mark an idempotency record unknown; it becomes so when its time runs out");
             }
             Err(UpstreamError::Unreachable {

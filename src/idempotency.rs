@@ -25,17 +25,23 @@
 //! Exactly one of concurrent duplicates is forwarded, on any instance: the
 //! in-flight record is written with the store's primary key as the referee.
 //! The record's `in_flight_until` is the latest instant its gateway may
-//! still store an answer (the forward's deadline plus two store timeouts);
-//! a record still in flight after it is unknown, which is how a crashed
-//! gateway's write is never forwarded twice.
+//! still store an answer ([`in_flight`]: the forward's deadline plus two
+//! store timeouts and a second); a record still in flight after it is
+//! unknown, which is how a crashed gateway's write is never forwarded
+//! twice. A record never expires before that instant, whatever
+//! `idempotency_ttl_s` says, and a gateway that is past it (a stalled
+//! process) does not start its forward: a key is never taken over while
+//! its first request may still be on its way.
 //!
-//! The fence record and the idempotency record are written in two
-//! statements, not one transaction: fence decisions are group-committed
-//! with other keys'. A crash between them leaves a recorded token whose
-//! write was not forwarded (harmless, as any recorded token), or an
-//! in-flight record whose request was never forwarded, which duplicates
-//! then see as "outcome unknown" — the safe answer when the gateway cannot
-//! know.
+//! The fence decision and the in-flight record: in shared mode on Postgres
+//! one statement (`fencegate_enter_keyed`), so one transaction and one
+//! commit; in single mode two statements, since single-mode fence decisions
+//! are group-committed with other keys' (see `Fence::check_keyed` for what
+//! a crash between them leaves: never a second forward).
+//!
+//! Records are not cached in memory: every lookup reads the store, so
+//! instances sharing it agree, and the gateway's memory does not grow with
+//! them. Expired records are purged by [`purge_forever`].
 
 use std::time::Duration;
 
@@ -139,8 +145,23 @@ pub fn fingerprint(
     h.finalize().into()
 }
 
-/// How often expired records are purged.
+/// How often expired records are purged: the default of
+/// `[store] idempotency_purge_interval_ms`.
 pub const PURGE_EVERY: Duration = Duration::from_secs(60);
+
+/// Pause between two purge batches of one round: room for traffic.
+const PURGE_PAUSE: Duration = Duration::from_millis(20);
+
+/// Slack in a record's time in flight, for the moments between its steps.
+const IN_FLIGHT_SLACK: Duration = Duration::from_secs(1);
+
+/// How long a first use's record stays in flight: the latest its gateway
+/// may still store the answer. A store timeout to write the record, the
+/// route's `timeout_ms` for the whole exchange (both bodies: the deadline
+/// cuts them), a store timeout to store the answer, and a second's slack.
+pub fn in_flight(route_timeout: Duration, store_timeout: Duration) -> Duration {
+    route_timeout + store_timeout * 2 + IN_FLIGHT_SLACK
+}
 
 /// An upstream answer read for storing.
 pub enum Buffered {
@@ -179,9 +200,14 @@ pub async fn buffer(body: axum::body::Body, limit: usize) -> Result<Buffered, ()
     Ok(Buffered::Whole(read.freeze()))
 }
 
-/// Purges expired records in small batches, now and then: each statement
-/// deletes at most `store::PURGE_BATCH` rows, so no purge holds locks long,
-/// and a pause between batches leaves room for traffic.
+/// Purges expired records every `every`, in small batches, until the task
+/// is aborted (on shutdown): each statement deletes at most
+/// `store::PURGE_BATCH` rows in a transaction of its own, so no purge holds
+/// locks long, and a pause between batches leaves room for traffic. A round
+/// goes on while batches come back full. Every instance of a shared store
+/// runs its own: on Postgres their batches skip each other's locked rows
+/// (see `store::idempotency`), so they share the work instead of queueing.
+/// A failed batch ends the round; the next one tries again.
 pub async fn purge_forever(store: FenceStore, every: Duration) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -190,11 +216,11 @@ pub async fn purge_forever(store: FenceStore, every: Duration) {
         loop {
             match store.idem_purge().await {
                 Ok(n) if n as i64 >= crate::store::PURGE_BATCH => {
-                    tokio::time::sleep(Duration::from_millis(20)).await;
+                    tokio::time::sleep(PURGE_PAUSE).await;
                 }
                 Ok(_) => break,
                 Err(e) => {
-                    tracing::debug!(error = %e, "cannot purge expired idempotency records; later");
+                    tracing::debug!(error = %e, "cannot purge expired idempotency records; next round");
                     break;
                 }
             }

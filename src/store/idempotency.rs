@@ -2,6 +2,18 @@
 //! they mean). Every judgement of time — whether a record expired, whether
 //! an in-flight record's gateway ran out of time — is the database's clock,
 //! so all instances of a shared store agree.
+//!
+//! Two rules keep a request from being forwarded twice under one key:
+//!
+//! * a record never expires before its `in_flight_until` (its expiry is the
+//!   later of the TTL and that instant), so a key whose first request may
+//!   still be at the upstream is never taken for a new first use, however
+//!   short `idempotency_ttl_s` is;
+//! * every change a gateway makes to its own in-flight record (the answer,
+//!   "unknown", forgetting it) matches the record's `attempt`, a random
+//!   number it wrote with it. A gateway that stalled past its record's time
+//!   (after which a duplicate may have taken an expired record over) finds
+//!   its attempt gone and changes nothing.
 
 use bytes::Bytes;
 
@@ -41,6 +53,21 @@ pub enum Found {
     Done(StoredAnswer),
 }
 
+/// The in-flight record a first use writes before it is forwarded.
+#[derive(Debug, Clone, Copy)]
+pub struct Begin<'a> {
+    pub id: RecordId<'a>,
+    pub fingerprint: &'a [u8],
+    /// A random number identifying this attempt (see the module docs).
+    pub attempt: i64,
+    /// The record's time in flight: the latest its gateway may still store
+    /// the answer, from when the record is written.
+    pub in_flight: std::time::Duration,
+    /// `idempotency_ttl_s`, from when the record is written; the record
+    /// lives at least as long as it is in flight.
+    pub ttl: std::time::Duration,
+}
+
 const PG_LOOKUP: &str = "\
 SELECT fingerprint, state, in_flight_until > now(),
        GREATEST(0, EXTRACT(EPOCH FROM (in_flight_until - now())) * 1000)::bigint,
@@ -58,38 +85,50 @@ SELECT fingerprint, state, in_flight_until > ", sqlite_now_ms!(), ",
 
 /// Writes a new in-flight record, or takes over an expired one; a live
 /// record of the same key (a concurrent duplicate won) is left alone and no
-/// row comes back.
+/// row comes back. It expires at the later of its TTL and its time in
+/// flight. (Shared mode writes it in `fencegate_enter_keyed` instead, with
+/// the fence's in-flight marker: migrations/postgres/0009.)
 const PG_BEGIN: &str = "\
 INSERT INTO idempotency AS i
-       (route, method, idem_key, fingerprint, state, in_flight_until, expires_at)
-VALUES ($1, $2, $3, $4, 'in_flight',
-        now() + $5 * interval '1 millisecond', now() + $6 * interval '1 millisecond')
+       (route, method, idem_key, fingerprint, state, in_flight_until, expires_at, attempt)
+VALUES ($1, $2, $3, $4, 'in_flight', now() + $5 * interval '1 millisecond',
+        now() + GREATEST($5, $6) * interval '1 millisecond', $7)
 ON CONFLICT (route, method, idem_key) DO UPDATE
    SET fingerprint = EXCLUDED.fingerprint, state = 'in_flight',
        in_flight_until = EXCLUDED.in_flight_until, expires_at = EXCLUDED.expires_at,
-       status = NULL, headers = NULL, body = NULL
+       attempt = EXCLUDED.attempt, status = NULL, headers = NULL, body = NULL
  WHERE i.expires_at <= now()
 RETURNING 1";
 
 #[rustfmt::skip]
 const SQLITE_BEGIN: &str = concat!("\
 INSERT INTO idempotency
-       (route, method, idem_key, fingerprint, state, in_flight_until, expires_at)
-VALUES (?1, ?2, ?3, ?4, 'in_flight', ", sqlite_now_ms!(), " + ?5, ", sqlite_now_ms!(), " + ?6)
+       (route, method, idem_key, fingerprint, state, in_flight_until, expires_at, attempt)
+VALUES (?1, ?2, ?3, ?4, 'in_flight', ", sqlite_now_ms!(), " + ?5, ", sqlite_now_ms!(), " + MAX(?5, ?6), ?7)
 ON CONFLICT (route, method, idem_key) DO UPDATE
    SET fingerprint = excluded.fingerprint, state = 'in_flight',
        in_flight_until = excluded.in_flight_until, expires_at = excluded.expires_at,
-       status = NULL, headers = NULL, body = NULL
+       attempt = excluded.attempt, status = NULL, headers = NULL, body = NULL
  WHERE idempotency.expires_at <= ", sqlite_now_ms!(), "
 RETURNING 1");
 
 /// Rows deleted per purge statement: small, so no purge holds locks long.
 pub const PURGE_BATCH: i64 = 500;
 
+/// One purge batch on Postgres, one short transaction: expired rows are
+/// locked `SKIP LOCKED`, so instances purging at the same time take
+/// disjoint batches instead of queueing behind each other, and a row that a
+/// request is taking over at that moment is left to it (it will not be
+/// expired once that commits). The rows stay locked from the sub-select to
+/// the delete, so their `ctid`s cannot change in between.
 const PG_PURGE: &str = "\
 DELETE FROM idempotency WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM idempotency WHERE expires_at <= now() LIMIT $1))";
+    SELECT ctid FROM idempotency WHERE expires_at <= now()
+     LIMIT $1 FOR UPDATE SKIP LOCKED))";
 
+/// SQLite has one writer (this instance), so a batch only competes with
+/// this instance's own writes: it holds the write lock for at most
+/// [`PURGE_BATCH`] rows.
 #[rustfmt::skip]
 const SQLITE_PURGE: &str = concat!("\
 DELETE FROM idempotency WHERE rowid IN (
@@ -160,18 +199,15 @@ impl FenceStore {
         })
     }
 
-    /// Writes the in-flight record of `id` before its request is forwarded.
-    /// False when a live record exists already (a concurrent duplicate got
-    /// there first): the caller must not forward.
-    pub async fn idem_begin(
-        &self,
-        id: RecordId<'_>,
-        fingerprint: &[u8],
-        in_flight_ms: u64,
-        ttl_ms: u64,
-    ) -> Result<bool, StoreError> {
+    /// Writes the in-flight record of `begin` before its request is
+    /// forwarded. False when a live record exists already (a concurrent
+    /// duplicate got there first): the caller must not forward.
+    pub async fn idem_begin(&self, begin: &Begin<'_>) -> Result<bool, StoreError> {
         self.check_writer()?;
         let timeout = self.timeout();
+        let in_flight_ms = begin.in_flight.as_millis() as i64;
+        let ttl_ms = begin.ttl.as_millis() as i64;
+        let id = begin.id;
         bounded(timeout, StoreError::Timeout, async {
             let rows: Vec<(i32,)> = match self {
                 FenceStore::Postgres(s) => {
@@ -179,9 +215,10 @@ impl FenceStore {
                         .bind(id.route)
                         .bind(id.method)
                         .bind(id.key)
-                        .bind(fingerprint)
-                        .bind(in_flight_ms as i64)
-                        .bind(ttl_ms as i64)
+                        .bind(begin.fingerprint)
+                        .bind(in_flight_ms)
+                        .bind(ttl_ms)
+                        .bind(begin.attempt)
                         .fetch_all(s.pool())
                         .await?
                 }
@@ -190,9 +227,10 @@ impl FenceStore {
                         .bind(id.route)
                         .bind(id.method)
                         .bind(id.key)
-                        .bind(fingerprint)
-                        .bind(in_flight_ms as i64)
-                        .bind(ttl_ms as i64)
+                        .bind(begin.fingerprint)
+                        .bind(in_flight_ms)
+                        .bind(ttl_ms)
+                        .bind(begin.attempt)
                         .fetch_all(s.pool())
                         .await?
                 }
@@ -202,20 +240,25 @@ impl FenceStore {
         .await
     }
 
-    /// Stores the upstream's answer: from now on duplicates replay it.
+    /// Stores the upstream's answer in `attempt`'s record: from now on
+    /// duplicates replay it.
     pub async fn idem_complete(
         &self,
         id: RecordId<'_>,
+        attempt: i64,
         answer: &StoredAnswer,
     ) -> Result<(), StoreError> {
         let headers = serde_json::to_vec(&answer.headers)
             .map_err(|e| StoreError::Other(format!("cannot encode an answer's headers: {e}")))?;
         self.idem_set(
             id,
-            "UPDATE idempotency SET state = 'done', status = $4, headers = $5, body = $6 \
-             WHERE route = $1 AND method = $2 AND idem_key = $3 AND state = 'in_flight'",
-            "UPDATE idempotency SET state = 'done', status = ?4, headers = ?5, body = ?6 \
-             WHERE route = ?1 AND method = ?2 AND idem_key = ?3 AND state = 'in_flight'",
+            attempt,
+            "UPDATE idempotency SET state = 'done', status = $5, headers = $6, body = $7 \
+             WHERE route = $1 AND method = $2 AND idem_key = $3 AND attempt = $4 \
+               AND state = 'in_flight'",
+            "UPDATE idempotency SET state = 'done', status = ?5, headers = ?6, body = ?7 \
+             WHERE route = ?1 AND method = ?2 AND idem_key = ?3 AND attempt = ?4 \
+               AND state = 'in_flight'",
             Some((answer.status as i32, headers, answer.body.to_vec())),
         )
         .await
@@ -223,26 +266,32 @@ impl FenceStore {
 
     /// The request may have reached the upstream, but no answer is stored:
     /// duplicates are told so, and never forwarded.
-    pub async fn idem_unknown(&self, id: RecordId<'_>) -> Result<(), StoreError> {
+    pub async fn idem_unknown(&self, id: RecordId<'_>, attempt: i64) -> Result<(), StoreError> {
         self.idem_set(
             id,
+            attempt,
             "UPDATE idempotency SET state = 'unknown' \
-             WHERE route = $1 AND method = $2 AND idem_key = $3 AND state = 'in_flight'",
+             WHERE route = $1 AND method = $2 AND idem_key = $3 AND attempt = $4 \
+               AND state = 'in_flight'",
             "UPDATE idempotency SET state = 'unknown' \
-             WHERE route = ?1 AND method = ?2 AND idem_key = ?3 AND state = 'in_flight'",
+             WHERE route = ?1 AND method = ?2 AND idem_key = ?3 AND attempt = ?4 \
+               AND state = 'in_flight'",
             None,
         )
         .await
     }
 
     /// Nothing of the request was sent: the key may be used again.
-    pub async fn idem_forget(&self, id: RecordId<'_>) -> Result<(), StoreError> {
+    pub async fn idem_forget(&self, id: RecordId<'_>, attempt: i64) -> Result<(), StoreError> {
         self.idem_set(
             id,
+            attempt,
             "DELETE FROM idempotency \
-             WHERE route = $1 AND method = $2 AND idem_key = $3 AND state = 'in_flight'",
+             WHERE route = $1 AND method = $2 AND idem_key = $3 AND attempt = $4 \
+               AND state = 'in_flight'",
             "DELETE FROM idempotency \
-             WHERE route = ?1 AND method = ?2 AND idem_key = ?3 AND state = 'in_flight'",
+             WHERE route = ?1 AND method = ?2 AND idem_key = ?3 AND attempt = ?4 \
+               AND state = 'in_flight'",
             None,
         )
         .await
@@ -251,6 +300,7 @@ impl FenceStore {
     async fn idem_set(
         &self,
         id: RecordId<'_>,
+        attempt: i64,
         pg: &'static str,
         sqlite: &'static str,
         answer: Option<(i32, Vec<u8>, Vec<u8>)>,
@@ -260,7 +310,11 @@ impl FenceStore {
         bounded(timeout, StoreError::Timeout, async {
             match self {
                 FenceStore::Postgres(s) => {
-                    let mut q = sqlx::query(pg).bind(id.route).bind(id.method).bind(id.key);
+                    let mut q = sqlx::query(pg)
+                        .bind(id.route)
+                        .bind(id.method)
+                        .bind(id.key)
+                        .bind(attempt);
                     if let Some((status, headers, body)) = answer {
                         q = q.bind(status).bind(headers).bind(body);
                     }
@@ -271,7 +325,8 @@ impl FenceStore {
                     let mut q = sqlx::query(sqlite)
                         .bind(id.route)
                         .bind(id.method)
-                        .bind(id.key);
+                        .bind(id.key)
+                        .bind(attempt);
                     if let Some((status, headers, body)) = answer {
                         q = q.bind(status).bind(headers).bind(body);
                     }
@@ -285,6 +340,9 @@ impl FenceStore {
 
     /// Deletes up to [`PURGE_BATCH`] expired records; answers how many.
     pub async fn idem_purge(&self) -> Result<u64, StoreError> {
+        // Single mode on Postgres without the single-writer lock (a
+        // failover): another instance may be the writer now.
+        self.check_writer()?;
         let timeout = self.timeout();
         bounded(timeout, StoreError::Timeout, async {
             Ok(match self {

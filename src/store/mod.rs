@@ -24,7 +24,7 @@ use std::time::Duration;
 use crate::config::{StoreBackend, StoreConfig, StoreMode};
 
 pub use admin::{prefix_end, FenceRecord, Page, ResetRecord};
-pub use idempotency::{Found, RecordId, StoredAnswer, PURGE_BATCH};
+pub use idempotency::{Begin, Found, RecordId, StoredAnswer, PURGE_BATCH};
 pub use postgres::{Entered, KeyLock, PgStore, ReadOnly, OWNER_LEASE};
 pub use readiness::StoreReadiness;
 pub use sqlite::SqliteStore;
@@ -51,9 +51,10 @@ pub enum StoreError {
     /// itself is fine.
     #[error("the key stayed locked by an older write for more than {0:?} (key_lock_wait_ms)")]
     KeyBusy(Duration),
-    /// Shared mode: the decision was reached, but too late to forward the
-    /// write within its in-flight marker (the process stalled in between).
-    #[error("the decision came too late to forward the write within its in-flight marker")]
+    /// The decision was reached, but too late to forward the write within
+    /// its in-flight marker (shared mode) or its idempotency record's time
+    /// in flight (the process stalled in between).
+    #[error("the decision came too late to forward the write in time")]
     Late,
     #[error("{0}")]
     Other(String),

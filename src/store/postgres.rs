@@ -289,18 +289,24 @@ impl PgStore {
     /// On success the returned lock must be held until the write has
     /// finished at the upstream; `hold` bounds how long a crashed holder's
     /// write may be assumed in flight.
+    /// `record`: a first use of an `Idempotency-Key`, whose in-flight
+    /// record is written in the same statement (`fencegate_enter_keyed`,
+    /// migrations/postgres/0009), so in the same transaction and commit as
+    /// the fence's marker; [`Entered::Duplicate`] when a live record of the
+    /// key exists.
     pub async fn enter(
         &self,
         key: &str,
         token: i64,
         hold: Duration,
+        record: Option<&super::Begin<'_>>,
     ) -> Result<Entered, StoreError> {
         let key_locks = self
             .key_locks
             .as_ref()
             .ok_or_else(|| StoreError::Other("enter() needs mode = \"shared\"".into()))?;
         key_locks
-            .enter(key, token, hold, self.timeout)
+            .enter(key, token, hold, record, self.timeout)
             .await
             .map_err(|e| self.explain(e))
     }
@@ -861,10 +867,15 @@ pub async fn migrate_url(url: &str) -> Result<(), StoreError> {
 
 /// What `enter` decided.
 pub enum Entered {
-    /// Admitted; hold the lock until the write has finished upstream.
+    /// Admitted; hold the lock until the write has finished upstream. With
+    /// an idempotency record to write, it is written.
     Admitted(KeyLock),
     /// A higher token is recorded.
     Stale(i64),
+    /// A live idempotency record of the key exists (a concurrent duplicate
+    /// wrote it first): not admitted, no lock held, nothing written but
+    /// perhaps the token.
+    Duplicate,
 }
 
 /// The per-key lock connections of `shared` mode.
@@ -911,6 +922,7 @@ impl KeyLockPool {
         key: &str,
         token: i64,
         hold: Duration,
+        record: Option<&super::Begin<'_>>,
         timeout: Duration,
     ) -> Result<Entered, StoreError> {
         let deadline = tokio::time::Instant::now() + self.wait + timeout;
@@ -923,12 +935,28 @@ impl KeyLockPool {
             // it reports between its start and the marker, this gives a
             // local lower bound of the marker's end.
             let sent_at = std::time::Instant::now();
-            let query = sqlx::query_as::<_, (String, i64, i64, i64)>(
-                "SELECT outcome, highest, wait_ms, entered_ms FROM fencegate_enter($1, $2, $3)",
-            )
-            .bind(key)
-            .bind(token)
-            .bind(hold.as_millis() as i64)
+            let query = match record {
+                None => sqlx::query_as::<_, (String, i64, i64, i64)>(
+                    "SELECT outcome, highest, wait_ms, entered_ms FROM fencegate_enter($1, $2, $3)",
+                )
+                .bind(key)
+                .bind(token)
+                .bind(hold.as_millis() as i64),
+                Some(r) => sqlx::query_as::<_, (String, i64, i64, i64)>(
+                    "SELECT outcome, highest, wait_ms, entered_ms \
+                       FROM fencegate_enter_keyed($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+                )
+                .bind(key)
+                .bind(token)
+                .bind(hold.as_millis() as i64)
+                .bind(r.id.route)
+                .bind(r.id.method)
+                .bind(r.id.key)
+                .bind(r.fingerprint)
+                .bind(r.attempt)
+                .bind(r.in_flight.as_millis() as i64)
+                .bind(r.ttl.as_millis() as i64),
+            }
             .fetch_one(&mut *conn);
             let answer = match tokio::time::timeout_at(deadline, query).await {
                 Ok(Ok(a)) => a,
@@ -953,18 +981,19 @@ impl KeyLockPool {
             };
             match answer.0.as_str() {
                 "ok" => {
+                    let entered_at = sent_at + Duration::from_millis(answer.3.max(0) as u64);
                     return Ok(Entered::Admitted(KeyLock {
                         conn: Some(conn),
                         key: key.to_string(),
                         token,
                         timeout,
                         runtime: tokio::runtime::Handle::try_current().ok(),
-                        marker_until: sent_at
-                            + Duration::from_millis(answer.3.max(0) as u64)
-                            + hold,
-                    }))
+                        entered_at,
+                        marker_until: entered_at + hold,
+                    }));
                 }
                 "stale" => return Ok(Entered::Stale(answer.1)),
+                "duplicate" => return Ok(Entered::Duplicate),
                 _ => {
                     // "wait": writers that never left may still arrive.
                     drop(conn);
@@ -991,6 +1020,10 @@ pub struct KeyLock {
     /// the lock is often dropped on a worker thread (with the relayed
     /// response body), whose runtime may end before the leave has run.
     runtime: Option<tokio::runtime::Handle>,
+    /// A local lower bound of the moment the admitting statement wrote the
+    /// in-flight marker (and, for a keyed write, then its idempotency
+    /// record).
+    entered_at: std::time::Instant,
     /// A local lower bound of the end of the in-flight marker the admitting
     /// statement wrote (earlier attempts that were told to wait do not
     /// count): if this instance crashes, other instances consider its write
@@ -1002,6 +1035,11 @@ impl KeyLock {
     /// See the field.
     pub fn marker_until(&self) -> std::time::Instant {
         self.marker_until
+    }
+
+    /// See the field.
+    pub fn entered_at(&self) -> std::time::Instant {
+        self.entered_at
     }
 }
 

@@ -23,6 +23,7 @@ workers = 0
 [store]
 url = "mysql://db"
 mode = "sometimes"
+idempotency_purge_interval_ms = 5
 
 [[routes]]
 name = "docs"
@@ -52,6 +53,7 @@ methods = ["put"]
         "server.workers: must be between 1 and 1024, got 0",
         "store.url: 'mysql://db' is neither",
         "store.mode: 'sometimes' is not a mode",
+        "store.idempotency_purge_interval_ms: must be between 100 and 86400000, got 5",
         "routes[0].key: 'doc:{doc_id}' uses capture '{doc_id}', which the route's path does not define (it defines: {id})",
         "routes[1].name: duplicate route name 'docs'",
         "routes[1].path: '/_fencegate/locks/{name}' is under /_fencegate/, which is reserved",

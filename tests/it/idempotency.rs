@@ -173,6 +173,7 @@ async fn an_unknown_outcome_is_never_forwarded_again() {
         metrics.contains("fencegate_idempotency_total{route=\"docs\",outcome=\"not_stored\"} 2"),
         "{metrics}"
     );
+    assert_eq!(idem_count(&metrics, "outcome_unknown"), 2, "{metrics}");
 }
 
 /// Fencing and idempotency together: a replay is served even after a newer
@@ -212,15 +213,24 @@ async fn replays_bypass_the_fence_and_refusals_are_not_recorded() {
     assert_eq!(tokens, vec![Some(5), Some(6), Some(7)]);
 }
 
+/// The retention policy as published: a key is remembered for
+/// `idempotency_ttl_s` from its first use, and at least as long as that
+/// request may be in flight (the route's timeout, two store timeouts and a
+/// second); then it is forgotten and a request with it is a first use.
 #[tokio::test]
 async fn keys_are_forgotten_after_their_ttl() {
     let store = TestStore::new(Backend::Postgres).await;
     let up = Upstream::start().await;
-    let app = TestApp::spawn(
-        &store.url,
-        &idem_route(&up.url(), "idempotency_ttl_s = 1\n"),
-    )
-    .await;
+    // In flight for at most 0.5 + 2 x 0.5 + 1 = 2.5 s; a TTL of 1 s.
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+         [store]\nurl = \"{}\"\ntimeout_ms = 500\n{}",
+        store.url,
+        idem_route(&up.url(), "idempotency_ttl_s = 1\ntimeout_ms = 500\n")
+    );
+    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
+    let app = TestApp::from_config(config).await.unwrap();
+    let started = tokio::time::Instant::now();
     assert_eq!(
         keyed(&app, "/docs/t", "1", Some("k"), "A", &[])
             .await
@@ -228,28 +238,15 @@ async fn keys_are_forgotten_after_their_ttl() {
         200
     );
     problem(keyed(&app, "/docs/t", "1", Some("k"), "B", &[]).await, 422).await;
-    tokio::time::sleep(Duration::from_millis(1300)).await;
+    // Past the TTL, within the time in flight: still remembered.
+    tokio::time::sleep_until(started + Duration::from_millis(1300)).await;
+    let replay = keyed(&app, "/docs/t", "1", Some("k"), "A", &[]).await;
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    tokio::time::sleep_until(started + Duration::from_millis(2900)).await;
     let reused = keyed(&app, "/docs/t", "1", Some("k"), "B", &[]).await;
     assert_eq!(reused.status(), 200, "a forgotten key is a new key");
     assert!(reused.headers().get("idempotent-replayed").is_none());
     assert_eq!(up.applied().len(), 2);
-
-    // Purging: expired records go, in small batches.
-    let store_handle = fencegate::store::FenceStore::open(
-        &fencegate::config::Config::from_toml(
-            "t.toml",
-            &format!("[store]\nurl = \"{}\"\nmode = \"shared\"\n", store.url),
-            Vec::new(),
-        )
-        .unwrap()
-        .store,
-    )
-    .await
-    .unwrap();
-    tokio::time::sleep(Duration::from_millis(1100)).await;
-    let purged = store_handle.idem_purge().await.unwrap();
-    assert_eq!(purged, 1, "the second record expired too");
-    assert_eq!(store_handle.idem_purge().await.unwrap(), 0);
 }
 
 /// Shared mode: of concurrent duplicates on two instances exactly one is
@@ -408,4 +405,601 @@ async fn idempotent_writes_to_an_https_upstream() {
         1,
         "the payment was sent once"
     );
+}
+
+/// Waits (bounded) until `done` holds.
+async fn until(what: &str, limit: Duration, mut done: impl FnMut() -> bool) {
+    let end = tokio::time::Instant::now() + limit;
+    while !done() {
+        assert!(
+            tokio::time::Instant::now() < end,
+            "timed out after {limit:?} waiting for {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The value of `fencegate_idempotency_total{route="docs",outcome=...}`.
+fn idem_count(metrics: &str, outcome: &str) -> u64 {
+    let prefix = format!("fencegate_idempotency_total{{route=\"docs\",outcome=\"{outcome}\"}} ");
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .and_then(|v| v.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// A keyed POST sent in the background (the first of a pair of duplicates).
+fn in_background(
+    app: &Arc<TestApp>,
+    path: &'static str,
+    key: &'static str,
+    extra: &'static [(&'static str, &'static str)],
+) -> tokio::task::JoinHandle<reqwest::Response> {
+    let app = app.clone();
+    tokio::spawn(async move { keyed(&app, path, "1", Some(key), "A", extra).await })
+}
+
+/// While the first request is at the upstream, a duplicate is 409
+/// `idempotency-in-progress` with a `Retry-After` no longer than the first
+/// may still take, and is counted as `in_progress`; once the first is done,
+/// its answer is replayed. Forwarded once.
+#[tokio::test]
+async fn a_duplicate_in_flight_is_told_when_to_retry() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = Upstream::start().await;
+    let app =
+        Arc::new(TestApp::spawn(&store.url, &idem_route(&up.url(), "timeout_ms = 3000\n")).await);
+    let first = in_background(&app, "/docs/p", "busy", &[("x-test-delay-ms", "1500")]);
+    until(
+        "the upstream holds the first request",
+        Duration::from_secs(5),
+        || up.requests().len() == 1,
+    )
+    .await;
+    let dup = keyed(&app, "/docs/p", "1", Some("busy"), "A", &[]).await;
+    let retry_after: u64 = dup
+        .headers()
+        .get("retry-after")
+        .expect("409 in progress carries Retry-After")
+        .to_str()
+        .unwrap()
+        .parse()
+        .expect("Retry-After in seconds");
+    // The record's time: the route's 3 s, two store timeouts of 1.5 s, 1 s.
+    assert!((1..=7).contains(&retry_after), "Retry-After: {retry_after}");
+    let body = problem(dup, 409).await;
+    assert_eq!(
+        body["type"],
+        "urn:fencegate:problem:idempotency-in-progress"
+    );
+    assert_eq!(first.await.unwrap().status(), 200);
+    let again = keyed(&app, "/docs/p", "1", Some("busy"), "A", &[]).await;
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(up.requests().len(), 1, "forwarded once");
+    let metrics = app.metrics().await;
+    assert_eq!(idem_count(&metrics, "in_progress"), 1, "{metrics}");
+    assert_eq!(idem_count(&metrics, "first"), 1, "{metrics}");
+    assert_eq!(idem_count(&metrics, "replayed"), 1, "{metrics}");
+}
+
+/// `idempotency_ttl_s` shorter than the route's timeout: a record never
+/// expires while its request may still be in flight, so a duplicate sent
+/// after the TTL, while the first is still at the upstream, is refused —
+/// not taken for a new first use and forwarded a second time.
+#[tokio::test]
+async fn a_short_ttl_never_forwards_a_write_twice() {
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let store = TestStore::new(backend).await;
+        let up = Upstream::start().await;
+        let app = Arc::new(
+            TestApp::spawn(
+                &store.url,
+                &idem_route(&up.url(), "idempotency_ttl_s = 1\ntimeout_ms = 5000\n"),
+            )
+            .await,
+        );
+        let first = in_background(&app, "/docs/t", "short", &[("x-test-delay-ms", "2500")]);
+        until(
+            "the upstream holds the first request",
+            Duration::from_secs(5),
+            || up.requests().len() == 1,
+        )
+        .await;
+        // Past the TTL, the first still in flight.
+        tokio::time::sleep(Duration::from_millis(1300)).await;
+        let dup = keyed(&app, "/docs/t", "1", Some("short"), "A", &[]).await;
+        assert_eq!(
+            up.requests().len(),
+            1,
+            "{backend:?}: the duplicate was forwarded while the first was in flight"
+        );
+        assert!(dup.headers().contains_key("retry-after"), "{backend:?}");
+        let body = problem(dup, 409).await;
+        assert_eq!(
+            body["type"], "urn:fencegate:problem:idempotency-in-progress",
+            "{backend:?}"
+        );
+        assert_eq!(first.await.unwrap().status(), 200);
+        assert_eq!(up.requests().len(), 1, "{backend:?}: forwarded once");
+    }
+}
+
+/// A 502 after the request was sent leaves the outcome unknown, whether
+/// the upstream reset the connection before any answer or broke its answer
+/// off: a retry is 409 `idempotency-outcome-unknown` and never forwarded.
+#[tokio::test]
+async fn a_502_after_sending_is_never_forwarded_twice() {
+    use crate::support::raw_upstream::{RawUpstream, BEHAVIOUR_HEADER};
+    use tokio::io::AsyncReadExt;
+
+    // Reads one request (head and Content-Length body), counts it, then
+    // resets the connection (RST) without a byte of answer.
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let resetting = listener.local_addr().unwrap();
+    let arrived = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = arrived.clone();
+    let server = tokio::spawn(async move {
+        while let Ok((mut tcp, _)) = listener.accept().await {
+            let count = count.clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                loop {
+                    let Ok(n) = tcp.read(&mut chunk).await else {
+                        return;
+                    };
+                    if n == 0 {
+                        return;
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    let mut headers = [httparse::EMPTY_HEADER; 32];
+                    let mut req = httparse::Request::new(&mut headers);
+                    if let Ok(httparse::Status::Complete(head)) = req.parse(&buf) {
+                        let len: usize = req
+                            .headers
+                            .iter()
+                            .find(|h| h.name.eq_ignore_ascii_case("content-length"))
+                            .and_then(|h| std::str::from_utf8(h.value).ok()?.parse().ok())
+                            .unwrap_or(0);
+                        if buf.len() >= head + len {
+                            break;
+                        }
+                    }
+                }
+                count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let _ = tcp.set_zero_linger();
+            });
+        }
+    });
+    let raw = RawUpstream::start().await;
+    let store = TestStore::new(Backend::Postgres).await;
+    let routes = format!(
+        "{}idempotency = \"optional\"\n{}idempotency = \"optional\"\n",
+        crate::support::app::route(
+            "docs",
+            "/docs/{id}",
+            &format!("http://{resetting}"),
+            "doc:{id}"
+        ),
+        crate::support::app::route("broken", "/broken/{id}", &raw.url(), "broken:{id}"),
+    );
+    let app = TestApp::spawn(&store.url, &routes).await;
+
+    let body = problem(
+        keyed(&app, "/docs/r", "1", Some("reset"), "A", &[]).await,
+        502,
+    )
+    .await;
+    assert_eq!(body["type"], "urn:fencegate:problem:upstream-unreachable");
+    let head = [(BEHAVIOUR_HEADER, "break-after-head")];
+    let body = problem(
+        keyed(&app, "/broken/b", "1", Some("cut"), "A", &head).await,
+        502,
+    )
+    .await;
+    assert_eq!(body["type"], "urn:fencegate:problem:upstream-unreachable");
+    for _ in 0..2 {
+        let body = problem(
+            keyed(&app, "/docs/r", "1", Some("reset"), "A", &[]).await,
+            409,
+        )
+        .await;
+        assert_eq!(
+            body["type"],
+            "urn:fencegate:problem:idempotency-outcome-unknown"
+        );
+        let body = problem(
+            keyed(&app, "/broken/b", "1", Some("cut"), "A", &head).await,
+            409,
+        )
+        .await;
+        assert_eq!(
+            body["type"],
+            "urn:fencegate:problem:idempotency-outcome-unknown"
+        );
+    }
+    raw.settle(Duration::from_secs(2)).await;
+    assert_eq!(
+        arrived.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "reset before an answer: forwarded once"
+    );
+    assert_eq!(raw.writes().len(), 1, "answer broken off: forwarded once");
+    let metrics = app.metrics().await;
+    assert_eq!(idem_count(&metrics, "outcome_unknown"), 2, "{metrics}");
+    server.abort();
+}
+
+/// A request of which nothing was sent (the upstream is not listening: 502
+/// before a byte left) is forgotten: the same key is a first use again, and
+/// is forwarded once the upstream is up.
+#[tokio::test]
+async fn an_unsent_request_is_forgotten() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let addr = {
+        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        free.local_addr().unwrap()
+    };
+    let app = TestApp::spawn(&store.url, &idem_route(&format!("http://{addr}"), "")).await;
+    let body = problem(
+        keyed(&app, "/docs/u", "1", Some("down"), "A", &[]).await,
+        502,
+    )
+    .await;
+    assert_eq!(body["type"], "urn:fencegate:problem:upstream-unreachable");
+    let up = Upstream::start_at(addr).await;
+    let retry = keyed(&app, "/docs/u", "1", Some("down"), "A", &[]).await;
+    assert_eq!(retry.status(), 200, "forwarded once the upstream is up");
+    assert!(retry.headers().get("idempotent-replayed").is_none());
+    let again = keyed(&app, "/docs/u", "1", Some("down"), "A", &[]).await;
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(up.applied().len(), 1, "forwarded once");
+}
+
+/// The test's own connection to a gateway's store, to plant records as a
+/// gateway (or a crash) would have left them, and to count them.
+enum Db {
+    Pg(sqlx::PgConnection),
+    Lite(sqlx::SqliteConnection),
+}
+
+impl Db {
+    async fn open(store: &TestStore) -> Db {
+        use sqlx::Connection;
+        if store.url.starts_with("sqlite:") {
+            Db::Lite(sqlx::SqliteConnection::connect(&store.url).await.unwrap())
+        } else {
+            Db::Pg(sqlx::PgConnection::connect(&store.url).await.unwrap())
+        }
+    }
+
+    /// Writes `n` records of the route `docs` and method POST, keys
+    /// `{prefix}1..={prefix}n`, in `state` with the given fingerprint,
+    /// in flight until and expiring `in_flight_s` and `expires_s` seconds
+    /// from now (negative: in the past).
+    #[allow(clippy::too_many_arguments)]
+    async fn plant(
+        &mut self,
+        prefix: &str,
+        n: i64,
+        state: &str,
+        fingerprint: &[u8],
+        in_flight_s: i64,
+        expires_s: i64,
+    ) {
+        match self {
+            Db::Pg(c) => {
+                sqlx::query(
+                    "INSERT INTO idempotency \
+                     (route, method, idem_key, fingerprint, state, in_flight_until, expires_at) \
+                     SELECT 'docs', 'POST', $1 || n, $2, $3, \
+                            now() + $4 * interval '1 second', now() + $5 * interval '1 second' \
+                       FROM generate_series(1, $6) AS n",
+                )
+                .bind(prefix)
+                .bind(fingerprint)
+                .bind(state)
+                .bind(in_flight_s as f64)
+                .bind(expires_s as f64)
+                .bind(n)
+                .execute(&mut *c)
+                .await
+                .unwrap();
+            }
+            Db::Lite(c) => {
+                let now_ms = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .unwrap()
+                    .as_millis() as i64;
+                sqlx::query(
+                    "WITH RECURSIVE s(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM s WHERE n < ?6) \
+                     INSERT INTO idempotency \
+                     (route, method, idem_key, fingerprint, state, in_flight_until, expires_at) \
+                     SELECT 'docs', 'POST', ?1 || n, ?2, ?3, ?4, ?5 FROM s",
+                )
+                .bind(prefix)
+                .bind(fingerprint)
+                .bind(state)
+                .bind(now_ms + in_flight_s * 1000)
+                .bind(now_ms + expires_s * 1000)
+                .bind(n)
+                .execute(&mut *c)
+                .await
+                .unwrap();
+            }
+        }
+    }
+
+    /// Records whose key starts with `prefix`.
+    async fn count(&mut self, prefix: &str) -> i64 {
+        let like = format!("{prefix}%");
+        match self {
+            Db::Pg(c) => {
+                sqlx::query_scalar("SELECT count(*) FROM idempotency WHERE idem_key LIKE $1")
+                    .bind(like)
+                    .fetch_one(&mut *c)
+                    .await
+                    .unwrap()
+            }
+            Db::Lite(c) => {
+                sqlx::query_scalar("SELECT count(*) FROM idempotency WHERE idem_key LIKE ?1")
+                    .bind(like)
+                    .fetch_one(&mut *c)
+                    .await
+                    .unwrap()
+            }
+        }
+    }
+}
+
+/// A gateway with `[store] idempotency_purge_interval_ms = 100`, its store
+/// timeout at 1.5 s, in `mode`.
+async fn purging_gateway(store: &TestStore, mode: &str, upstream: &str) -> TestApp {
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+         [store]\nurl = \"{}\"\nmode = \"{mode}\"\ntimeout_ms = 1500\n\
+         idempotency_purge_interval_ms = 100\n{}",
+        store.url,
+        idem_route(upstream, "")
+    );
+    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
+    TestApp::from_config(config).await.unwrap()
+}
+
+/// A running gateway purges expired records by itself, more than one
+/// batch's worth (batches of `PURGE_BATCH`), and leaves live ones alone —
+/// those it wrote and those it did not.
+#[tokio::test]
+async fn a_running_gateway_purges_expired_records() {
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let store = TestStore::new(backend).await;
+        let up = Upstream::start().await;
+        let app = purging_gateway(&store, "single", &up.url()).await;
+        assert_eq!(
+            keyed(&app, "/docs/l", "1", Some("live-by-gateway"), "A", &[])
+                .await
+                .status(),
+            200
+        );
+        let mut db = Db::open(&store).await;
+        let expired = 3 * fencegate::store::PURGE_BATCH + 7;
+        db.plant("old-", expired, "done", b"x", -3600, -3600).await;
+        db.plant("live-", 50, "done", b"x", -3600, 3600).await;
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+        while db.count("old-").await > 0 {
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "{backend:?}: expired records left: {}",
+                db.count("old-").await
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        assert_eq!(
+            db.count("live-").await,
+            51,
+            "{backend:?}: live records stay"
+        );
+        let replay = keyed(&app, "/docs/l", "1", Some("live-by-gateway"), "A", &[]).await;
+        assert_eq!(replay.headers()["idempotent-replayed"], "true");
+        assert_eq!(up.applied().len(), 1);
+    }
+}
+
+/// Shared mode: two instances purge the same store at once, and neither
+/// waits on rows another transaction holds locked (the batches skip them):
+/// while a transaction keeps some expired rows locked, every other expired
+/// row goes; the locked ones go once it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_purging_at_once_skip_locked_rows() {
+    use sqlx::Connection;
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let a = purging_gateway(&store, "shared", &up.url()).await;
+    let b = purging_gateway(&store, "shared", &up.url()).await;
+    let mut db = Db::open(&store).await;
+    // Rows that expire in 2 s, locked before then (the purges run every
+    // 100 ms), and expired while locked; written first, they come first in
+    // the batches. Then a few batches' worth of expired rows.
+    db.plant("held-", 20, "done", b"x", 2, 2).await;
+    let mut holder = sqlx::PgConnection::connect(&store.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+    sqlx::query("SELECT 1 FROM idempotency WHERE idem_key LIKE 'held-%' FOR UPDATE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    db.plant("live-", 20, "unknown", b"x", -3600, 3600).await;
+    tokio::time::sleep(Duration::from_millis(2300)).await;
+    db.plant(
+        "old-",
+        4 * fencegate::store::PURGE_BATCH,
+        "done",
+        b"x",
+        -3600,
+        -3600,
+    )
+    .await;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
+    while db.count("old-").await > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "expired records left while others were locked: {}",
+            db.count("old-").await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(db.count("held-").await, 20, "locked rows are skipped");
+    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+    while db.count("held-").await > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "rows no longer locked were not purged"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(db.count("live-").await, 20, "live records stay");
+    // Both instances still serve keyed writes.
+    for (app, key) in [(&a, "after-a"), (&b, "after-b")] {
+        assert_eq!(
+            keyed(app, "/docs/s", "1", Some(key), "A", &[])
+                .await
+                .status(),
+            200
+        );
+    }
+}
+
+/// What a crash between writing a first use's in-flight record and
+/// forwarding it leaves (single mode writes them in separate statements;
+/// shared mode in one, with the fence's marker): a record in flight for a
+/// request that never left. Duplicates hear "in progress" (with
+/// Retry-After) while its time runs, then "outcome unknown": the gateway
+/// cannot know that nothing was sent, and never forwards it.
+#[tokio::test]
+async fn a_record_left_by_a_crash_before_the_forward_is_never_forwarded() {
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let store = TestStore::new(backend).await;
+        let up = Upstream::start().await;
+        let app = TestApp::spawn(&store.url, &idem_route(&up.url(), "")).await;
+        let mut headers = http::HeaderMap::new();
+        headers.insert("x-fence-token", "1".parse().unwrap());
+        headers.insert("content-type", "text/plain".parse().unwrap());
+        let fp = fencegate::idempotency::fingerprint(
+            &http::Method::POST,
+            "/docs/c",
+            &headers,
+            &bytes::Bytes::from_static(b"A"),
+        );
+        let mut db = Db::open(&store).await;
+        db.plant("running", 1, "in_flight", &fp, 30, 3600).await;
+        db.plant("crashed", 1, "in_flight", &fp, -1, 3600).await;
+        let running = keyed(&app, "/docs/c", "1", Some("running1"), "A", &[]).await;
+        assert!(running.headers().contains_key("retry-after"));
+        let body = problem(running, 409).await;
+        assert_eq!(
+            body["type"],
+            "urn:fencegate:problem:idempotency-in-progress"
+        );
+        let body = problem(
+            keyed(&app, "/docs/c", "1", Some("crashed1"), "A", &[]).await,
+            409,
+        )
+        .await;
+        assert_eq!(
+            body["type"], "urn:fencegate:problem:idempotency-outcome-unknown",
+            "{backend:?}"
+        );
+        assert!(up.requests().is_empty(), "{backend:?}: nothing forwarded");
+    }
+}
+
+/// Shared mode writes the fence's marker and the in-flight record in one
+/// statement: a stale first use is refused and leaves no record (its key
+/// stays free), a first use is forwarded once and replayed after, also by
+/// the other instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_mode_decides_the_fence_and_the_record_together() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let a = purging_gateway(&store, "shared", &up.url()).await;
+    let b = purging_gateway(&store, "shared", &up.url()).await;
+    assert_eq!(a.put("/docs/f", Some("5"), "plain").await.status(), 200);
+    problem(
+        keyed(&b, "/docs/f", "4", Some("stale"), "A", &[]).await,
+        409,
+    )
+    .await;
+    let mut db = Db::open(&store).await;
+    assert_eq!(db.count("stale").await, 0, "a refusal leaves no record");
+    let first = keyed(&b, "/docs/f", "6", Some("stale"), "B", &[]).await;
+    assert_eq!(first.status(), 200, "the key was not taken");
+    assert!(first.headers().get("idempotent-replayed").is_none());
+    let replay = keyed(&a, "/docs/f", "6", Some("stale"), "B", &[]).await;
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    let tokens: Vec<_> = up.applied().iter().map(|w| w.token).collect();
+    assert_eq!(tokens, vec![Some(5), Some(6)]);
+}
+
+/// A gateway that stalled past its record's time (so that a duplicate took
+/// the expired record over) cannot write into the newer attempt: its late
+/// answer, "unknown" or forgetting match its own attempt only.
+#[tokio::test]
+async fn a_late_answer_never_lands_in_a_newer_attempt() {
+    use fencegate::store::{Begin, Found, RecordId, StoredAnswer};
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let test_store = TestStore::new(backend).await;
+        let config = fencegate::config::Config::from_toml(
+            "t.toml",
+            &format!("[store]\nurl = \"{}\"\n", test_store.url),
+            Vec::new(),
+        )
+        .unwrap();
+        let store = fencegate::store::FenceStore::open(&config.store)
+            .await
+            .unwrap();
+        let id = RecordId {
+            route: "docs",
+            method: "POST",
+            key: "k",
+        };
+        let begin = |attempt| Begin {
+            id,
+            fingerprint: b"fp",
+            attempt,
+            in_flight: Duration::from_millis(100),
+            ttl: Duration::from_millis(100),
+        };
+        let answer = |body: &'static [u8]| StoredAnswer {
+            status: 200,
+            headers: Vec::new(),
+            body: bytes::Bytes::from_static(body),
+        };
+        assert!(store.idem_begin(&begin(1)).await.unwrap());
+        assert!(
+            !store.idem_begin(&begin(2)).await.unwrap(),
+            "live: not taken"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        assert!(
+            store.idem_begin(&begin(2)).await.unwrap(),
+            "expired: taken over"
+        );
+        // The first attempt's gateway wakes up late.
+        store.idem_complete(id, 1, &answer(b"late")).await.unwrap();
+        store.idem_unknown(id, 1).await.unwrap();
+        store.idem_forget(id, 1).await.unwrap();
+        assert!(
+            matches!(
+                store.idem_lookup(id, b"fp").await.unwrap(),
+                Found::InFlight { .. }
+            ),
+            "{backend:?}: the newer attempt is untouched"
+        );
+        store.idem_complete(id, 2, &answer(b"mine")).await.unwrap();
+        assert_eq!(
+            store.idem_lookup(id, b"fp").await.unwrap(),
+            Found::Done(answer(b"mine"))
+        );
+        store.close().await;
+    }
 }

@@ -255,3 +255,76 @@ async fn a_request_is_never_sent_twice_when_pooled_connections_die() {
     }
     assert!(writes_ok > 0, "no write got through: {answers:?}");
 }
+
+/// HTTPS upstreams keep their connections alive like `http://` ones: one
+/// TLS handshake for a run of requests, reads and fenced writes alike.
+#[tokio::test]
+async fn https_connections_are_kept_alive() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let ca = Ca::new("upstream CA");
+    let ca_file = ca.write("ca.pem", &ca.pem());
+    let up = HttpsUpstream::start(&ca.server("upstream")).await;
+    // One worker: every request of the test's one client connection is
+    // served by the same upstream pool.
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nworkers = 1\n\
+         [store]\nurl = \"{}\"\n{}",
+        store.url,
+        https_route("kept", up.addr, Some(&ca_file))
+    );
+    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
+    let app = TestApp::from_config(config).await.unwrap();
+    for i in 0..6 {
+        let resp = if i % 2 == 0 {
+            app.put("/kept/a", Some("1"), "x").await
+        } else {
+            app.http.get(app.url("/kept/a")).send().await.unwrap()
+        };
+        assert_eq!(resp.status(), 200);
+        assert_eq!(resp.text().await.unwrap(), "secure");
+        // The connection goes back to the pool once the exchange is over in
+        // both directions: give it that moment.
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(up.seen.lock().unwrap().len(), 6);
+    assert_eq!(
+        up.handshakes.lock().unwrap().len(),
+        1,
+        "six requests over one TLS connection"
+    );
+}
+
+/// An upstream named by host name gets that name as SNI (and is verified
+/// against it); one named by IP address gets none, as TLS has no SNI for
+/// addresses.
+#[tokio::test]
+async fn sni_names_the_upstream_host() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let ca = Ca::new("upstream CA");
+    let ca_file = ca.write("ca.pem", &ca.pem());
+    let by_name = HttpsUpstream::start(&ca.issue_for("localhost", vec!["localhost".into()])).await;
+    let by_ip = HttpsUpstream::start(&ca.server("upstream")).await;
+    let mut named = route(
+        "named",
+        "/named/{id}",
+        &format!("https://localhost:{}", by_name.addr.port()),
+        "named:{id}",
+    );
+    named.push_str(&format!("upstream_ca_file = \"{}\"\n", ca_file.display()));
+    let routes = format!("{named}{}", https_route("ip", by_ip.addr, Some(&ca_file)));
+    let app = TestApp::spawn(&store.url, &routes).await;
+    assert_eq!(app.put("/named/a", Some("1"), "x").await.status(), 200);
+    assert_eq!(app.put("/ip/a", Some("1"), "x").await.status(), 200);
+    assert_eq!(
+        *by_name.handshakes.lock().unwrap(),
+        vec![Some("localhost".to_string())]
+    );
+    assert_eq!(
+        by_name.seen.lock().unwrap().clone(),
+        vec![format!(
+            "PUT /named/a host=localhost:{} proto=http",
+            by_name.addr.port()
+        )]
+    );
+    assert_eq!(*by_ip.handshakes.lock().unwrap(), vec![None]);
+}

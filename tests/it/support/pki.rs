@@ -171,10 +171,14 @@ pub fn der(pem: &str) -> Vec<u8> {
 }
 
 /// A running HTTPS upstream: every request is answered 200 with a JSON of
-/// what it saw; requests are counted.
+/// what it saw; requests are counted, and so are TCP connections, with the
+/// SNI each handshake carried.
 pub struct HttpsUpstream {
     pub addr: std::net::SocketAddr,
     pub seen: Arc<std::sync::Mutex<Vec<String>>>,
+    /// One entry per accepted TLS connection: the server name the client
+    /// sent (SNI), `None` when it sent none (as for an IP address).
+    pub handshakes: Arc<std::sync::Mutex<Vec<Option<String>>>>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -203,17 +207,21 @@ impl HttpsUpstream {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let seen: Arc<std::sync::Mutex<Vec<String>>> = Arc::default();
+        let handshakes: Arc<std::sync::Mutex<Vec<Option<String>>>> = Arc::default();
         let log = seen.clone();
+        let shakes = handshakes.clone();
         let task = tokio::spawn(async move {
             loop {
                 let Ok((tcp, _)) = listener.accept().await else {
                     continue;
                 };
-                let (acceptor, log) = (acceptor.clone(), log.clone());
+                let (acceptor, log, shakes) = (acceptor.clone(), log.clone(), shakes.clone());
                 tokio::spawn(async move {
                     let Ok(tls) = acceptor.accept(tcp).await else {
                         return;
                     };
+                    let sni = tls.get_ref().1.server_name().map(str::to_string);
+                    shakes.lock().unwrap().push(sni);
                     let service = hyper::service::service_fn(
                         move |req: http::Request<hyper::body::Incoming>| {
                             let log = log.clone();
@@ -244,6 +252,11 @@ impl HttpsUpstream {
                 });
             }
         });
-        HttpsUpstream { addr, seen, task }
+        HttpsUpstream {
+            addr,
+            seen,
+            handshakes,
+            task,
+        }
     }
 }

@@ -148,11 +148,24 @@ impl Upstream {
     /// Start a recorder with `opts` on `127.0.0.1:0`.
     /// Must be called within a tokio runtime.
     pub async fn start_with(opts: UpstreamOptions) -> Upstream {
-        let (lo, hi) = opts.write_delay_ms;
-        assert!(lo <= hi, "write_delay_ms: min {lo} > max {hi}");
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind recording upstream");
+        Self::serve(listener, opts)
+    }
+
+    /// Start a recorder with default options on `addr` (a port a test kept
+    /// free, to start the upstream only after the gateway found it down).
+    pub async fn start_at(addr: SocketAddr) -> Upstream {
+        let listener = TcpListener::bind(addr)
+            .await
+            .expect("bind recording upstream");
+        Self::serve(listener, UpstreamOptions::default())
+    }
+
+    fn serve(listener: TcpListener, opts: UpstreamOptions) -> Upstream {
+        let (lo, hi) = opts.write_delay_ms;
+        assert!(lo <= hi, "write_delay_ms: min {lo} > max {hi}");
         let addr = listener.local_addr().expect("local_addr");
         let shared = Arc::new(Shared {
             opts,
