@@ -28,6 +28,9 @@ SCENARIOS = [
     ("g", "pgbench conditional upsert", "pgbench", None),
     ("h", "keyed POST, fresh Idempotency-Key", "fencegate", "fresh"),
     ("i", "keyed POST replayed", "fencegate", "replay"),
+    ("j", "shared mode: fenced PUT, raising token", "fencegate", "raise"),
+    ("k", "nginx TLS proxy GET", "nginx", "get"),
+    ("l", "fencegate TLS pass-through GET", "fencegate", "get"),
 ]
 
 TARGETS = [
@@ -38,6 +41,15 @@ TARGETS = [
     ("f/c", "f", "c", 1.0, "stale PUT (409) vs pass-through GET"),
     ("h/g", "h", "g", 1.0, "first uses of fresh Idempotency-Keys vs pgbench upsert tps"),
     ("i/c", "i", "c", 0.8, "Idempotency-Key replays vs pass-through GET"),
+    ("j/g", "j", "g", 1.0, "shared-mode raising PUTs (2xx/s) vs pgbench upsert tps"),
+    ("l/k", "l", "k", 1.0, "TLS pass-through GET vs nginx terminating TLS and proxying"),
+]
+
+# Upper bounds on latency ratios: p99 of one scenario's oha run over
+# another's, both open loop at the same rate.
+LATENCY_TARGETS = [
+    # name, numerator, denominator, maximum, what it means
+    ("p99 c/b", "c", "b", 1.2, "pass-through GET p99 vs nginx proxy p99, both at (c)'s oha rate"),
 ]
 
 # What the gateway counted in fencegate_idempotency_total during (h) and (i)
@@ -200,6 +212,12 @@ def build(a):
         counted = ", ".join(f"{k} {v:,}" for k, v in idem.items() if v)
         for sid in ("h", "i"):
             by_id[sid]["notes"].append(f"gateway's Idempotency-Key outcomes over (h) and (i): {counted}")
+    latency = []
+    for name, num, den, maximum, meaning in LATENCY_TARGETS:
+        n, d = by_id[num]["p99_ms"], by_id[den]["p99_ms"]
+        value = (n / d) if (n is not None and d) else None
+        latency.append({"name": name, "value": value, "target": maximum, "meaning": meaning,
+                        "met": (value is not None and value <= maximum)})
     ratios = []
     for name, num, den, minimum, meaning in TARGETS:
         n, d = by_id[num]["rps"], by_id[den]["rps"]
@@ -246,7 +264,8 @@ def build(a):
     meta["subtitle"] = (f"{meta['machine']['nproc']} cores, {meta['machine']['cpu']}; commit "
                         f"{a.commit}{' (+local changes)' if meta['dirty'] else ''}; "
                         f"{a.mode} run, {a.duration} s per scenario, {a.conns} connections")
-    return {"meta": meta, "scenarios": scen, "ratios": ratios, "memory": mem}
+    meta["store_unavailable_j"] = int(read(os.path.join(out, "fg_503_j.txt"), "0") or 0)
+    return {"meta": meta, "scenarios": scen, "ratios": ratios, "latency": latency, "memory": mem}
 
 
 def f0(v):
@@ -272,6 +291,10 @@ def ratio_lines(res):
         v = "n/a" if r["value"] is None else f"{r['value']:.2f}"
         lines.append(f"| {r['name']} | {v} | ≥ {r['target']:.1f} | "
                      f"{'met' if r['met'] else 'NOT met'} | {r['meaning']} |")
+    for r in res.get("latency", []):
+        v = "n/a" if r["value"] is None else f"{r['value']:.2f}"
+        lines.append(f"| {r['name']} | {v} | ≤ {r['target']:.1f} | "
+                     f"{'met' if r['met'] else 'NOT met'} | {r['meaning']} |")
     m = res["memory"]
     lines.append(f"| RSS after {m['forwarded']:,} keys | {m['rss_mib']:.1f} MiB | "
                  f"≤ {RSS_TARGET_MIB} MiB | {'met' if m['met'] else 'NOT met'} | "
@@ -296,6 +319,10 @@ def plain(res):
     for r in res["ratios"]:
         v = "n/a" if r["value"] is None else f"{r['value']:.2f}"
         out.append(f"{r['name']:<8} {v:>8} {'>= ' + format(r['target'], '.1f'):>10}  "
+                   f"{'met' if r['met'] else 'NOT met'}   ({r['meaning']})")
+    for r in res.get("latency", []):
+        v = "n/a" if r["value"] is None else f"{r['value']:.2f}"
+        out.append(f"{r['name']:<8} {v:>8} {'<= ' + format(r['target'], '.1f'):>10}  "
                    f"{'met' if r['met'] else 'NOT met'}   ({r['meaning']})")
     m = res["memory"]
     out.append(f"{'RSS':<8} {m['rss_mib']:>5.1f}MiB {'<= ' + str(RSS_TARGET_MIB) + 'MiB':>10}  "
@@ -382,7 +409,16 @@ def markdown(res, svg_link):
         f"- Load average (1, 5, 15 min) when the script started, before it built or ran "
         f"anything: {meta['loadavg_start']}. Well above 0 means other work (a build, a test "
         "run) was sharing the 2 cores, and may have gone on during the run.",
-        f"- 503 answers (store unavailable) during (c)-(f), (h) and (i): {meta['store_unavailable']}.",
+        f"- 503 answers (store unavailable) during (c)-(f), (h) and (i): {meta['store_unavailable']}; "
+        f"during (j): {meta.get('store_unavailable_j', 0)}.",
+        "- (j) is (e) through one gateway in `shared` mode (its own database; "
+        "`key_lock_connections = 64`, one per client connection): each write is admitted by "
+        "`fencegate_enter` on a key-lock connection it holds until the upstream is done, then "
+        "`fencegate_leave`, two statements per write and no group commit, against (g)'s one.",
+        "- (k) and (l): TLS 1.3 from wrk to the proxy, plain HTTP to the upstream; both proxies "
+        "serve the same ECDSA P-256 certificate made for the run, and wrk keeps its 64 "
+        "connections, so handshakes are not what is measured. (b) is also run open loop at "
+        "(c)'s oha rate, for the latency comparison.",
         "",
         "## How to reproduce",
         "",

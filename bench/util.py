@@ -17,6 +17,7 @@
 import http.client
 import json
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -53,7 +54,9 @@ def wait_http(url, seconds, pid=None):
             print(f"process {pid} exited while waiting for {url}", file=sys.stderr)
             return 1
         try:
-            with urllib.request.urlopen(url, timeout=2) as r:
+            # https: the run's own throwaway certificate, checked by nobody.
+            ctx = ssl._create_unverified_context() if url.startswith("https:") else None
+            with urllib.request.urlopen(url, timeout=2, context=ctx) as r:
                 if r.status == 200:
                     return 0
         except Exception:

@@ -31,7 +31,7 @@
 //! | `x-test-behaviour: break-after-head` | read the body, send a chunked `200` head and one chunk, reset the connection (RST: `SO_LINGER` 0), then work and apply |
 //! | `x-test-behaviour: slow-stream` | read the body, work, send a chunked `200` head, then `x-test-chunks` chunks one every `x-test-chunk-ms`, apply when that streaming period is over (whether or not the peer is still there), then send the final chunk |
 //! | `x-test-behaviour: early-answer` | right after the head, send a complete `200` (Content-Length body) before reading the body; then read the body however slowly it comes, work, apply |
-//! | `x-test-behaviour: flood` | read the body, work, then send a chunked `200` of `x-test-flood-bytes` as fast as the peer takes it, with no time limit (a peer that stops reading stalls it); apply when the answer is sent or found cut off. Not among [`Behaviour::ALL`] |
+//! | `x-test-behaviour: flood` | read the body, work, apply, then send a chunked `200` of `x-test-flood-bytes` as fast as the peer takes it, with no time limit (a peer that stops reading stalls it); the write ends when the answer is sent or found cut off. Not among [`Behaviour::ALL`] |
 //! | `x-test-work-ms: N` | the write's work before it is applied, in ms (default 0) |
 //! | `x-test-chunks: N` | `slow-stream`: number of chunks (default 10) |
 //! | `x-test-chunk-ms: N` | `slow-stream`: ms between chunks (default 100) |
@@ -883,7 +883,9 @@ async fn serve_request(shared: &Arc<Shared>, mut conn: Conn, head: Head) -> Opti
             None
         }
         Behaviour::Flood => {
+            // Applied first: the answer is what is long, not the work.
             work(work_ms).await;
+            shared.apply(id);
             let total = head.header_u64(FLOOD_BYTES_HEADER).unwrap_or(32 << 20);
             let piece = chunk(&vec![b'x'; 64 * 1024]);
             let mut alive = conn.stream.write_all(CHUNKED_HEAD).await.is_ok();
@@ -896,7 +898,6 @@ async fn serve_request(shared: &Arc<Shared>, mut conn: Conn, head: Head) -> Opti
             if !alive {
                 shared.answer_cut(id);
             }
-            shared.apply(id);
             shared.end(id);
             alive.then_some(conn)
         }
