@@ -47,10 +47,13 @@ use std::sync::Mutex;
 use futures_util::StreamExt;
 use redis::aio::MultiplexedConnection;
 use redis::sentinel::{SentinelClient, SentinelServerType};
-use redis::{AsyncConnectionConfig, ErrorKind, RedisError, RedisResult, Script};
+use redis::{
+    AsyncConnectionConfig, ErrorKind, FromRedisValue, RedisError, RedisResult, Script,
+    ScriptInvocation,
+};
 use tokio::sync::watch;
 
-use super::backend::LockError;
+use super::backend::{LockError, LockResult};
 use super::notify::Notifier;
 
 /// The channel releases are published on; the payload is the lock name.
@@ -302,7 +305,7 @@ async fn check_master(conn: &mut MultiplexedConnection) -> RedisResult<()> {
 }
 
 impl Node {
-    pub(crate) fn new(url: &str, timeout: Duration) -> Result<Self, LockError> {
+    pub(crate) fn new(url: &str, timeout: Duration) -> LockResult<Self> {
         let client = redis::Client::open(url)
             .map_err(|e| LockError::Unavailable(format!("invalid Redis URL: {e}")))?;
         let label = client.get_connection_info().addr.to_string();
@@ -315,7 +318,7 @@ impl Node {
         sentinels: &[String],
         master_name: &str,
         timeout: Duration,
-    ) -> Result<Self, LockError> {
+    ) -> LockResult<Self> {
         if sentinels.is_empty() {
             return Err(LockError::Unavailable(
                 "Sentinel discovery needs at least one Sentinel".into(),
@@ -337,7 +340,7 @@ impl Node {
                     client: redis::Client::open(url.as_str()).map_err(invalid)?,
                 })
             })
-            .collect::<Result<Vec<_>, LockError>>()?;
+            .collect::<LockResult<Vec<_>>>()?;
         Ok(Self::with_target(
             Target::Sentinel {
                 master_name: master_name.to_string(),
@@ -450,7 +453,7 @@ impl Node {
     /// all within the node's timeout. A failure that casts doubt on the
     /// connection drops it ([`suspect`]; a timeout does too: a connection
     /// that does not answer may be to a server that is gone).
-    pub(crate) async fn run<T, F, Fut>(&self, op: F) -> Result<T, LockError>
+    pub(crate) async fn run<T, F, Fut>(&self, op: F) -> LockResult<T>
     where
         F: FnOnce(MultiplexedConnection) -> Fut,
         Fut: Future<Output = RedisResult<T>>,
@@ -483,7 +486,7 @@ impl Node {
     /// Readiness: the server answers, and as a master (`ROLE`; `PING` where
     /// `ROLE` is refused). A connection that now reaches a replica is
     /// dropped and reported unavailable.
-    pub(crate) async fn ping(&self) -> Result<(), LockError> {
+    pub(crate) async fn ping(&self) -> LockResult<()> {
         self.run(|mut c| async move {
             match check_master(&mut c).await {
                 Ok(()) => redis::cmd("PING")
@@ -496,37 +499,27 @@ impl Node {
         .await
     }
 
+    /// Runs a script invocation (see [`on_lock`]) on this node.
+    pub(crate) async fn invoke<T: FromRedisValue>(
+        &self,
+        script: &ScriptInvocation<'_>,
+    ) -> LockResult<T> {
+        self.run(|mut c| async move { script.invoke_async(&mut c).await })
+            .await
+    }
+
     /// The release script: compare-and-delete, publishing on success.
-    pub(crate) async fn release(&self, name: &str, lease: &str) -> Result<bool, LockError> {
-        let (key, delay) = (lock_key(name), delay_key(name));
-        self.run(|mut c| async move {
-            RELEASE
-                .key(&key)
-                .key(&delay)
-                .arg(lease)
-                .arg(RELEASED_CHANNEL)
-                .arg(name)
-                .invoke_async::<i64>(&mut c)
-                .await
-        })
-        .await
-        .map(|n| n == 1)
+    pub(crate) async fn release(&self, name: &str, lease: &str) -> LockResult<bool> {
+        let mut script = on_lock(&RELEASE, name);
+        script.arg(lease).arg(RELEASED_CHANNEL).arg(name);
+        self.invoke(&script).await.map(|n: i64| n == 1)
     }
 
     /// The break script: true if a lease held the lock (now deleted).
-    pub(crate) async fn break_lease(&self, name: &str) -> Result<bool, LockError> {
-        let (key, delay) = (lock_key(name), delay_key(name));
-        self.run(|mut c| async move {
-            BREAK
-                .key(&key)
-                .key(&delay)
-                .arg(RELEASED_CHANNEL)
-                .arg(name)
-                .invoke_async::<i64>(&mut c)
-                .await
-        })
-        .await
-        .map(|n| n == 1)
+    pub(crate) async fn break_lease(&self, name: &str) -> LockResult<bool> {
+        let mut script = on_lock(&BREAK, name);
+        script.arg(RELEASED_CHANNEL).arg(name);
+        self.invoke(&script).await.map(|n: i64| n == 1)
     }
 
     /// The renew script: the fence if `lease` holds the lock (now extended,
@@ -537,23 +530,22 @@ impl Node {
         lease: &str,
         ttl: Duration,
         lock_delay: Duration,
-    ) -> Result<Option<i64>, LockError> {
-        let (key, delay) = (lock_key(name), delay_key(name));
-        let ms = ttl_ms(ttl);
-        let delay_ms = delay_ms(lock_delay);
-        self.run(|mut c| async move {
-            RENEW
-                .key(&key)
-                .key(&delay)
-                .arg(lease)
-                .arg(ms)
-                .arg(delay_ms)
-                .invoke_async::<i64>(&mut c)
-                .await
-        })
-        .await
-        .map(|f| (f >= 0).then_some(f))
+    ) -> LockResult<Option<i64>> {
+        let mut script = on_lock(&RENEW, name);
+        script.arg(lease).arg(ttl_ms(ttl)).arg(delay_ms(lock_delay));
+        self.invoke(&script)
+            .await
+            .map(|f: i64| (f >= 0).then_some(f))
     }
+}
+
+/// An invocation of `script` with `name`'s lock key as `KEYS[1]` and its
+/// lock-delay key as `KEYS[2]`, the layout every script but single Redis's
+/// acquire has; the caller adds the `ARGV`.
+pub(crate) fn on_lock<'a>(script: &'a Script, name: &str) -> ScriptInvocation<'a> {
+    let mut invocation = script.key(lock_key(name));
+    invocation.key(delay_key(name));
+    invocation
 }
 
 /// Aborts a background task when dropped.

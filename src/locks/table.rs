@@ -20,7 +20,7 @@ use std::fmt::Display;
 use std::future::Future;
 use std::time::Duration;
 
-use super::backend::{Lease, LockBackend, LockError, LockState};
+use super::backend::{Lease, LockBackend, LockError, LockResult, LockState};
 use crate::store::sql::{highest_token, on_backend, pg_ms_until, sqlite_now_ms};
 use crate::store::{bounded, FenceStore, StoreError};
 
@@ -158,7 +158,7 @@ impl TableLocks {
     async fn run<T>(
         &self,
         statement: impl Future<Output = Result<T, sqlx::Error>>,
-    ) -> Result<T, LockError> {
+    ) -> LockResult<T> {
         let unavailable = |why: &dyn Display| LockError::Unavailable(format!("fence store: {why}"));
         bounded(
             self.timeout,
@@ -187,7 +187,7 @@ impl TableLocks {
         lease: &str,
         ttl: Duration,
         delay: Option<Duration>,
-    ) -> Result<Option<(i64, i64)>, LockError> {
+    ) -> LockResult<Option<(i64, i64)>> {
         self.store.check_writer()?;
         let ttl_ms = ttl.as_millis() as i64;
         let delay_ms = delay.map(|d| d.as_millis() as i64);
@@ -229,7 +229,7 @@ impl TableLocks {
     /// Why a renew or release by `lease` matched no row: the lease is still
     /// recorded (so it expired), or it is not (someone else's, or released).
     async fn refusal(&self, name: &str, lease: &str) -> LockError {
-        let ours: Result<Option<bool>, LockError> = on_backend!(
+        let ours: LockResult<Option<bool>> = on_backend!(
             &self.store,
             (
                 "SELECT lease = $2 FROM locks WHERE name = $1",
@@ -248,12 +248,7 @@ impl TableLocks {
 }
 
 impl LockBackend for TableLocks {
-    async fn try_acquire(
-        &self,
-        name: &str,
-        lease: &str,
-        ttl: Duration,
-    ) -> Result<Lease, LockError> {
+    async fn try_acquire(&self, name: &str, lease: &str, ttl: Duration) -> LockResult<Lease> {
         match self
             .lease_statement(
                 PG_ACQUIRE,
@@ -275,7 +270,7 @@ impl LockBackend for TableLocks {
         }
     }
 
-    async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
+    async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> LockResult<Lease> {
         match self
             .lease_statement(PG_RENEW, SQLITE_RENEW, name, lease, ttl, None)
             .await?
@@ -288,7 +283,7 @@ impl LockBackend for TableLocks {
     /// Releases the lease; `NotHolder` or `Expired` when it held nothing.
     /// The caller wakes local waiters; Postgres also notifies other
     /// instances.
-    async fn release(&self, name: &str, lease: &str) -> Result<(), LockError> {
+    async fn release(&self, name: &str, lease: &str) -> LockResult<()> {
         self.store.check_writer()?;
         let released = on_backend!(&self.store, (PG_RELEASE, SQLITE_RELEASE), |pool, sql| {
             let query = sqlx::query(sql).bind(name).bind(lease);
@@ -301,7 +296,7 @@ impl LockBackend for TableLocks {
         }
     }
 
-    async fn break_lease(&self, name: &str) -> Result<bool, LockError> {
+    async fn break_lease(&self, name: &str) -> LockResult<bool> {
         self.store.check_writer()?;
         Ok(on_backend!(
             &self.store,
@@ -313,7 +308,7 @@ impl LockBackend for TableLocks {
         ))
     }
 
-    async fn status(&self, name: &str) -> Result<LockState, LockError> {
+    async fn status(&self, name: &str) -> LockResult<LockState> {
         let delay_ms = self.delay.as_millis() as i64;
         let row: Option<StatusRow> = match &self.store {
             FenceStore::Postgres(s) => {
