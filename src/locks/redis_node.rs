@@ -602,37 +602,18 @@ pub(crate) fn spawn_subscriber(
                 let addr = client.get_connection_info().addr.to_string();
                 RedisResult::Ok((pubsub, addr))
             };
-            let mut moved = false;
             match tokio::time::timeout(bound, Box::pin(connect)).await {
                 Ok(Ok((pubsub, addr))) => {
                     backoff = BACKOFF_MIN;
                     subscribed.send_replace(true);
                     tracing::debug!(redis = %label, %addr, "subscribed to {RELEASED_CHANNEL}");
-                    let (mut sink, mut stream) = pubsub.split();
-                    let mut ping = tokio::time::interval(SUBSCRIPTION_PING);
-                    ping.tick().await;
-                    loop {
-                        tokio::select! {
-                            msg = stream.next() => match msg {
-                                Some(msg) => {
-                                    if let Ok(name) = msg.get_payload::<String>() {
-                                        notifier.notify(&name);
-                                    }
-                                }
-                                None => break,
-                            },
-                            _ = ping.tick() => {
-                                let pong = tokio::time::timeout(bound, sink.ping::<redis::Value>()).await;
-                                if !matches!(pong, Ok(Ok(_))) {
-                                    break;
-                                }
-                            }
-                            _ = changed(&mut reconnects) => {
-                                moved = true;
-                                break;
-                            }
-                        }
-                    }
+                    let moved = listen(
+                        pubsub,
+                        bound,
+                        |name| notifier.notify(&name),
+                        changed(&mut reconnects),
+                    )
+                    .await;
                     subscribed.send_replace(false);
                     if moved {
                         tracing::info!(redis = %label, %addr, "the lock connection was made again; subscribing to {RELEASED_CHANNEL} again");
@@ -736,33 +717,17 @@ async fn watch_sentinel(node: Node, index: usize) {
                 {
                     node.master_named(&format!("{host}:{port}"));
                 }
-                let (mut sink, mut stream) = pubsub.split();
-                let mut ping = tokio::time::interval(SUBSCRIPTION_PING);
-                ping.tick().await;
-                loop {
-                    tokio::select! {
-                        msg = stream.next() => match msg {
-                            // "<name> <old ip> <old port> <new ip> <new port>"
-                            Some(msg) => {
-                                let Ok(text) = msg.get_payload::<String>() else { continue };
-                                let words: Vec<&str> = text.split_whitespace().collect();
-                                if let [name, _, _, host, port] = words[..] {
-                                    if name == master_name {
-                                        tracing::info!(redis = %node.0.label, sentinel = %label, master = %format_args!("{host}:{port}"), "Sentinel switched the master");
-                                        node.master_named(&format!("{host}:{port}"));
-                                    }
-                                }
-                            }
-                            None => break,
-                        },
-                        _ = ping.tick() => {
-                            let pong = tokio::time::timeout(bound, sink.ping::<redis::Value>()).await;
-                            if !matches!(pong, Ok(Ok(_))) {
-                                break;
-                            }
+                // "<name> <old ip> <old port> <new ip> <new port>"
+                let switched = |text: String| {
+                    let words: Vec<&str> = text.split_whitespace().collect();
+                    if let [name, _, _, host, port] = words[..] {
+                        if name == master_name {
+                            tracing::info!(redis = %node.0.label, sentinel = %label, master = %format_args!("{host}:{port}"), "Sentinel switched the master");
+                            node.master_named(&format!("{host}:{port}"));
                         }
                     }
-                }
+                };
+                listen(pubsub, bound, switched, std::future::pending()).await;
                 tracing::debug!(sentinel = %label, "lost the {SWITCH_MASTER} subscription; resubscribing");
             }
             Ok(Err(e)) => {
@@ -775,6 +740,41 @@ async fn watch_sentinel(node: Node, index: usize) {
         let nap = backoff.mul_f64(0.5 + rand::random::<f64>() / 2.0);
         tokio::time::sleep(nap).await;
         backoff = (backoff * 2).min(BACKOFF_MAX);
+    }
+}
+
+/// Hands every message's payload on `pubsub` to `on_payload` until the
+/// subscription is lost (false) or `moved` resolves (true). It is pinged
+/// every [`SUBSCRIPTION_PING`], so that a connection that died silently is
+/// noticed too.
+async fn listen(
+    pubsub: redis::aio::PubSub,
+    bound: Duration,
+    mut on_payload: impl FnMut(String),
+    moved: impl Future<Output = ()>,
+) -> bool {
+    let (mut sink, mut stream) = pubsub.split();
+    let mut ping = tokio::time::interval(SUBSCRIPTION_PING);
+    ping.tick().await;
+    let mut moved = std::pin::pin!(moved);
+    loop {
+        tokio::select! {
+            msg = stream.next() => match msg {
+                Some(msg) => {
+                    if let Ok(payload) = msg.get_payload::<String>() {
+                        on_payload(payload);
+                    }
+                }
+                None => return false,
+            },
+            _ = ping.tick() => {
+                let pong = tokio::time::timeout(bound, sink.ping::<redis::Value>()).await;
+                if !matches!(pong, Ok(Ok(_))) {
+                    return false;
+                }
+            }
+            _ = &mut moved => return true,
+        }
     }
 }
 
