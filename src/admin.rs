@@ -12,7 +12,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use http::{header, HeaderValue, StatusCode, Uri};
+use http::{header, StatusCode, Uri};
 
 use crate::error::Problem;
 use crate::metrics::{Metrics, StoreOp};
@@ -97,10 +97,7 @@ async fn readyz(State(s): State<AdminState>) -> Response {
             format!("not ready: {e}"),
         )
         .with("details", details)
-        .header(
-            header::RETRY_AFTER,
-            HeaderValue::from(s.retry_after.as_secs().max(1)),
-        )
+        .retry_after(s.retry_after)
         .into_response(),
     }
 }
@@ -149,10 +146,7 @@ fn store_unavailable(s: &AdminState, op: StoreOp, e: impl std::fmt::Display) -> 
         "Fence store unavailable",
         format!("the fence store could not be reached: {e}"),
     )
-    .header(
-        header::RETRY_AFTER,
-        HeaderValue::from(s.retry_after.as_secs().max(1)),
-    )
+    .retry_after(s.retry_after)
     .into_response()
 }
 

@@ -458,10 +458,7 @@ pub(crate) fn lock_error(name: &str, e: LockError, retry_after: Duration) -> Res
                 "Lock backend unavailable",
                 "the lock backend or the fence store could not be reached; nothing was granted",
             )
-            .header(
-                header::RETRY_AFTER,
-                HeaderValue::from(retry_after.as_secs().max(1)),
-            )
+            .retry_after(retry_after)
             .into_response()
         }
     }
