@@ -963,14 +963,16 @@ async fn a_body_arriving_after_the_head_reopens_the_key_at_once() {
 async fn abandoned_writes_do_not_use_up_key_lock_connections() {
     let store = TestStore::new(Backend::Postgres).await;
     let up = crate::support::upstream::Upstream::start().await;
-    let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-         [store]\nurl = \"{}\"\nmode = \"shared\"\ntimeout_ms = 2000\nkey_lock_connections = 2\n{}timeout_ms = 3000\n",
-        store.url,
-        crate::support::app::docs_route(&up.url())
+    let text = crate::support::app::config_sections(
+        "",
+        &store.url,
+        "mode = \"shared\"\ntimeout_ms = 2000\nkey_lock_connections = 2\n",
+        &format!(
+            "{}timeout_ms = 3000\n",
+            crate::support::app::docs_route(&up.url())
+        ),
     );
-    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-    let app = Arc::new(TestApp::from_config(config).await.unwrap());
+    let app = Arc::new(TestApp::from_text(&text).await);
     // Four writes whose clients give up while the upstream works on them.
     for i in 0..4 {
         let gave_up = app

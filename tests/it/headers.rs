@@ -2,7 +2,7 @@
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::support::app::{docs_route, problem, TestApp};
+use crate::support::app::{config_sections, docs_route, problem, TestApp};
 use crate::support::db::{Backend, TestStore};
 use crate::support::upstream::Upstream;
 
@@ -107,14 +107,13 @@ async fn oversized_bodies_are_413() {
     let store = TestStore::new(Backend::Sqlite).await;
     let up = Upstream::start().await;
     // A small limit via the [server] section.
-    let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nmax_body_bytes = 1000\n\
-         [store]\nurl = \"{}\"\n{}",
-        store.url,
-        docs_route(&up.url())
+    let text = config_sections(
+        "max_body_bytes = 1000\n",
+        &store.url,
+        "",
+        &docs_route(&up.url()),
     );
-    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-    let app = TestApp::from_config(config).await.unwrap();
+    let app = TestApp::from_text(&text).await;
     // Declared too large: refused before anything else.
     let resp = app.put("/docs/a", Some("1"), &"x".repeat(1001)).await;
     problem(resp, 413).await;

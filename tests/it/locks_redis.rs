@@ -5,7 +5,6 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fencegate::config::Config;
 use fencegate::locks::backend::{Lease, LockBackend, LockError};
 use fencegate::locks::notify::Notifier;
 use fencegate::locks::redis_node::{fence_key, lock_key};
@@ -14,6 +13,7 @@ use fencegate::locks::single_redis::RedisLocks;
 use fencegate::store::FenceStore;
 use sqlx::Connection;
 
+use crate::support::app::{config_sections, parse_config};
 use crate::support::db::{Backend, TestStore};
 use crate::support::redis::{command, require_shared_redis, PrivateRedis};
 
@@ -27,13 +27,8 @@ async fn fence_store(timeout_ms: u64) -> (FenceStore, TestStore) {
 /// A fresh fence store on `backend` (the guard deletes it).
 pub async fn fence_store_on(backend: Backend, timeout_ms: u64) -> (FenceStore, TestStore) {
     let db = TestStore::new(backend).await;
-    let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-         [store]\nurl = \"{}\"\ntimeout_ms = {timeout_ms}\n",
-        db.url
-    );
-    let config = Config::from_toml("t.toml", &text, Vec::new())
-        .unwrap_or_else(|e| panic!("test config is invalid:\n{e}"));
+    let store_lines = format!("timeout_ms = {timeout_ms}\n");
+    let config = parse_config(&config_sections("", &db.url, &store_lines, ""));
     let store = FenceStore::open(&config.store).await.expect("open store");
     (store, db)
 }

@@ -7,17 +7,13 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::support::app::{docs_route, route};
+use crate::support::app::{config_sections, docs_route, route};
 use crate::support::db::{Backend, TestStore};
 use crate::support::process::GatewayProcess;
 use crate::support::upstream::Upstream;
 
 fn config(store: &TestStore, extra: &str) -> String {
-    format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-         [store]\nurl = \"{}\"\n{extra}",
-        store.url
-    )
+    config_sections("", &store.url, "", extra)
 }
 
 async fn wait_for_log(gw: &GatewayProcess, needle: &str) {

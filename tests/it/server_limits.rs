@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::support::app::{config_text, docs_route, TestApp};
+use crate::support::app::{config_sections, config_text, docs_route, TestApp};
 use crate::support::db::{Backend, TestStore};
 use crate::support::process::GatewayProcess;
 use crate::support::upstream::Upstream;
@@ -13,14 +13,13 @@ use crate::support::upstream::Upstream;
 async fn app_with(server_extra: &str) -> (TestStore, Upstream, TestApp) {
     let store = TestStore::new(Backend::Sqlite).await;
     let up = Upstream::start().await;
-    let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{server_extra}\n\
-         [store]\nurl = \"{}\"\n{}",
-        store.url,
-        docs_route(&up.url())
+    let text = config_sections(
+        &format!("{server_extra}\n"),
+        &store.url,
+        "",
+        &docs_route(&up.url()),
     );
-    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-    let app = TestApp::from_config(config).await.unwrap();
+    let app = TestApp::from_text(&text).await;
     (store, up, app)
 }
 

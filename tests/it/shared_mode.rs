@@ -1,7 +1,7 @@
 //! `[store] mode = "shared"`: several gateways on one Postgres keep the
 //! per-key ordering guarantee between them.
 
-use crate::support::app::{docs_route, problem, TestApp};
+use crate::support::app::{config_sections, docs_route, problem, TestApp, SHARED_STORE};
 use crate::support::db::{Backend, TestStore};
 use crate::support::holders::{self, Workload};
 use crate::support::upstream::{Upstream, UpstreamOptions};
@@ -19,14 +19,9 @@ async fn gateways_with(
 ) -> Vec<TestApp> {
     let mut apps = Vec::new();
     for _ in 0..n {
-        let text = format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-             [store]\nurl = \"{}\"\nmode = \"shared\"\ntimeout_ms = 3000\n{store_extra}\n{}",
-            store.url,
-            docs_route(&up.url())
-        );
-        let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-        apps.push(TestApp::from_config(config).await.unwrap());
+        let store_lines = format!("{SHARED_STORE}{store_extra}\n");
+        let text = config_sections("", &store.url, &store_lines, &docs_route(&up.url()));
+        apps.push(TestApp::from_text(&text).await);
     }
     apps
 }

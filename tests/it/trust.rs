@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use sha2::Digest;
 
-use crate::support::app::{docs_route, problem, route, TestApp};
+use crate::support::app::{config_sections, docs_route, problem, route, TestApp, SHARED_STORE};
 use crate::support::db::{Backend, TestStore};
 use crate::support::redis::{require_shared_redis, PrivateRedis};
 use crate::support::upstream::Upstream;
@@ -393,15 +393,9 @@ async fn poisoned_key_on_the_redlock_backend() {
 async fn shared_pair(store: &TestStore, up: &Upstream) -> Vec<TestApp> {
     let mut apps = Vec::new();
     for _ in 0..2 {
-        let text = format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-             [store]\nurl = \"{}\"\nmode = \"shared\"\ntimeout_ms = 3000\n{}{}",
-            store.url,
-            docs_route(&up.url()),
-            auth_section()
-        );
-        let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-        apps.push(TestApp::from_config(config).await.unwrap());
+        let rest = docs_route(&up.url()) + &auth_section();
+        let text = config_sections("", &store.url, SHARED_STORE, &rest);
+        apps.push(TestApp::from_text(&text).await);
     }
     apps
 }
