@@ -4,6 +4,7 @@ use std::time::Duration;
 
 use crate::support::app::{docs_route, problem, route, TestApp};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::upstream::Upstream;
 
 macro_rules! on_both_stores {
@@ -221,12 +222,8 @@ async fn upstream_timeout_is_504(b: Backend) {
     let mut routes = docs_route(&up.url());
     routes.push_str("timeout_ms = 200\n");
     let app = TestApp::spawn(&store.url, &routes).await;
-    let resp = app
-        .http
-        .put(app.url("/docs/a"))
-        .header("x-fence-token", "5")
+    let resp = fenced_put(&app.http, app.url("/docs/a"), "5", "slow")
         .header("x-test-delay-ms", "2000")
-        .body("slow")
         .send()
         .await
         .unwrap();

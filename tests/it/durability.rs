@@ -4,6 +4,7 @@
 
 use crate::support::app::{config_text, docs_route, problem, TestApp};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::process::GatewayProcess;
 use crate::support::upstream::Upstream;
 
@@ -52,10 +53,7 @@ async fn survives_kill_9(b: Backend) {
     let http = reqwest::Client::new();
     let mut last_acked = 0;
     for t in 1..=50 {
-        let resp = http
-            .put(gw.url(&format!("/docs/k{}", t % 5)))
-            .header("x-fence-token", t.to_string())
-            .body("x")
+        let resp = fenced_put(&http, gw.url(&format!("/docs/k{}", t % 5)), t, "x")
             .send()
             .await
             .unwrap();
@@ -67,10 +65,7 @@ async fn survives_kill_9(b: Backend) {
     for k in 0..5 {
         // The highest acknowledged token for key k is the largest t ≤ 50 with t % 5 == k.
         let highest = (1..=last_acked).filter(|t| t % 5 == k).max().unwrap();
-        let resp = http
-            .put(gw.url(&format!("/docs/k{k}")))
-            .header("x-fence-token", (highest - 1).to_string())
-            .body("stale")
+        let resp = fenced_put(&http, gw.url(&format!("/docs/k{k}")), highest - 1, "stale")
             .send()
             .await
             .unwrap();
@@ -138,11 +133,8 @@ async fn restart_after_crash_waits_for_in_flight_writes(b: Backend) {
     let mut gw = GatewayProcess::start(&config);
     let url = gw.url("/docs/q");
     let slow = tokio::spawn(async move {
-        reqwest::Client::new()
-            .put(url)
-            .header("x-fence-token", "5")
+        fenced_put(&reqwest::Client::new(), url, "5", "old")
             .header("x-test-delay-ms", "1000")
-            .body("old")
             .send()
             .await
     });
@@ -161,10 +153,7 @@ async fn restart_after_crash_waits_for_in_flight_writes(b: Backend) {
     let _ = slow.await;
     let gw = GatewayProcess::start(&config);
     assert!(gw.log().contains("did not stop cleanly"), "{}", gw.log());
-    let resp = reqwest::Client::new()
-        .put(gw.url("/docs/q"))
-        .header("x-fence-token", "6")
-        .body("new")
+    let resp = fenced_put(&reqwest::Client::new(), gw.url("/docs/q"), "6", "new")
         .send()
         .await
         .unwrap();

@@ -44,6 +44,7 @@ use tokio::net::TcpStream;
 
 use crate::support::app::{docs_route, TestApp};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::raw_upstream::{
     chunk, read_response, read_response_head, Behaviour, RawUpstream, BEHAVIOUR_HEADER,
     CHUNKS_HEADER, CHUNK_MS_HEADER, FENCE_HEADER, ID_HEADER, WORK_HEADER,
@@ -975,12 +976,8 @@ async fn abandoned_writes_do_not_use_up_key_lock_connections() {
     let app = Arc::new(TestApp::from_text(&text).await);
     // Four writes whose clients give up while the upstream works on them.
     for i in 0..4 {
-        let gave_up = app
-            .http
-            .put(app.url(&format!("/docs/left{i}")))
-            .header("x-fence-token", "1")
+        let gave_up = fenced_put(&app.http, app.url(&format!("/docs/left{i}")), "1", "x")
             .header("x-test-delay-ms", "600")
-            .body("x")
             .timeout(Duration::from_millis(200))
             .send()
             .await;

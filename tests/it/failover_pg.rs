@@ -34,6 +34,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::support::app::{config_text, docs_route, problem, route, TestApp};
+use crate::support::fenced_put;
 use crate::support::pg::PrivatePg;
 use crate::support::process::GatewayProcess;
 use crate::support::upstream::Upstream;
@@ -296,12 +297,14 @@ impl Load {
                         }
                         let body = format!("{key}/{w}/{n}/{token}");
                         let started = Instant::now();
-                        let answer = http
-                            .put(format!("http://{gw}/docs/{key}"))
-                            .header("x-fence-token", token.to_string())
-                            .body(body.clone())
-                            .send()
-                            .await;
+                        let answer = fenced_put(
+                            &http,
+                            format!("http://{gw}/docs/{key}"),
+                            token,
+                            body.clone(),
+                        )
+                        .send()
+                        .await;
                         let (status, refused_below) = match answer {
                             Ok(r) => {
                                 let status = r.status().as_u16();
@@ -662,10 +665,8 @@ async fn shared_mode_fails_over_to_a_synchronous_standby() {
     let slow = {
         let (http, url) = (a.http.clone(), a.url("/docs/slow"));
         tokio::spawn(async move {
-            http.put(url)
-                .header("x-fence-token", "10")
+            fenced_put(&http, url, "10", "slow 10")
                 .header("x-test-delay-ms", "9000")
-                .body("slow 10")
                 .send()
                 .await
                 .map(|r| r.status().as_u16())

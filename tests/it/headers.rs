@@ -4,6 +4,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::support::app::{config_sections, docs_route, problem, TestApp};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::upstream::Upstream;
 
 async fn setup() -> (TestStore, Upstream, TestApp) {
@@ -78,16 +79,15 @@ async fn bodies_stream_both_ways() {
     // 8 MiB up, chunked (unknown length), through the gateway.
     let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
         (0..128).map(|_| Ok(vec![7u8; 64 * 1024])).collect();
-    let resp = app
-        .http
-        .put(app.url("/docs/big"))
-        .header("x-fence-token", "1")
-        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
-            chunks,
-        )))
-        .send()
-        .await
-        .unwrap();
+    let resp = fenced_put(
+        &app.http,
+        app.url("/docs/big"),
+        "1",
+        reqwest::Body::wrap_stream(futures_util::stream::iter(chunks)),
+    )
+    .send()
+    .await
+    .unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(up.applied()[0].body.len(), 8 * 1024 * 1024);
     // 32 MiB down, larger than the request limit: responses are not limited.
@@ -119,16 +119,15 @@ async fn oversized_bodies_are_413() {
     problem(resp, 413).await;
     // Chunked and too large: cut off on the bytes actually read.
     let chunks: Vec<Result<Vec<u8>, std::io::Error>> = (0..4).map(|_| Ok(vec![1u8; 600])).collect();
-    let resp = app
-        .http
-        .put(app.url("/docs/b"))
-        .header("x-fence-token", "1")
-        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
-            chunks,
-        )))
-        .send()
-        .await
-        .unwrap();
+    let resp = fenced_put(
+        &app.http,
+        app.url("/docs/b"),
+        "1",
+        reqwest::Body::wrap_stream(futures_util::stream::iter(chunks)),
+    )
+    .send()
+    .await
+    .unwrap();
     problem(resp, 413).await;
     assert!(up.applied().is_empty(), "no oversized write was applied");
     // At the limit is fine.

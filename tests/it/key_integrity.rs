@@ -4,6 +4,7 @@
 
 use crate::support::app::{docs_route, problem, route, TestApp};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::upstream::Upstream;
 
 /// Every spelling that back ends resolve differently, on a fenced write of
@@ -134,11 +135,7 @@ async fn query_and_header_key_parts_must_name_one_value() {
     );
     let app = TestApp::spawn(&store.url, &routes).await;
     let put = |path: &str, tenant: Vec<&str>, token: &str| {
-        let mut req = app
-            .http
-            .put(app.url(path))
-            .header("x-fence-token", token)
-            .body("x");
+        let mut req = fenced_put(&app.http, app.url(path), token, "x");
         for t in tenant {
             req = req.header("x-tenant", t);
         }

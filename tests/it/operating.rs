@@ -9,6 +9,7 @@ use std::time::{Duration, Instant};
 
 use crate::support::app::{config_sections, docs_route, route};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::process::GatewayProcess;
 use crate::support::upstream::Upstream;
 
@@ -36,19 +37,18 @@ async fn json_and_access_logs_parse_and_carry_no_secrets() {
     );
     let gw = GatewayProcess::start(&config(&store, &extra));
     let http = reqwest::Client::new();
-    let put = http
-        .put(gw.url("/docs/report?secret=hunter2"))
-        .header("x-fence-token", "34")
-        .header("authorization", "Bearer top-secret-key")
-        .body("the body must not be logged")
-        .send()
-        .await
-        .unwrap();
+    let put = fenced_put(
+        &http,
+        gw.url("/docs/report?secret=hunter2"),
+        "34",
+        "the body must not be logged",
+    )
+    .header("authorization", "Bearer top-secret-key")
+    .send()
+    .await
+    .unwrap();
     assert_eq!(put.status(), 200);
-    let stale = http
-        .put(gw.url("/docs/report"))
-        .header("x-fence-token", "33")
-        .body("x")
+    let stale = fenced_put(&http, gw.url("/docs/report"), "33", "x")
         .send()
         .await
         .unwrap();
@@ -117,12 +117,7 @@ async fn sighup_changes_routes_under_load_without_a_failed_request() {
             let deadline = Instant::now() + Duration::from_secs(20);
             while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
                 let path = format!("/docs/k{client}");
-                let resp = http
-                    .put(gw.url(&path))
-                    .header("x-fence-token", "1")
-                    .body("x")
-                    .send()
-                    .await;
+                let resp = fenced_put(&http, gw.url(&path), "1", "x").send().await;
                 match resp.map(|r| r.status().as_u16()) {
                     Ok(200) => ok.fetch_add(1, Ordering::Relaxed),
                     _ => failed.fetch_add(1, Ordering::Relaxed),
@@ -140,10 +135,7 @@ async fn sighup_changes_routes_under_load_without_a_failed_request() {
     gw.signal(libc::SIGHUP);
     wait_for_log(&gw, "config reloaded").await;
     let http = reqwest::Client::new();
-    let resp = http
-        .put(gw.url("/more/x"))
-        .header("x-fence-token", "1")
-        .body("x")
+    let resp = fenced_put(&http, gw.url("/more/x"), "1", "x")
         .send()
         .await
         .unwrap();
@@ -207,10 +199,7 @@ async fn a_bad_reload_keeps_serving() {
     gw.signal(libc::SIGHUP);
     wait_for_log(&gw, "server.listen: changed, and only a restart applies it").await;
     let http = reqwest::Client::new();
-    let put = http
-        .put(gw.url("/docs/a"))
-        .header("x-fence-token", "1")
-        .body("x")
+    let put = fenced_put(&http, gw.url("/docs/a"), "1", "x")
         .send()
         .await
         .unwrap();

@@ -7,6 +7,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::support::app::{config_sections, config_text, docs_route, TestApp};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::process::GatewayProcess;
 use crate::support::upstream::Upstream;
 
@@ -75,11 +76,8 @@ async fn sigterm_lets_in_flight_writes_finish_and_exits_0() {
     let mut gw = GatewayProcess::start(&config_text(&store.url, &docs_route(&up.url())));
     let url = gw.url("/docs/s");
     let slow = tokio::spawn(async move {
-        reqwest::Client::new()
-            .put(url)
-            .header("x-fence-token", "1")
+        fenced_put(&reqwest::Client::new(), url, "1", "slow")
             .header("x-test-delay-ms", "700")
-            .body("slow")
             .send()
             .await
             .map(|r| r.status())

@@ -3,6 +3,7 @@
 
 use crate::support::app::{config_sections, docs_route, problem, TestApp, SHARED_STORE};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::holders::{self, Workload};
 use crate::support::upstream::{Upstream, UpstreamOptions};
 
@@ -72,12 +73,7 @@ async fn shared_instances_see_each_others_tokens() {
 /// 1.5 s, so that the key is held meanwhile; returns once the write is in
 /// flight. The task answers the write's status.
 async fn hold_key(app: &TestApp, path: &str) -> tokio::task::JoinHandle<reqwest::Result<u16>> {
-    let req = app
-        .http
-        .put(app.url(path))
-        .header("x-fence-token", "5")
-        .header("x-test-delay-ms", "1500")
-        .body("five");
+    let req = fenced_put(&app.http, app.url(path), "5", "five").header("x-test-delay-ms", "1500");
     let task = tokio::spawn(async move { req.send().await.map(|r| r.status().as_u16()) });
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     task
@@ -95,11 +91,7 @@ async fn client_gone_while_waiting_in_postgres_leaks_no_lock() {
     // Instance 0 forwards token 5 slowly, holding the key.
     let slow = hold_key(&apps[0], "/docs/w").await;
     // Token 6 on instance 1 waits for it inside Postgres; its client gives up.
-    let gave_up = apps[1]
-        .http
-        .put(apps[1].url("/docs/w"))
-        .header("x-fence-token", "6")
-        .body("six")
+    let gave_up = fenced_put(&apps[1].http, apps[1].url("/docs/w"), "6", "six")
         .timeout(std::time::Duration::from_millis(300))
         .send()
         .await;

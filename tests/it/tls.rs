@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use crate::support::app::{config_sections, docs_route, TestApp};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::pki::{self, Ca};
 use crate::support::process::GatewayProcess;
 use crate::support::upstream::Upstream;
@@ -24,10 +25,7 @@ async fn https_traffic_and_lock_api_are_served_and_forwarded_as_https() {
     let app = TestApp::spawn(&store.url, &extra).await;
     let https = pki::client(&ca, None);
     let base = format!("https://127.0.0.1:{}", app.addr.port());
-    let put = https
-        .put(format!("{base}/docs/a"))
-        .header("x-fence-token", "1")
-        .body("A")
+    let put = fenced_put(&https, format!("{base}/docs/a"), "1", "A")
         .send()
         .await
         .unwrap();

@@ -12,6 +12,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::support::app::{config_sections, problem, route, TestApp};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::pki::{Ca, HttpsUpstream};
 
 fn https_route(name: &str, addr: std::net::SocketAddr, ca: Option<&std::path::Path>) -> String {
@@ -205,10 +206,7 @@ async fn a_request_is_never_sent_twice_when_pooled_connections_die() {
                 let req = if n % 2 == 0 {
                     app.http.get(app.url(&format!("/docs/k{client}")))
                 } else {
-                    app.http
-                        .put(app.url(&format!("/docs/k{client}")))
-                        .header("x-fence-token", "1")
-                        .body("x")
+                    fenced_put(&app.http, app.url(&format!("/docs/k{client}")), "1", "x")
                 };
                 let status = req
                     .header("x-test-id", &id)

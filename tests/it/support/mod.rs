@@ -21,3 +21,16 @@ pub async fn raw_request(addr: std::net::SocketAddr, raw: &str) -> String {
     let n = s.read(&mut buf).await.unwrap_or(0);
     String::from_utf8_lossy(&buf[..n]).into_owned()
 }
+
+/// A fenced write about to be sent: `PUT url` with `X-Fence-Token: token`
+/// and `body`. Add headers (`x-test-delay-ms`, say) before sending.
+pub fn fenced_put(
+    http: &reqwest::Client,
+    url: impl reqwest::IntoUrl,
+    token: impl std::fmt::Display,
+    body: impl Into<reqwest::Body>,
+) -> reqwest::RequestBuilder {
+    http.put(url)
+        .header("x-fence-token", token.to_string())
+        .body(body)
+}
