@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use crate::support::app::{docs_route, problem, route, TestApp};
-use crate::support::db::{Backend, TestStore};
+use crate::support::db::{Backend, SqliteBlocker, TestStore};
 use crate::support::fenced_put;
 use crate::support::upstream::Upstream;
 
@@ -345,16 +345,11 @@ async fn first_matching_route_wins() {
 /// write lock.
 #[tokio::test]
 async fn sqlite_store_unavailable_is_503_then_recovers() {
-    use sqlx::{Connection, SqliteConnection};
     let store = TestStore::new(Backend::Sqlite).await;
     let up = Upstream::start().await;
     let app = TestApp::spawn(&store.url, &docs_route(&up.url())).await;
     assert_eq!(app.put("/docs/a", Some("1"), "x").await.status(), 200);
-    let mut blocker = SqliteConnection::connect(&store.url).await.unwrap();
-    sqlx::query("BEGIN EXCLUSIVE")
-        .execute(&mut blocker)
-        .await
-        .unwrap();
+    let blocker = SqliteBlocker::begin(&store.url, "EXCLUSIVE").await;
     let started = std::time::Instant::now();
     let resp = app.put("/docs/a", Some("2"), "x").await;
     let elapsed = started.elapsed();
@@ -372,8 +367,7 @@ async fn sqlite_store_unavailable_is_503_then_recovers() {
         1,
         "nothing forwarded while the store is down"
     );
-    sqlx::query("ROLLBACK").execute(&mut blocker).await.unwrap();
-    drop(blocker);
+    blocker.release().await;
     let resp = app.put("/docs/a", Some("2"), "x").await;
     assert_eq!(resp.status(), 200, "recovers by itself");
 }
@@ -384,21 +378,16 @@ async fn sqlite_store_unavailable_is_503_then_recovers() {
 /// fails closed.
 #[tokio::test]
 async fn memory_fast_paths_need_no_store() {
-    use sqlx::{Connection, SqliteConnection};
     let store = TestStore::new(Backend::Sqlite).await;
     let up = Upstream::start().await;
     let app = TestApp::spawn(&store.url, &docs_route(&up.url())).await;
     assert_eq!(app.put("/docs/a", Some("5"), "first").await.status(), 200);
-    let mut blocker = SqliteConnection::connect(&store.url).await.unwrap();
-    sqlx::query("BEGIN EXCLUSIVE")
-        .execute(&mut blocker)
-        .await
-        .unwrap();
+    let blocker = SqliteBlocker::begin(&store.url, "EXCLUSIVE").await;
     let body = problem(app.put("/docs/a", Some("4"), "stale").await, 409).await;
     assert_eq!(body["highest_token"], 5);
     assert_eq!(app.put("/docs/a", Some("5"), "again").await.status(), 200);
     problem(app.put("/docs/a", Some("6"), "new").await, 503).await;
-    sqlx::query("ROLLBACK").execute(&mut blocker).await.unwrap();
+    blocker.release().await;
     let bodies: Vec<_> = up.applied().iter().map(|a| a.body.clone()).collect();
     assert_eq!(bodies, vec!["first", "again"]);
 }
