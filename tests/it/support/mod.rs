@@ -1,6 +1,7 @@
 #![allow(dead_code)]
 
 pub mod app;
+pub mod breaches;
 pub mod browser;
 pub mod cli;
 pub mod db;
