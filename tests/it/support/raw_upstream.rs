@@ -518,16 +518,7 @@ async fn read_head(conn: &mut Conn) -> HeadRead {
                         .split_once('?')
                         .map_or(target, |(p, _)| p)
                         .to_string();
-                    let headers: Vec<(String, String)> = req
-                        .headers
-                        .iter()
-                        .map(|h| {
-                            (
-                                h.name.to_ascii_lowercase(),
-                                String::from_utf8_lossy(h.value).into_owned(),
-                            )
-                        })
-                        .collect();
+                    let headers = lowercase_headers(req.headers);
                     conn.buf.advance(n);
                     let framing = match request_framing(&headers) {
                         Ok(f) => f,
@@ -553,6 +544,19 @@ async fn read_head(conn: &mut Conn) -> HeadRead {
             Ok(_) => {}
         }
     }
+}
+
+/// Parsed headers as `(lowercase name, value)` pairs.
+fn lowercase_headers(headers: &[httparse::Header<'_>]) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .map(|h| {
+            (
+                h.name.to_ascii_lowercase(),
+                String::from_utf8_lossy(h.value).into_owned(),
+            )
+        })
+        .collect()
 }
 
 fn is_chunked(headers: &[(String, String)]) -> bool {
@@ -950,16 +954,7 @@ pub async fn read_response_head<R: AsyncRead + Unpin>(
             match resp.parse(buf) {
                 Ok(httparse::Status::Complete(n)) => {
                     let status = resp.code.unwrap_or(0);
-                    let headers = resp
-                        .headers
-                        .iter()
-                        .map(|h| {
-                            (
-                                h.name.to_ascii_lowercase(),
-                                String::from_utf8_lossy(h.value).into_owned(),
-                            )
-                        })
-                        .collect();
+                    let headers = lowercase_headers(resp.headers);
                     buf.advance(n);
                     return Ok((status, headers));
                 }
