@@ -905,7 +905,7 @@ async fn durability_warning_for_an_asynchronous_standby_only() {
     let config = config_text(&primary.url(), &docs_route("http://127.0.0.1:9"));
     let http = reqwest::Client::new();
     let durability = |gw: &GatewayProcess| {
-        let url = format!("http://{}/readyz", gw.admin);
+        let url = gw.admin_url("/readyz");
         let http = http.clone();
         async move {
             let r = http.get(url).send().await.expect("readyz answers");

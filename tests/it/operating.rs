@@ -151,14 +151,7 @@ async fn sighup_changes_routes_under_load_without_a_failed_request() {
         "no request failed across the reload"
     );
     assert!(ok.load(Ordering::Relaxed) > 20, "the load ran");
-    let metrics = http
-        .get(format!("http://{}/metrics", gw.admin))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = gw.metrics().await;
     assert!(
         metrics.contains("fencegate_config_reloads_total{result=\"ok\"} 1"),
         "{metrics}"
@@ -204,21 +197,12 @@ async fn a_bad_reload_keeps_serving() {
         .await
         .unwrap();
     assert_eq!(put.status(), 200, "the old config keeps serving");
-    let more = http
-        .put(gw.url("/more/a"))
-        .header("x-fence-token", "1")
+    let more = fenced_put(&http, gw.url("/more/a"), "1", "")
         .send()
         .await
         .unwrap();
     assert_eq!(more.status(), 404, "nothing of a refused reload applies");
-    let metrics = http
-        .get(format!("http://{}/metrics", gw.admin))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = gw.metrics().await;
     assert!(
         metrics.contains("fencegate_config_reloads_total{result=\"error\"} 2"),
         "{metrics}"
