@@ -233,34 +233,16 @@ async fn upstream_timeout_is_504(b: Backend) {
 
 async fn admin_shows_fences(b: Backend) {
     let (_s, _up, app) = setup(b).await;
-    let resp = app
-        .http
-        .get(app.admin_url("/fences/doc:a"))
-        .send()
-        .await
-        .unwrap();
+    let resp = app.admin_get("/fences/doc:a").await;
     problem(resp, 404).await;
     app.put("/docs/a", Some("12"), "x").await;
-    let v: serde_json::Value = app
-        .http
-        .get(app.admin_url("/fences/doc:a"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: serde_json::Value = app.admin_get("/fences/doc:a").await.json().await.unwrap();
     assert_eq!(v["resource_key"], "doc:a");
     assert_eq!(v["highest_token"], 12);
     assert!(v["updated_at"].is_string());
-    let ready = app.http.get(app.admin_url("/readyz")).send().await.unwrap();
+    let ready = app.admin_get("/readyz").await;
     assert_eq!(ready.status(), 200);
-    let health = app
-        .http
-        .get(app.admin_url("/healthz"))
-        .send()
-        .await
-        .unwrap();
+    let health = app.admin_get("/healthz").await;
     assert_eq!(health.status(), 200);
     let metrics = app.metrics().await;
     assert!(
@@ -293,15 +275,7 @@ async fn first_matching_route_wins() {
     assert_eq!(app.put("/docs/special", Some("5"), "x").await.status(), 200);
     // Same token on doc:special via the generic route would be a different
     // key; the special route took it.
-    let v: serde_json::Value = app
-        .http
-        .get(app.admin_url("/fences/special"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: serde_json::Value = app.admin_get("/fences/special").await.json().await.unwrap();
     assert_eq!(v["highest_token"], 5);
     assert_eq!(
         app.put("/t/acme/docs/1", Some("9"), "x").await.status(),

@@ -213,12 +213,7 @@ async fn promote(pg: PrivatePg) -> PrivatePg {
 
 /// `/readyz`: its status and body.
 async fn readyz(app: &TestApp) -> (u16, serde_json::Value) {
-    let r = app
-        .http
-        .get(app.admin_url("/readyz"))
-        .send()
-        .await
-        .expect("admin listener answers");
+    let r = app.admin_get("/readyz").await;
     let status = r.status().as_u16();
     (status, r.json().await.expect("readyz is JSON"))
 }
@@ -466,11 +461,8 @@ async fn still_enforced(fresh: &TestApp, acked: &BTreeMap<String, i64>) {
         let highest = body["highest_token"].as_i64().unwrap_or_default();
         assert!(highest >= h, "{key}: acknowledged {h}, store now {highest}");
         let rec: serde_json::Value = fresh
-            .http
-            .get(fresh.admin_url(&format!("/fences/doc:{key}")))
-            .send()
+            .admin_get(&format!("/fences/doc:{key}"))
             .await
-            .expect("admin answers")
             .json()
             .await
             .expect("fence record");

@@ -80,12 +80,7 @@ async fn as_is_routes_and_reads_forward_odd_spellings() {
     let get = app.http.get(app.url("/docs/a;x=1")).send().await.unwrap();
     assert_eq!(get.headers()["x-upstream"], "recorder");
     assert_eq!(app.put("/raw/a;x=1", Some("3"), "A").await.status(), 200);
-    let fence = app
-        .http
-        .get(app.admin_url("/fences/raw:a;x=1"))
-        .send()
-        .await
-        .unwrap();
+    let fence = app.admin_get("/fences/raw:a;x=1").await;
     assert_eq!(fence.status(), 200);
     let arrived: Vec<_> = up
         .requests()
@@ -145,12 +140,7 @@ async fn query_and_header_key_parts_must_name_one_value() {
         .await
         .unwrap();
     assert_eq!(ok.status(), 200);
-    let fence = app
-        .http
-        .get(app.admin_url("/fences/item:acme:v1:7"))
-        .send()
-        .await
-        .unwrap();
+    let fence = app.admin_get("/fences/item:acme:v1:7").await;
     assert_eq!(
         fence.status(),
         200,

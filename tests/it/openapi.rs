@@ -101,12 +101,7 @@ fn the_document_is_valid_openapi_3_1() {
 async fn the_served_document_is_the_file() {
     let store = TestStore::new(Backend::Sqlite).await;
     let app = TestApp::spawn(&store.url, "").await;
-    let resp = app
-        .http
-        .get(app.admin_url("/openapi.json"))
-        .send()
-        .await
-        .expect("admin answered");
+    let resp = app.admin_get("/openapi.json").await;
     assert_eq!(resp.status(), 200);
     assert_eq!(
         resp.headers()["content-type"],

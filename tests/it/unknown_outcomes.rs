@@ -22,12 +22,7 @@ async fn gateway(store: &TestStore, up: &Upstream, store_timeout_ms: u64) -> Tes
 
 /// The highest token the store holds for `key`, through the admin API.
 async fn recorded(app: &TestApp, key: &str) -> i64 {
-    let resp = app
-        .http
-        .get(app.admin_url(&format!("/fences/{key}")))
-        .send()
-        .await
-        .unwrap();
+    let resp = app.admin_get(&format!("/fences/{key}")).await;
     assert_eq!(resp.status(), 200);
     resp.json::<serde_json::Value>().await.unwrap()["highest_token"]
         .as_i64()

@@ -105,10 +105,16 @@ impl TestApp {
         format!("http://{}{}", self.admin, path)
     }
 
+    /// `GET path` on the admin listener, which must answer.
+    pub async fn admin_get(&self, path: &str) -> reqwest::Response {
+        let resp = self.http.get(self.admin_url(path)).send().await;
+        resp.expect("admin answered")
+    }
+
     /// The admin listener's Prometheus text.
     pub async fn metrics(&self) -> String {
-        let resp = self.http.get(self.admin_url("/metrics")).send().await;
-        resp.expect("admin answered")
+        self.admin_get("/metrics")
+            .await
             .text()
             .await
             .expect("metrics text")
