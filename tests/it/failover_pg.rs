@@ -218,6 +218,16 @@ async fn readyz(app: &TestApp) -> (u16, serde_json::Value) {
     (status, r.json().await.expect("readyz is JSON"))
 }
 
+/// A `/readyz` answer of 503 that gives `why` in its store's detail; the
+/// store's details.
+fn unready_for<'a>(status: u16, ready: &'a serde_json::Value, why: &str) -> &'a serde_json::Value {
+    assert_eq!(status, 503, "{ready}");
+    let store = &ready["details"]["store"];
+    let detail = store["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains(why), "{ready}");
+    store
+}
+
 /// Waits until `/readyz` shows `pred` of its `details.store`; returns the
 /// whole answer.
 async fn wait_readyz(
@@ -535,15 +545,7 @@ async fn single_mode_fails_over_to_a_synchronous_standby() {
         s["server"] == "read-only"
     })
     .await;
-    assert_eq!(status, 503, "{ready}");
-    let store = &ready["details"]["store"];
-    assert!(
-        store["detail"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("in recovery"),
-        "{ready}"
-    );
+    let store = unready_for(status, &ready, "in recovery");
     assert_eq!(store["writer_lock"]["held"], false, "{ready}");
     assert!(
         ready["detail"]
@@ -820,15 +822,7 @@ async fn read_only_primary_is_unavailable(mode: &str) {
         s["server"] == "read-only" && (mode == "shared" || s["writer_lock"]["held"] == false)
     })
     .await;
-    assert_eq!(status, 503, "{ready}");
-    let store = &ready["details"]["store"];
-    assert!(
-        store["detail"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("default_transaction_read_only"),
-        "{ready}"
-    );
+    let store = unready_for(status, &ready, "default_transaction_read_only");
     if mode == "single" {
         let why = store["writer_lock"]["detail"].as_str().unwrap_or_default();
         assert!(why.contains("read-only transactions"), "{ready}");
