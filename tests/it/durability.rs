@@ -5,18 +5,11 @@
 use crate::support::app::{config_text, docs_route, problem, TestApp};
 use crate::support::db::{Backend, TestStore};
 use crate::support::fenced_put;
+use crate::support::per_store;
 use crate::support::process::GatewayProcess;
 use crate::support::upstream::Upstream;
 
-#[tokio::test]
-async fn survives_restart_sqlite() {
-    survives_restart(Backend::Sqlite).await
-}
-
-#[tokio::test]
-async fn survives_restart_postgres() {
-    survives_restart(Backend::Postgres).await
-}
+per_store!(#[tokio::test] survives_restart => survives_restart_sqlite, survives_restart_postgres);
 
 async fn survives_restart(b: Backend) {
     let store = TestStore::new(b).await;
@@ -33,15 +26,7 @@ async fn survives_restart(b: Backend) {
     );
 }
 
-#[tokio::test]
-async fn survives_kill_9_sqlite() {
-    survives_kill_9(Backend::Sqlite).await
-}
-
-#[tokio::test]
-async fn survives_kill_9_postgres() {
-    survives_kill_9(Backend::Postgres).await
-}
+per_store!(#[tokio::test] survives_kill_9 => survives_kill_9_sqlite, survives_kill_9_postgres);
 
 /// Acknowledged tokens survive kill -9 of the gateway process, including
 /// writes acknowledged the instant before the kill.
@@ -78,15 +63,7 @@ async fn survives_kill_9(b: Backend) {
     );
 }
 
-#[tokio::test]
-async fn second_single_instance_is_refused_sqlite() {
-    second_single_instance_is_refused(Backend::Sqlite).await
-}
-
-#[tokio::test]
-async fn second_single_instance_is_refused_postgres() {
-    second_single_instance_is_refused(Backend::Postgres).await
-}
+per_store!(#[tokio::test] second_single_instance_is_refused => second_single_instance_is_refused_sqlite, second_single_instance_is_refused_postgres);
 
 async fn second_single_instance_is_refused(b: Backend) {
     let store = TestStore::new(b).await;
@@ -110,15 +87,7 @@ async fn second_single_instance_is_refused(b: Backend) {
     TestApp::spawn(&store.url, &docs_route(&up.url())).await;
 }
 
-#[tokio::test]
-async fn restart_after_crash_waits_for_in_flight_writes_sqlite() {
-    restart_after_crash_waits_for_in_flight_writes(Backend::Sqlite).await
-}
-
-#[tokio::test]
-async fn restart_after_crash_waits_for_in_flight_writes_postgres() {
-    restart_after_crash_waits_for_in_flight_writes(Backend::Postgres).await
-}
+per_store!(#[tokio::test] restart_after_crash_waits_for_in_flight_writes => restart_after_crash_waits_for_in_flight_writes_sqlite, restart_after_crash_waits_for_in_flight_writes_postgres);
 
 /// A single-mode gateway killed while its write (token 5) is still being
 /// applied upstream, restarted at once: a write with token 6 must not reach

@@ -9,16 +9,9 @@ use rand::Rng;
 
 use crate::support::app::{config_text, parse_config};
 use crate::support::db::{Backend, TestStore};
+use crate::support::per_store;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_decisions_sqlite() {
-    concurrent_decisions(Backend::Sqlite).await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_decisions_postgres() {
-    concurrent_decisions(Backend::Postgres).await
-}
+per_store!(#[tokio::test(flavor = "multi_thread", worker_threads = 4)] concurrent_decisions => concurrent_decisions_sqlite, concurrent_decisions_postgres);
 
 /// 400 decisions from 400 tasks at once over 8 keys with random tokens:
 /// every answer is at least the presented token; a token is accepted only if

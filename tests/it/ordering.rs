@@ -19,17 +19,10 @@ use tokio::io::AsyncWriteExt;
 use crate::support::app::{docs_route, TestApp};
 use crate::support::db::{Backend, TestStore};
 use crate::support::fenced_put;
+use crate::support::per_store;
 use crate::support::upstream::{Upstream, UpstreamOptions};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn lock_holders_never_overlap_sqlite() {
-    lock_holders_never_overlap(Backend::Sqlite).await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn lock_holders_never_overlap_postgres() {
-    lock_holders_never_overlap(Backend::Postgres).await
-}
+per_store!(#[tokio::test(flavor = "multi_thread", worker_threads = 4)] lock_holders_never_overlap => lock_holders_never_overlap_sqlite, lock_holders_never_overlap_postgres);
 
 /// 24 clients act as lock holders on 3 documents: each takes the next token
 /// for a random document ("acquires the lock"), pauses at random (a GC

@@ -13,6 +13,23 @@ pub mod raw_upstream;
 pub mod redis;
 pub mod upstream;
 
+/// One test per fence store of the case `$case(Backend)`, under the names
+/// given: `per_store!(#[tokio::test] case => case_sqlite, case_postgres);`.
+macro_rules! per_store {
+    (#[$attr:meta] $case:ident => $sqlite:ident, $postgres:ident) => {
+        #[$attr]
+        async fn $sqlite() {
+            $case($crate::support::db::Backend::Sqlite).await
+        }
+
+        #[$attr]
+        async fn $postgres() {
+            $case($crate::support::db::Backend::Postgres).await
+        }
+    };
+}
+pub(crate) use per_store;
+
 /// Sends raw bytes on a new connection and returns what came back first.
 pub async fn raw_request(addr: std::net::SocketAddr, raw: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
