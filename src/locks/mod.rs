@@ -9,6 +9,16 @@
 //! Fences are per lock name, and the lock name is the resource key the token
 //! fences: a grant's fence is always above the highest token the gateway has
 //! recorded for that key, so a fresh holder can write at once.
+//!
+//! # Layout
+//!
+//! * [`api`]: the HTTP handlers under `/_fencegate/locks/{name}`.
+//! * [`backend`]: the [`LockBackend`] contract and the types backends share.
+//! * [`table`]: `backend = "store"`: leases in the fence store.
+//! * [`single_redis`]: `backend = "redis"`: leases in one Redis.
+//! * [`redlock`]: `backend = "redlock"`: leases on several Redis servers.
+//! * [`redis_node`]: the Redis backends' keys, scripts, connections, pub/sub.
+//! * [`notify`]: wake-ups for blocking acquires.
 
 pub mod api;
 pub mod backend;

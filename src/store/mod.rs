@@ -9,6 +9,17 @@
 //! A statement that timed out may still commit later. That is safe: a token
 //! recorded but never forwarded only makes older tokens stale sooner, which
 //! is what the newer holder's existence means anyway.
+//!
+//! # Layout
+//!
+//! * `postgres`: the production store, shared mode and failover included.
+//! * `sqlite`: the embedded store for a single instance.
+//! * [`batch`]: group commit: concurrent decisions in one statement.
+//! * [`readiness`]: `/readyz`'s view of the store; the durability check.
+//! * `idempotency`: `Idempotency-Key` records.
+//! * `lock_fences`: the fences of the Redis and Redlock lock backends.
+//! * `admin`: fence records for the admin API: reads, listings, resets.
+//! * `sql`: SQL fragments the statements share.
 
 mod admin;
 pub mod batch;
