@@ -221,7 +221,8 @@ impl PgStore {
     }
 
     /// Shared mode: admits a fenced write of `token` on `key` across every
-    /// instance (`fencegate_enter`: see migrations/postgres/0003 and 0005).
+    /// instance (`fencegate_enter`: see migrations/postgres/0003, 0005 and
+    /// 0008).
     /// On success the returned lock must be held until the write has
     /// finished at the upstream; `hold` bounds how long a crashed holder's
     /// write may be assumed in flight.
