@@ -12,7 +12,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
-use http::{header, HeaderValue, StatusCode, Uri};
+use http::{header, StatusCode, Uri};
 
 use crate::error::Problem;
 use crate::metrics::{Metrics, StoreOp};
@@ -97,10 +97,7 @@ async fn readyz(State(s): State<AdminState>) -> Response {
             format!("not ready: {e}"),
         )
         .with("details", details)
-        .header(
-            header::RETRY_AFTER,
-            HeaderValue::from(s.retry_after.as_secs().max(1)),
-        )
+        .retry_after(s.retry_after)
         .into_response(),
     }
 }
@@ -149,10 +146,7 @@ fn store_unavailable(s: &AdminState, op: StoreOp, e: impl std::fmt::Display) -> 
         "Fence store unavailable",
         format!("the fence store could not be reached: {e}"),
     )
-    .header(
-        header::RETRY_AFTER,
-        HeaderValue::from(s.retry_after.as_secs().max(1)),
-    )
+    .retry_after(s.retry_after)
     .into_response()
 }
 
@@ -278,6 +272,23 @@ fn admin_client(s: &AdminState, headers: &http::HeaderMap) -> Result<String, Box
         .map_err(|e| Box::new(crate::error::auth_problem(&e).into_response()))
 }
 
+/// An admin action's caller and target: the admin client's name and the
+/// decoded path between `prefix` and `suffix`; else the answer refusing it.
+async fn action(
+    s: &AdminState,
+    headers: &http::HeaderMap,
+    uri: &Uri,
+    prefix: &str,
+    suffix: &str,
+) -> Result<(String, String), Box<Response>> {
+    let admin = admin_client(s, headers)?;
+    let rest = path_rest(uri, prefix)?;
+    match rest.strip_suffix(suffix).filter(|t| !t.is_empty()) {
+        Some(target) => Ok((admin, target.to_string())),
+        None => Err(Box::new(not_found().await)),
+    }
+}
+
 /// `POST /fences/{key}/reset` `{"highest_token": N, "reason": "..."}`.
 async fn fence_action(
     State(s): State<AdminState>,
@@ -285,17 +296,11 @@ async fn fence_action(
     headers: http::HeaderMap,
     body: axum::body::Bytes,
 ) -> Response {
-    let admin = match admin_client(&s, &headers) {
-        Ok(c) => c,
+    let (admin, key) = match action(&s, &headers, &uri, "/fences/", "/reset").await {
+        Ok(v) => v,
         Err(r) => return *r,
     };
-    let rest = match path_rest(&uri, "/fences/") {
-        Ok(k) => k,
-        Err(r) => return *r,
-    };
-    let Some(key) = rest.strip_suffix("/reset").filter(|k| !k.is_empty()) else {
-        return not_found().await;
-    };
+    let key = key.as_str();
     #[derive(serde::Deserialize)]
     #[serde(deny_unknown_fields)]
     struct Reset {
@@ -344,17 +349,11 @@ async fn fence_action(
 
 /// `POST /locks/{name}/break`.
 async fn lock_action(State(s): State<AdminState>, uri: Uri, headers: http::HeaderMap) -> Response {
-    let admin = match admin_client(&s, &headers) {
-        Ok(c) => c,
+    let (admin, name) = match action(&s, &headers, &uri, "/locks/", "/break").await {
+        Ok(v) => v,
         Err(r) => return *r,
     };
-    let rest = match path_rest(&uri, "/locks/") {
-        Ok(k) => k,
-        Err(r) => return *r,
-    };
-    let Some(name) = rest.strip_suffix("/break").filter(|k| !k.is_empty()) else {
-        return not_found().await;
-    };
+    let name = name.as_str();
     let Some(locks) = &s.locks else {
         return lock_api_disabled();
     };

@@ -139,6 +139,15 @@ impl Problem {
         self.headers.push((name, value));
         self
     }
+
+    /// `Retry-After` in whole seconds, at least 1 (0 would invite a retry
+    /// at once).
+    pub fn retry_after(self, after: std::time::Duration) -> Self {
+        self.header(
+            header::RETRY_AFTER,
+            HeaderValue::from(after.as_secs().max(1)),
+        )
+    }
 }
 
 impl IntoResponse for Problem {
@@ -316,10 +325,7 @@ impl GatewayError {
                     "Request in progress",
                     "the first request with this Idempotency-Key is still being processed; retry later for its answer",
                 )
-                .header(
-                    header::RETRY_AFTER,
-                    HeaderValue::from(retry_after.as_secs().max(1)),
-                ),
+                .retry_after(*retry_after),
                 C::IdempotencyOutcomeUnknown => Problem::new(
                     StatusCode::CONFLICT,
                     "idempotency-outcome-unknown",
@@ -342,20 +348,14 @@ impl GatewayError {
                     waited.as_millis()
                 ),
             )
-            .header(
-                header::RETRY_AFTER,
-                HeaderValue::from(retry_after.as_secs().max(1)),
-            ),
+            .retry_after(retry_after),
             GatewayError::Store(crate::store::StoreError::Late) => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "decision-late",
                 "Decision too late",
                 "the write was admitted, but this instance stalled before it could be forwarded in time (within its in-flight marker, which other instances go by, or within its Idempotency-Key record's time in flight); nothing was forwarded",
             )
-            .header(
-                header::RETRY_AFTER,
-                HeaderValue::from(retry_after.as_secs().max(1)),
-            ),
+            .retry_after(retry_after),
             GatewayError::Store(crate::store::StoreError::ReadOnly(why)) => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-unavailable",
@@ -364,30 +364,21 @@ impl GatewayError {
                     "the fence store is read-only ({why}): a failover may be in progress; fenced writes wait for a writable primary; nothing was forwarded"
                 ),
             )
-            .header(
-                header::RETRY_AFTER,
-                HeaderValue::from(retry_after.as_secs().max(1)),
-            ),
+            .retry_after(retry_after),
             GatewayError::Store(crate::store::StoreError::NotOwner) => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-unavailable",
                 "Fence store unavailable",
                 "this single-mode instance does not hold the store's single-writer lock on a writable primary (lost with its connection, or during a failover), so it decides no fenced write until it takes the lock again; nothing was forwarded",
             )
-            .header(
-                header::RETRY_AFTER,
-                HeaderValue::from(retry_after.as_secs().max(1)),
-            ),
+            .retry_after(retry_after),
             GatewayError::Store(_) => Problem::new(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "store-unavailable",
                 "Fence store unavailable",
                 "the fence store could not be reached, so the token cannot be checked; nothing was forwarded",
             )
-            .header(
-                header::RETRY_AFTER,
-                HeaderValue::from(retry_after.as_secs().max(1)),
-            ),
+            .retry_after(retry_after),
             GatewayError::Internal(what) => Problem::new(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "internal",

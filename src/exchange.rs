@@ -17,15 +17,15 @@
 //! connection closes itself (`upstream`'s cutoff, which also covers bodies
 //! nobody polls: a client that stopped reading, an upstream that stopped
 //! reading), so nothing of this write moves in either direction afterwards,
-//! and the connection then tells the exchange, which lets the key open. That makes the deadline a
-//! true upper bound on the write's life at the gateway, which is what a
-//! crash recovery waits out (shared mode's `writer_until`, single mode's
-//! start-up quarantine).
+//! and the connection then tells the exchange, which lets the key open.
+//! That makes the deadline a true upper bound on the write's life at the
+//! gateway, which is what a crash recovery waits out (shared mode's
+//! `writer_until`, single mode's start-up quarantine).
 //!
 //! The [`Exchange`] holds the gate's admission. The request body wrapper
 //! (`proxy::LimitedBody`) reports when the body was handed over in full, the
 //! forward when the head arrives, the response body wrapper
-//! (`proxy::HoldingBody`) when the answer ended. Whoever completes the
+//! (`proxy::RelayBody`) when the answer ended. Whoever completes the
 //! normal ending releases the admission at once; if the exchange is dropped
 //! any other way, its `Drop` keeps the admission until the deadline.
 

@@ -133,7 +133,8 @@ impl Slots {
 
 #[derive(Default)]
 struct Slot {
-    /// Tickets and permits alive for this key; the slot is removed at zero.
+    /// Tickets and permits alive for this key; at zero the slot is idle,
+    /// kept as a cached durable token until the eviction clock takes it.
     refs: usize,
     /// The token whose writes may be in flight now (0: none yet).
     current: i64,

@@ -11,6 +11,27 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+/// A label enum's `as_str` and its Prometheus encoding, from one list of
+/// each value's text.
+macro_rules! label_values {
+    ($ty:ident { $($variant:ident => $text:literal,)+ }) => {
+        impl $ty {
+            /// The label value.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($ty::$variant => $text,)+
+                }
+            }
+        }
+
+        impl EncodeLabelValue for $ty {
+            fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
+                std::fmt::Write::write_str(encoder, self.as_str())
+            }
+        }
+    };
+}
+
 /// How a fenced write was decided: the `outcome` label of
 /// `fencegate_decisions_total`. Every fenced write gets exactly one.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
@@ -70,36 +91,27 @@ impl Outcome {
         Outcome::Replayed,
         Outcome::IdempotencyConflict,
     ];
-
-    /// The label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Forwarded => "forwarded",
-            Outcome::Stale => "stale",
-            Outcome::MissingToken => "missing_token",
-            Outcome::MalformedToken => "malformed_token",
-            Outcome::InvalidToken => "invalid_token",
-            Outcome::WrongSubject => "wrong_subject",
-            Outcome::StoreUnavailable => "store_unavailable",
-            Outcome::KeyBusy => "key_busy",
-            Outcome::TooLarge => "too_large",
-            Outcome::ClientGone => "client_gone",
-            Outcome::BadRequest => "bad_request",
-            Outcome::Late => "late",
-            Outcome::AmbiguousPath => "ambiguous_path",
-            Outcome::AmbiguousKey => "ambiguous_key",
-            Outcome::Unissued => "unissued",
-            Outcome::Replayed => "replayed",
-            Outcome::IdempotencyConflict => "idempotency_conflict",
-        }
-    }
 }
 
-impl EncodeLabelValue for Outcome {
-    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
-        std::fmt::Write::write_str(encoder, self.as_str())
-    }
-}
+label_values!(Outcome {
+    Forwarded => "forwarded",
+    Stale => "stale",
+    MissingToken => "missing_token",
+    MalformedToken => "malformed_token",
+    InvalidToken => "invalid_token",
+    WrongSubject => "wrong_subject",
+    StoreUnavailable => "store_unavailable",
+    KeyBusy => "key_busy",
+    TooLarge => "too_large",
+    ClientGone => "client_gone",
+    BadRequest => "bad_request",
+    Late => "late",
+    AmbiguousPath => "ambiguous_path",
+    AmbiguousKey => "ambiguous_key",
+    Unissued => "unissued",
+    Replayed => "replayed",
+    IdempotencyConflict => "idempotency_conflict",
+});
 
 /// The `outcome` label of `fencegate_idempotency_total`.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
@@ -115,21 +127,14 @@ pub enum IdempotencyOutcome {
     NotStored,
 }
 
-impl EncodeLabelValue for IdempotencyOutcome {
-    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
-        std::fmt::Write::write_str(
-            encoder,
-            match self {
-                IdempotencyOutcome::First => "first",
-                IdempotencyOutcome::Replayed => "replayed",
-                IdempotencyOutcome::InProgress => "in_progress",
-                IdempotencyOutcome::Reused => "reused",
-                IdempotencyOutcome::OutcomeUnknown => "outcome_unknown",
-                IdempotencyOutcome::NotStored => "not_stored",
-            },
-        )
-    }
-}
+label_values!(IdempotencyOutcome {
+    First => "first",
+    Replayed => "replayed",
+    InProgress => "in_progress",
+    Reused => "reused",
+    OutcomeUnknown => "outcome_unknown",
+    NotStored => "not_stored",
+});
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct IdempotencyLabels {
@@ -146,21 +151,12 @@ pub enum UpstreamFailure {
 
 impl UpstreamFailure {
     pub const ALL: [UpstreamFailure; 2] = [UpstreamFailure::Unreachable, UpstreamFailure::Timeout];
-
-    /// The label value.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            UpstreamFailure::Unreachable => "unreachable",
-            UpstreamFailure::Timeout => "timeout",
-        }
-    }
 }
 
-impl EncodeLabelValue for UpstreamFailure {
-    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
-        std::fmt::Write::write_str(encoder, self.as_str())
-    }
-}
+label_values!(UpstreamFailure {
+    Unreachable => "unreachable",
+    Timeout => "timeout",
+});
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReloadLabels {
@@ -229,29 +225,21 @@ impl LockEvent {
         LockEvent::Unavailable,
         LockEvent::PingFailed,
     ];
-
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LockEvent::Grant => "grant",
-            LockEvent::Held => "held",
-            LockEvent::Renew => "renew",
-            LockEvent::RenewRefused => "renew_refused",
-            LockEvent::Release => "release",
-            LockEvent::ReleaseRefused => "release_refused",
-            LockEvent::Expired => "expired",
-            LockEvent::Break => "break",
-            LockEvent::Exhausted => "exhausted",
-            LockEvent::Unavailable => "unavailable",
-            LockEvent::PingFailed => "ping_failed",
-        }
-    }
 }
 
-impl EncodeLabelValue for LockEvent {
-    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
-        std::fmt::Write::write_str(encoder, self.as_str())
-    }
-}
+label_values!(LockEvent {
+    Grant => "grant",
+    Held => "held",
+    Renew => "renew",
+    RenewRefused => "renew_refused",
+    Release => "release",
+    ReleaseRefused => "release_refused",
+    Expired => "expired",
+    Break => "break",
+    Exhausted => "exhausted",
+    Unavailable => "unavailable",
+    PingFailed => "ping_failed",
+});
 
 /// The `op` label of `fencegate_store_errors_total`.
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
@@ -264,18 +252,11 @@ pub enum StoreOp {
     Ping,
 }
 
-impl EncodeLabelValue for StoreOp {
-    fn encode(&self, encoder: &mut LabelValueEncoder) -> Result<(), std::fmt::Error> {
-        std::fmt::Write::write_str(
-            encoder,
-            match self {
-                StoreOp::Record => "record",
-                StoreOp::Get => "get",
-                StoreOp::Ping => "ping",
-            },
-        )
-    }
-}
+label_values!(StoreOp {
+    Record => "record",
+    Get => "get",
+    Ping => "ping",
+});
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StoreErrorLabels {

@@ -5,8 +5,8 @@
 //! a connection limit (a flood waits in the kernel backlog instead of
 //! exhausting memory or file descriptors), and a bounded graceful shutdown.
 //!
-//! The traffic listener runs on [`Workers`]: one thread per CPU, each with a
-//! current-thread runtime. One acceptor takes connections (within the
+//! The traffic listener runs on [`Workers`]: `[server] workers` threads (one
+//! per CPU by default), each with a current-thread runtime. One acceptor takes connections (within the
 //! connection limit) and hands them round-robin to the workers; from then on
 //! everything a connection's requests do (parse, forward on the worker's
 //! pooled upstream connections, relay the answer) happens on that worker's

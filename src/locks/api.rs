@@ -13,8 +13,8 @@
 use std::time::Duration;
 
 use axum::body::Bytes;
-use axum::extract::rejection::{BytesRejection, PathRejection};
-use axum::extract::{Path, State};
+use axum::extract::rejection::PathRejection;
+use axum::extract::{FromRequest, FromRequestParts, Path, Request, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
@@ -24,7 +24,7 @@ use serde::{Deserialize, Deserializer};
 use serde_json::Value;
 
 use super::{LockError, LockService};
-use crate::auth::{Client, Clients, Credentials};
+use crate::auth::{AuthError, Client, Clients, Credentials};
 use crate::error::Problem;
 use crate::server::ConnInfo;
 
@@ -52,8 +52,6 @@ fn credentials<'a>(headers: &'a http::HeaderMap, conn: Option<&'a ConnInfo>) -> 
             .and_then(|t| t.client_cn.as_deref()),
     }
 }
-
-type ConnParam = Option<axum::Extension<std::sync::Arc<ConnInfo>>>;
 
 /// The lock API's routes, to be merged into the traffic router.
 pub fn router(state: LockApiState) -> Router {
@@ -243,41 +241,68 @@ fn check_name(name: &str) -> Result<(), BadBody> {
     Ok(())
 }
 
-type NameParam = Result<Path<String>, PathRejection>;
-type BodyParam = Result<Bytes, BytesRejection>;
+/// A refused lock call's answer, boxed: a response is large, and most
+/// calls are not refused.
+struct Refused(Box<Response>);
 
-/// Unwraps the extractors, turning their rejections into problem documents,
-/// and authorizes the caller against the current config's clients: a
-/// request without a known client is refused (401) before its name or body
-/// is looked at.
-fn inputs(
-    s: &LockApiState,
-    conn: &ConnParam,
-    headers: &http::HeaderMap,
-    name: NameParam,
-    body: Option<BodyParam>,
-) -> Result<(String, Bytes, Option<Client>), Box<Response>> {
-    let refused = |e| Box::new(crate::error::auth_problem(&e).into_response());
-    let live = s.live.load();
-    let creds = credentials(headers, conn.as_deref().map(|c| &**c));
-    let client = live.auth.authenticate(creds).map_err(refused)?;
-    let name = match name {
-        Ok(Path(n)) => n,
-        Err(e) => {
-            return Err(Box::new(
-                BadBody::new("name", e.body_text()).into_response(),
-            ))
-        }
-    };
-    check_name(&name).map_err(|b| Box::new(b.into_response()))?;
-    Clients::may_lock(client, &name).map_err(refused)?;
-    let body = match body {
-        None => Bytes::new(),
-        Some(Ok(b)) => b,
-        Some(Err(e)) => {
+impl IntoResponse for Refused {
+    fn into_response(self) -> Response {
+        *self.0
+    }
+}
+
+impl From<BadBody> for Refused {
+    fn from(b: BadBody) -> Self {
+        Self(Box::new(b.into_response()))
+    }
+}
+
+impl From<AuthError> for Refused {
+    fn from(e: AuthError) -> Self {
+        Self(Box::new(crate::error::auth_problem(&e).into_response()))
+    }
+}
+
+/// A lock call's name and client: the whole input of `status`.
+struct Named {
+    name: String,
+    client: Option<Client>,
+}
+
+/// A lock call with a body: its name, its client and the body read as `B`.
+struct Call<B> {
+    name: String,
+    client: Option<Client>,
+    body: B,
+}
+
+impl FromRequestParts<LockApiState> for Named {
+    type Rejection = Refused;
+
+    async fn from_request_parts(
+        parts: &mut http::request::Parts,
+        s: &LockApiState,
+    ) -> Result<Self, Refused> {
+        let name = Path::from_request_parts(parts, s).await;
+        authorize(s, &parts.headers, conn_info(parts).as_deref(), name)
+    }
+}
+
+impl<B: Body> FromRequest<LockApiState> for Call<B> {
+    type Rejection = Refused;
+
+    async fn from_request(req: Request, s: &LockApiState) -> Result<Self, Refused> {
+        let (mut parts, body) = req.into_parts();
+        let name = Path::from_request_parts(&mut parts, s).await;
+        let (headers, conn) = (parts.headers.clone(), conn_info(&parts));
+        // Read before the checks; a failure to read it is answered after
+        // them, so an unknown caller is refused (401) first.
+        let body = Bytes::from_request(Request::from_parts(parts, body), s).await;
+        let Named { name, client } = authorize(s, &headers, conn.as_deref(), name)?;
+        let body = body.map_err(|e| {
             // The body was not read to its end: close the connection after
             // this answer so the client does not reuse it.
-            return Err(Box::new(
+            Refused(Box::new(
                 Problem::new(
                     e.status(),
                     "bad-lock-request",
@@ -287,112 +312,93 @@ fn inputs(
                 .with("field", "body")
                 .header(header::CONNECTION, HeaderValue::from_static("close"))
                 .into_response(),
-            ));
-        }
-    };
-    Ok((name, body, client.cloned()))
+            ))
+        })?;
+        Ok(Call {
+            name,
+            client,
+            body: parse(&body)?,
+        })
+    }
+}
+
+/// The connection's details, which the server puts in every request.
+fn conn_info(parts: &http::request::Parts) -> Option<std::sync::Arc<ConnInfo>> {
+    parts.extensions.get().cloned()
+}
+
+/// Authorizes the caller against the current config's clients, then checks
+/// the name: a request without a known client is refused (401) before its
+/// name or body is looked at.
+fn authorize(
+    s: &LockApiState,
+    headers: &http::HeaderMap,
+    conn: Option<&ConnInfo>,
+    name: Result<Path<String>, PathRejection>,
+) -> Result<Named, Refused> {
+    let live = s.live.load();
+    let creds = credentials(headers, conn);
+    let client = live.auth.authenticate(creds)?;
+    let Path(name) = name.map_err(|e| BadBody::new("name", e.body_text()))?;
+    check_name(&name)?;
+    Clients::may_lock(client, &name)?;
+    Ok(Named {
+        name,
+        client: client.cloned(),
+    })
 }
 
 async fn acquire(
     State(s): State<LockApiState>,
-    conn: ConnParam,
-    headers: http::HeaderMap,
-    name: NameParam,
-    body: BodyParam,
-) -> Response {
-    let (name, body, client) = match inputs(&s, &conn, &headers, name, Some(body)) {
-        Ok(v) => v,
-        Err(r) => return *r,
-    };
-    let parsed = parse(&body).and_then(|b: AcquireBody| {
-        let ttl = ttl(&s.locks, b.ttl_ms)?;
-        let wait = b.wait_ms.optional("wait_ms")?.map_or(0, |Millis(ms)| ms);
-        let max = s.locks.limits().max_wait;
-        if Duration::from_millis(wait) > max {
-            return Err(BadBody::new(
-                "wait_ms",
-                format!(
-                    "{wait} is above the allowed maximum of {} ms",
-                    max.as_millis()
-                ),
-            ));
-        }
-        Ok((ttl, Duration::from_millis(wait)))
-    });
-    let (ttl, wait) = match parsed {
-        Ok(v) => v,
-        Err(b) => return b.into_response(),
-    };
+    Call { name, client, body }: Call<AcquireBody>,
+) -> Result<Response, Refused> {
+    let ttl = ttl(&s.locks, body.ttl_ms)?;
+    let wait = body.wait_ms.optional("wait_ms")?.map_or(0, |Millis(ms)| ms);
+    let max = s.locks.limits().max_wait;
+    if Duration::from_millis(wait) > max {
+        return Err(BadBody::new(
+            "wait_ms",
+            format!(
+                "{wait} is above the allowed maximum of {} ms",
+                max.as_millis()
+            ),
+        )
+        .into());
+    }
     let lease = Clients::lease_id(client.as_ref(), super::new_lease_id());
-    match s.locks.acquire(&name, &lease, ttl, wait).await {
+    let wait = Duration::from_millis(wait);
+    Ok(match s.locks.acquire(&name, &lease, ttl, wait).await {
         Ok(grant) => (StatusCode::CREATED, Json(grant)).into_response(),
         Err(e) => lock_error(&name, e, s.retry_after),
-    }
+    })
 }
 
 async fn renew(
     State(s): State<LockApiState>,
-    conn: ConnParam,
-    headers: http::HeaderMap,
-    name: NameParam,
-    body: BodyParam,
-) -> Response {
-    let (name, body, client) = match inputs(&s, &conn, &headers, name, Some(body)) {
-        Ok(v) => v,
-        Err(r) => return *r,
-    };
-    let parsed = parse(&body).and_then(|b: RenewBody| {
-        let LeaseId(lease) = b.lease.required("lease")?;
-        Ok((lease, ttl(&s.locks, b.ttl_ms)?))
-    });
-    let (lease, ttl) = match parsed {
-        Ok(v) => v,
-        Err(b) => return b.into_response(),
-    };
-    if let Err(e) = Clients::owns_lease(client.as_ref(), &lease) {
-        return crate::error::auth_problem(&e).into_response();
-    }
-    match s.locks.renew(&name, &lease, ttl).await {
+    Call { name, client, body }: Call<RenewBody>,
+) -> Result<Response, Refused> {
+    let LeaseId(lease) = body.lease.required("lease")?;
+    let ttl = ttl(&s.locks, body.ttl_ms)?;
+    Clients::owns_lease(client.as_ref(), &lease)?;
+    Ok(match s.locks.renew(&name, &lease, ttl).await {
         Ok(grant) => Json(grant).into_response(),
         Err(e) => lock_error(&name, e, s.retry_after),
-    }
+    })
 }
 
 async fn release(
     State(s): State<LockApiState>,
-    conn: ConnParam,
-    headers: http::HeaderMap,
-    name: NameParam,
-    body: BodyParam,
-) -> Response {
-    let (name, body, client) = match inputs(&s, &conn, &headers, name, Some(body)) {
-        Ok(v) => v,
-        Err(r) => return *r,
-    };
-    let parsed = parse(&body).and_then(|b: ReleaseBody| b.lease.required("lease"));
-    let LeaseId(lease) = match parsed {
-        Ok(v) => v,
-        Err(b) => return b.into_response(),
-    };
-    if let Err(e) = Clients::owns_lease(client.as_ref(), &lease) {
-        return crate::error::auth_problem(&e).into_response();
-    }
-    match s.locks.release(&name, &lease).await {
+    Call { name, client, body }: Call<ReleaseBody>,
+) -> Result<Response, Refused> {
+    let LeaseId(lease) = body.lease.required("lease")?;
+    Clients::owns_lease(client.as_ref(), &lease)?;
+    Ok(match s.locks.release(&name, &lease).await {
         Ok(()) => StatusCode::NO_CONTENT.into_response(),
         Err(e) => lock_error(&name, e, s.retry_after),
-    }
+    })
 }
 
-async fn status(
-    State(s): State<LockApiState>,
-    conn: ConnParam,
-    headers: http::HeaderMap,
-    name: NameParam,
-) -> Response {
-    let (name, _, _) = match inputs(&s, &conn, &headers, name, None) {
-        Ok(v) => v,
-        Err(r) => return *r,
-    };
+async fn status(State(s): State<LockApiState>, Named { name, .. }: Named) -> Response {
     match s.locks.status(&name).await {
         Ok(st) => Json(st).into_response(),
         Err(e) => lock_error(&name, e, s.retry_after),
@@ -452,10 +458,7 @@ pub(crate) fn lock_error(name: &str, e: LockError, retry_after: Duration) -> Res
                 "Lock backend unavailable",
                 "the lock backend or the fence store could not be reached; nothing was granted",
             )
-            .header(
-                header::RETRY_AFTER,
-                HeaderValue::from(retry_after.as_secs().max(1)),
-            )
+            .retry_after(retry_after)
             .into_response()
         }
     }

@@ -48,7 +48,7 @@ pub trait LockBackend: Send + Sync {
         name: &str,
         lease: &str,
         ttl: Duration,
-    ) -> impl Future<Output = Result<Lease, LockError>> + Send;
+    ) -> impl Future<Output = LockResult<Lease>> + Send;
 
     /// Extends the lease `lease` holds on `name` to `ttl` from now, keeping
     /// its fence.
@@ -57,28 +57,24 @@ pub trait LockBackend: Send + Sync {
         name: &str,
         lease: &str,
         ttl: Duration,
-    ) -> impl Future<Output = Result<Lease, LockError>> + Send;
+    ) -> impl Future<Output = LockResult<Lease>> + Send;
 
     /// Ends the lease `lease` holds on `name`.
-    fn release(
-        &self,
-        name: &str,
-        lease: &str,
-    ) -> impl Future<Output = Result<(), LockError>> + Send;
+    fn release(&self, name: &str, lease: &str) -> impl Future<Output = LockResult<()>> + Send;
 
     /// Whether `name` is held, and its fence.
-    fn status(&self, name: &str) -> impl Future<Output = Result<LockState, LockError>> + Send;
+    fn status(&self, name: &str) -> impl Future<Output = LockResult<LockState>> + Send;
 
     /// Ends whatever lease holds `name` (an admin break); true when one
     /// did. The broken holder's renew and release then answer `NotHolder`,
     /// and waiters wake as on a release. It is not an expiry: no lock-delay
     /// follows it.
-    fn break_lease(&self, name: &str) -> impl Future<Output = Result<bool, LockError>> + Send;
+    fn break_lease(&self, name: &str) -> impl Future<Output = LockResult<bool>> + Send;
 
     /// Whether the backend answers, for `/readyz`. By default it does: a
     /// backend kept in the fence store is as ready as the store, which
     /// `/readyz` checks by itself.
-    fn ping(&self) -> impl Future<Output = Result<(), LockError>> + Send {
+    fn ping(&self) -> impl Future<Output = LockResult<()>> + Send {
         async { Ok(()) }
     }
 }
@@ -111,6 +107,9 @@ pub struct LockState {
     /// "free" from "free soon" (an acquire now would be refused).
     pub delayed_for: Option<Duration>,
 }
+
+/// What a lock operation answers.
+pub type LockResult<T> = Result<T, LockError>;
 
 /// Why a lock operation did not succeed.
 #[derive(Debug, thiserror::Error)]

@@ -9,6 +9,16 @@
 //! Fences are per lock name, and the lock name is the resource key the token
 //! fences: a grant's fence is always above the highest token the gateway has
 //! recorded for that key, so a fresh holder can write at once.
+//!
+//! # Layout
+//!
+//! * [`api`]: the HTTP handlers under `/_fencegate/locks/{name}`.
+//! * [`backend`]: the [`LockBackend`] contract and the types backends share.
+//! * [`table`]: `backend = "store"`: leases in the fence store.
+//! * [`single_redis`]: `backend = "redis"`: leases in one Redis.
+//! * [`redlock`]: `backend = "redlock"`: leases on several Redis servers.
+//! * [`redis_node`]: the Redis backends' keys, scripts, connections, pub/sub.
+//! * [`notify`]: wake-ups for blocking acquires.
 
 pub mod api;
 pub mod backend;
@@ -25,7 +35,7 @@ use chrono::{DateTime, Utc};
 use rand::RngCore;
 
 use crate::metrics::{LockEvent, Metrics};
-pub use backend::{Lease, LockBackend, LockError, LockState};
+pub use backend::{Lease, LockBackend, LockError, LockResult, LockState};
 use notify::Notifier;
 use table::TableLocks;
 
@@ -68,32 +78,27 @@ impl Backend {
 }
 
 impl LockBackend for Backend {
-    async fn try_acquire(
-        &self,
-        name: &str,
-        lease: &str,
-        ttl: Duration,
-    ) -> Result<Lease, LockError> {
+    async fn try_acquire(&self, name: &str, lease: &str, ttl: Duration) -> LockResult<Lease> {
         dispatch!(self, b => b.try_acquire(name, lease, ttl).await)
     }
 
-    async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
+    async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> LockResult<Lease> {
         dispatch!(self, b => b.renew(name, lease, ttl).await)
     }
 
-    async fn release(&self, name: &str, lease: &str) -> Result<(), LockError> {
+    async fn release(&self, name: &str, lease: &str) -> LockResult<()> {
         dispatch!(self, b => b.release(name, lease).await)
     }
 
-    async fn status(&self, name: &str) -> Result<LockState, LockError> {
+    async fn status(&self, name: &str) -> LockResult<LockState> {
         dispatch!(self, b => b.status(name).await)
     }
 
-    async fn ping(&self) -> Result<(), LockError> {
+    async fn ping(&self) -> LockResult<()> {
         dispatch!(self, b => b.ping().await)
     }
 
-    async fn break_lease(&self, name: &str) -> Result<bool, LockError> {
+    async fn break_lease(&self, name: &str) -> LockResult<bool> {
         dispatch!(self, b => b.break_lease(name).await)
     }
 }
@@ -191,7 +196,7 @@ impl LockService {
 
     /// Whether the backend answers, for `/readyz`; a failure counts as
     /// `ping_failed`.
-    pub async fn ping(&self) -> Result<(), LockError> {
+    pub async fn ping(&self) -> LockResult<()> {
         let pinged = self.inner.backend.ping().await;
         if pinged.is_err() {
             self.count(LockEvent::PingFailed);
@@ -222,7 +227,7 @@ impl LockService {
         lease: &str,
         ttl: Duration,
         wait: Duration,
-    ) -> Result<Grant, LockError> {
+    ) -> LockResult<Grant> {
         let deadline = Instant::now() + wait;
         let mut seen_held = false;
         loop {
@@ -263,7 +268,7 @@ impl LockService {
         }
     }
 
-    pub async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Grant, LockError> {
+    pub async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> LockResult<Grant> {
         match self.inner.backend.renew(name, lease, ttl).await {
             Ok(l) => {
                 self.count(LockEvent::Renew);
@@ -280,7 +285,7 @@ impl LockService {
         }
     }
 
-    pub async fn release(&self, name: &str, lease: &str) -> Result<(), LockError> {
+    pub async fn release(&self, name: &str, lease: &str) -> LockResult<()> {
         let r = self.inner.backend.release(name, lease).await;
         match &r {
             Ok(()) => {
@@ -295,7 +300,7 @@ impl LockService {
     }
 
     /// Ends whatever lease holds `name` (an admin break); true when one did.
-    pub async fn break_lease(&self, name: &str) -> Result<bool, LockError> {
+    pub async fn break_lease(&self, name: &str) -> LockResult<bool> {
         let broken = self.inner.backend.break_lease(name).await;
         match &broken {
             Ok(true) => {
@@ -308,7 +313,7 @@ impl LockService {
         broken
     }
 
-    pub async fn status(&self, name: &str) -> Result<Status, LockError> {
+    pub async fn status(&self, name: &str) -> LockResult<Status> {
         let s = self.inner.backend.status(name).await?;
         Ok(Status {
             name: name.to_string(),
@@ -319,7 +324,7 @@ impl LockService {
         })
     }
 
-    fn grant(&self, l: Lease, ttl: Duration) -> Result<Grant, LockError> {
+    fn grant(&self, l: Lease, ttl: Duration) -> LockResult<Grant> {
         let now = Utc::now();
         let expires_at = now + chrono_duration(l.valid_for);
         let token = match &*self.inner.jwt.load() {

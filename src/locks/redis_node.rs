@@ -47,10 +47,13 @@ use std::sync::Mutex;
 use futures_util::StreamExt;
 use redis::aio::MultiplexedConnection;
 use redis::sentinel::{SentinelClient, SentinelServerType};
-use redis::{AsyncConnectionConfig, ErrorKind, RedisError, RedisResult, Script};
+use redis::{
+    AsyncConnectionConfig, ErrorKind, FromRedisValue, RedisError, RedisResult, Script,
+    ScriptInvocation,
+};
 use tokio::sync::watch;
 
-use super::backend::LockError;
+use super::backend::{LockError, LockResult};
 use super::notify::Notifier;
 
 /// The channel releases are published on; the payload is the lock name.
@@ -302,7 +305,7 @@ async fn check_master(conn: &mut MultiplexedConnection) -> RedisResult<()> {
 }
 
 impl Node {
-    pub(crate) fn new(url: &str, timeout: Duration) -> Result<Self, LockError> {
+    pub(crate) fn new(url: &str, timeout: Duration) -> LockResult<Self> {
         let client = redis::Client::open(url)
             .map_err(|e| LockError::Unavailable(format!("invalid Redis URL: {e}")))?;
         let label = client.get_connection_info().addr.to_string();
@@ -315,7 +318,7 @@ impl Node {
         sentinels: &[String],
         master_name: &str,
         timeout: Duration,
-    ) -> Result<Self, LockError> {
+    ) -> LockResult<Self> {
         if sentinels.is_empty() {
             return Err(LockError::Unavailable(
                 "Sentinel discovery needs at least one Sentinel".into(),
@@ -337,7 +340,7 @@ impl Node {
                     client: redis::Client::open(url.as_str()).map_err(invalid)?,
                 })
             })
-            .collect::<Result<Vec<_>, LockError>>()?;
+            .collect::<LockResult<Vec<_>>>()?;
         Ok(Self::with_target(
             Target::Sentinel {
                 master_name: master_name.to_string(),
@@ -450,7 +453,7 @@ impl Node {
     /// all within the node's timeout. A failure that casts doubt on the
     /// connection drops it ([`suspect`]; a timeout does too: a connection
     /// that does not answer may be to a server that is gone).
-    pub(crate) async fn run<T, F, Fut>(&self, op: F) -> Result<T, LockError>
+    pub(crate) async fn run<T, F, Fut>(&self, op: F) -> LockResult<T>
     where
         F: FnOnce(MultiplexedConnection) -> Fut,
         Fut: Future<Output = RedisResult<T>>,
@@ -483,7 +486,7 @@ impl Node {
     /// Readiness: the server answers, and as a master (`ROLE`; `PING` where
     /// `ROLE` is refused). A connection that now reaches a replica is
     /// dropped and reported unavailable.
-    pub(crate) async fn ping(&self) -> Result<(), LockError> {
+    pub(crate) async fn ping(&self) -> LockResult<()> {
         self.run(|mut c| async move {
             match check_master(&mut c).await {
                 Ok(()) => redis::cmd("PING")
@@ -496,37 +499,27 @@ impl Node {
         .await
     }
 
+    /// Runs a script invocation (see [`on_lock`]) on this node.
+    pub(crate) async fn invoke<T: FromRedisValue>(
+        &self,
+        script: &ScriptInvocation<'_>,
+    ) -> LockResult<T> {
+        self.run(|mut c| async move { script.invoke_async(&mut c).await })
+            .await
+    }
+
     /// The release script: compare-and-delete, publishing on success.
-    pub(crate) async fn release(&self, name: &str, lease: &str) -> Result<bool, LockError> {
-        let (key, delay) = (lock_key(name), delay_key(name));
-        self.run(|mut c| async move {
-            RELEASE
-                .key(&key)
-                .key(&delay)
-                .arg(lease)
-                .arg(RELEASED_CHANNEL)
-                .arg(name)
-                .invoke_async::<i64>(&mut c)
-                .await
-        })
-        .await
-        .map(|n| n == 1)
+    pub(crate) async fn release(&self, name: &str, lease: &str) -> LockResult<bool> {
+        let mut script = on_lock(&RELEASE, name);
+        script.arg(lease).arg(RELEASED_CHANNEL).arg(name);
+        self.invoke(&script).await.map(|n: i64| n == 1)
     }
 
     /// The break script: true if a lease held the lock (now deleted).
-    pub(crate) async fn break_lease(&self, name: &str) -> Result<bool, LockError> {
-        let (key, delay) = (lock_key(name), delay_key(name));
-        self.run(|mut c| async move {
-            BREAK
-                .key(&key)
-                .key(&delay)
-                .arg(RELEASED_CHANNEL)
-                .arg(name)
-                .invoke_async::<i64>(&mut c)
-                .await
-        })
-        .await
-        .map(|n| n == 1)
+    pub(crate) async fn break_lease(&self, name: &str) -> LockResult<bool> {
+        let mut script = on_lock(&BREAK, name);
+        script.arg(RELEASED_CHANNEL).arg(name);
+        self.invoke(&script).await.map(|n: i64| n == 1)
     }
 
     /// The renew script: the fence if `lease` holds the lock (now extended,
@@ -537,23 +530,22 @@ impl Node {
         lease: &str,
         ttl: Duration,
         lock_delay: Duration,
-    ) -> Result<Option<i64>, LockError> {
-        let (key, delay) = (lock_key(name), delay_key(name));
-        let ms = ttl_ms(ttl);
-        let delay_ms = delay_ms(lock_delay);
-        self.run(|mut c| async move {
-            RENEW
-                .key(&key)
-                .key(&delay)
-                .arg(lease)
-                .arg(ms)
-                .arg(delay_ms)
-                .invoke_async::<i64>(&mut c)
-                .await
-        })
-        .await
-        .map(|f| (f >= 0).then_some(f))
+    ) -> LockResult<Option<i64>> {
+        let mut script = on_lock(&RENEW, name);
+        script.arg(lease).arg(ttl_ms(ttl)).arg(delay_ms(lock_delay));
+        self.invoke(&script)
+            .await
+            .map(|f: i64| (f >= 0).then_some(f))
     }
+}
+
+/// An invocation of `script` with `name`'s lock key as `KEYS[1]` and its
+/// lock-delay key as `KEYS[2]`, the layout every script but single Redis's
+/// acquire has; the caller adds the `ARGV`.
+pub(crate) fn on_lock<'a>(script: &'a Script, name: &str) -> ScriptInvocation<'a> {
+    let mut invocation = script.key(lock_key(name));
+    invocation.key(delay_key(name));
+    invocation
 }
 
 /// Aborts a background task when dropped.
@@ -610,37 +602,18 @@ pub(crate) fn spawn_subscriber(
                 let addr = client.get_connection_info().addr.to_string();
                 RedisResult::Ok((pubsub, addr))
             };
-            let mut moved = false;
             match tokio::time::timeout(bound, Box::pin(connect)).await {
                 Ok(Ok((pubsub, addr))) => {
                     backoff = BACKOFF_MIN;
                     subscribed.send_replace(true);
                     tracing::debug!(redis = %label, %addr, "subscribed to {RELEASED_CHANNEL}");
-                    let (mut sink, mut stream) = pubsub.split();
-                    let mut ping = tokio::time::interval(SUBSCRIPTION_PING);
-                    ping.tick().await;
-                    loop {
-                        tokio::select! {
-                            msg = stream.next() => match msg {
-                                Some(msg) => {
-                                    if let Ok(name) = msg.get_payload::<String>() {
-                                        notifier.notify(&name);
-                                    }
-                                }
-                                None => break,
-                            },
-                            _ = ping.tick() => {
-                                let pong = tokio::time::timeout(bound, sink.ping::<redis::Value>()).await;
-                                if !matches!(pong, Ok(Ok(_))) {
-                                    break;
-                                }
-                            }
-                            _ = changed(&mut reconnects) => {
-                                moved = true;
-                                break;
-                            }
-                        }
-                    }
+                    let moved = listen(
+                        pubsub,
+                        bound,
+                        |name| notifier.notify(&name),
+                        changed(&mut reconnects),
+                    )
+                    .await;
                     subscribed.send_replace(false);
                     if moved {
                         tracing::info!(redis = %label, %addr, "the lock connection was made again; subscribing to {RELEASED_CHANNEL} again");
@@ -744,33 +717,17 @@ async fn watch_sentinel(node: Node, index: usize) {
                 {
                     node.master_named(&format!("{host}:{port}"));
                 }
-                let (mut sink, mut stream) = pubsub.split();
-                let mut ping = tokio::time::interval(SUBSCRIPTION_PING);
-                ping.tick().await;
-                loop {
-                    tokio::select! {
-                        msg = stream.next() => match msg {
-                            // "<name> <old ip> <old port> <new ip> <new port>"
-                            Some(msg) => {
-                                let Ok(text) = msg.get_payload::<String>() else { continue };
-                                let words: Vec<&str> = text.split_whitespace().collect();
-                                if let [name, _, _, host, port] = words[..] {
-                                    if name == master_name {
-                                        tracing::info!(redis = %node.0.label, sentinel = %label, master = %format_args!("{host}:{port}"), "Sentinel switched the master");
-                                        node.master_named(&format!("{host}:{port}"));
-                                    }
-                                }
-                            }
-                            None => break,
-                        },
-                        _ = ping.tick() => {
-                            let pong = tokio::time::timeout(bound, sink.ping::<redis::Value>()).await;
-                            if !matches!(pong, Ok(Ok(_))) {
-                                break;
-                            }
+                // "<name> <old ip> <old port> <new ip> <new port>"
+                let switched = |text: String| {
+                    let words: Vec<&str> = text.split_whitespace().collect();
+                    if let [name, _, _, host, port] = words[..] {
+                        if name == master_name {
+                            tracing::info!(redis = %node.0.label, sentinel = %label, master = %format_args!("{host}:{port}"), "Sentinel switched the master");
+                            node.master_named(&format!("{host}:{port}"));
                         }
                     }
-                }
+                };
+                listen(pubsub, bound, switched, std::future::pending()).await;
                 tracing::debug!(sentinel = %label, "lost the {SWITCH_MASTER} subscription; resubscribing");
             }
             Ok(Err(e)) => {
@@ -783,6 +740,41 @@ async fn watch_sentinel(node: Node, index: usize) {
         let nap = backoff.mul_f64(0.5 + rand::random::<f64>() / 2.0);
         tokio::time::sleep(nap).await;
         backoff = (backoff * 2).min(BACKOFF_MAX);
+    }
+}
+
+/// Hands every message's payload on `pubsub` to `on_payload` until the
+/// subscription is lost (false) or `moved` resolves (true). It is pinged
+/// every [`SUBSCRIPTION_PING`], so that a connection that died silently is
+/// noticed too.
+async fn listen(
+    pubsub: redis::aio::PubSub,
+    bound: Duration,
+    mut on_payload: impl FnMut(String),
+    moved: impl Future<Output = ()>,
+) -> bool {
+    let (mut sink, mut stream) = pubsub.split();
+    let mut ping = tokio::time::interval(SUBSCRIPTION_PING);
+    ping.tick().await;
+    let mut moved = std::pin::pin!(moved);
+    loop {
+        tokio::select! {
+            msg = stream.next() => match msg {
+                Some(msg) => {
+                    if let Ok(payload) = msg.get_payload::<String>() {
+                        on_payload(payload);
+                    }
+                }
+                None => return false,
+            },
+            _ = ping.tick() => {
+                let pong = tokio::time::timeout(bound, sink.ping::<redis::Value>()).await;
+                if !matches!(pong, Ok(Ok(_))) {
+                    return false;
+                }
+            }
+            _ = &mut moved => return true,
+        }
     }
 }
 

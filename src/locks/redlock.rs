@@ -36,11 +36,11 @@ use futures_util::future::join_all;
 use redis::Script;
 use tokio::sync::watch;
 
-use super::backend::{Lease, LockBackend, LockError, LockState};
+use super::backend::{Lease, LockBackend, LockError, LockResult, LockState};
 use super::notify::Notifier;
 use super::redis_node::{
-    delay_key, delay_ms, lock_key, parse_value, pttl, spawn_subscriber, ttl_ms, wait_subscribed,
-    AbortOnDrop, Node, RELEASED_CHANNEL,
+    delay_key, delay_ms, lock_key, on_lock, parse_value, pttl, spawn_subscriber, ttl_ms,
+    wait_subscribed, AbortOnDrop, Node, RELEASED_CHANNEL,
 };
 use crate::store::FenceStore;
 
@@ -110,7 +110,7 @@ impl Redlock {
         store: FenceStore,
         per_node_timeout: Duration,
         notifier: Arc<Notifier>,
-    ) -> Result<Self, LockError> {
+    ) -> LockResult<Self> {
         if urls.is_empty() {
             return Err(LockError::Unavailable(
                 "redlock needs at least one Redis URL".into(),
@@ -193,38 +193,22 @@ impl Redlock {
 }
 
 impl LockBackend for Redlock {
-    async fn try_acquire(
-        &self,
-        name: &str,
-        lease: &str,
-        ttl: Duration,
-    ) -> Result<Lease, LockError> {
+    async fn try_acquire(&self, name: &str, lease: &str, ttl: Duration) -> LockResult<Lease> {
         let store = &self.inner.store;
         store.check_writer()?;
         let fence = store.issue_fence(name).await?;
-        let (key, delay) = (lock_key(name), delay_key(name));
-        let value = format!("{lease}:{fence}");
-        let ms = ttl_ms(ttl);
-        let delay_ms = delay_ms(self.delay);
+        let mut script = on_lock(&NODE_ACQUIRE, name);
+        script
+            .arg(format!("{lease}:{fence}"))
+            .arg(ttl_ms(ttl))
+            .arg(lease)
+            .arg(delay_ms(self.delay));
 
         let started = Instant::now();
         let answers = join_all(self.inner.nodes.iter().map(|node| {
-            let (key, delay, value) = (&key, &delay, &value);
+            let script = &script;
             async move {
-                let r = node
-                    .run(|mut c| async move {
-                        NODE_ACQUIRE
-                            .key(key)
-                            .key(delay)
-                            .arg(value)
-                            .arg(ms)
-                            .arg(lease)
-                            .arg(delay_ms)
-                            .invoke_async::<(i64, i64)>(&mut c)
-                            .await
-                    })
-                    .await;
-                match r {
+                match node.invoke::<(i64, i64)>(script).await {
                     Ok((1, _)) => NodeAcquire::Set,
                     Ok((_, left)) => NodeAcquire::Held(pttl(left)),
                     Err(e) => NodeAcquire::Failed(e),
@@ -290,7 +274,7 @@ impl LockBackend for Redlock {
     /// Extends the lease on every node that still holds it. Succeeds only
     /// when a majority did within the validity time; otherwise the lease is
     /// released everywhere (best effort) and the answer is `NotHolder`.
-    async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
+    async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> LockResult<Lease> {
         let started = Instant::now();
         let answers = join_all(
             self.inner
@@ -326,7 +310,7 @@ impl LockBackend for Redlock {
 
     /// Deletes the lock on every node; true if any node had it. Too few
     /// nodes answering to tell is unavailable.
-    async fn break_lease(&self, name: &str) -> Result<bool, LockError> {
+    async fn break_lease(&self, name: &str) -> LockResult<bool> {
         let answers = join_all(self.inner.nodes.iter().map(|n| n.break_lease(name))).await;
         if answers.iter().any(|a| matches!(a, Ok(true))) {
             return Ok(true);
@@ -345,7 +329,7 @@ impl LockBackend for Redlock {
     /// lease; the name is then published on every node that answered (the
     /// release script publishes where it deleted; the others get a PUBLISH),
     /// so every gateway hears of it whichever node it is subscribed to.
-    async fn release(&self, name: &str, lease: &str) -> Result<(), LockError> {
+    async fn release(&self, name: &str, lease: &str) -> LockResult<()> {
         let answers = join_all(self.inner.nodes.iter().map(|n| n.release(name, lease))).await;
         if answers.iter().any(|a| matches!(a, Ok(true))) {
             let others = self
@@ -388,7 +372,7 @@ impl LockBackend for Redlock {
     /// store's floor (the store issues every Redlock fence); delayed while
     /// some node's lock-delay runs and fewer than a majority of nodes could
     /// take the name now, until a majority could.
-    async fn status(&self, name: &str) -> Result<LockState, LockError> {
+    async fn status(&self, name: &str) -> LockResult<LockState> {
         let (key, delay) = (lock_key(name), delay_key(name));
         let answers = join_all(self.inner.nodes.iter().map(|node| {
             let (key, delay) = (&key, &delay);
@@ -457,7 +441,7 @@ impl LockBackend for Redlock {
     }
 
     /// Readiness: a majority of nodes answer PING.
-    async fn ping(&self) -> Result<(), LockError> {
+    async fn ping(&self) -> LockResult<()> {
         let answers = join_all(self.inner.nodes.iter().map(|n| n.ping())).await;
         let up = answers.iter().filter(|a| a.is_ok()).count();
         if up >= self.inner.quorum {

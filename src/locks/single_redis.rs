@@ -30,7 +30,7 @@ use std::time::{Duration, Instant};
 use redis::Script;
 use tokio::sync::watch;
 
-use super::backend::{Lease, LockBackend, LockError, LockState};
+use super::backend::{Lease, LockBackend, LockError, LockResult, LockState};
 use super::notify::Notifier;
 use super::redis_node::{
     delay_key, delay_ms, fence_key, lock_key, parse_value, pttl, spawn_sentinel_watch,
@@ -106,7 +106,7 @@ impl RedisLocks {
         store: FenceStore,
         op_timeout: Duration,
         notifier: Arc<Notifier>,
-    ) -> Result<Self, LockError> {
+    ) -> LockResult<Self> {
         Self::on(Node::new(url, op_timeout)?, store, op_timeout, notifier).await
     }
 
@@ -118,7 +118,7 @@ impl RedisLocks {
         store: FenceStore,
         op_timeout: Duration,
         notifier: Arc<Notifier>,
-    ) -> Result<Self, LockError> {
+    ) -> LockResult<Self> {
         let node = Node::sentinel(sentinels, master_name, op_timeout)?;
         Self::on(node, store, op_timeout, notifier).await
     }
@@ -129,7 +129,7 @@ impl RedisLocks {
         store: FenceStore,
         op_timeout: Duration,
         notifier: Arc<Notifier>,
-    ) -> Result<Self, LockError> {
+    ) -> LockResult<Self> {
         match target {
             RedisTarget::Url(url) => Self::connect(url, store, op_timeout, notifier).await,
             RedisTarget::Sentinel {
@@ -144,7 +144,7 @@ impl RedisLocks {
         store: FenceStore,
         op_timeout: Duration,
         notifier: Arc<Notifier>,
-    ) -> Result<Self, LockError> {
+    ) -> LockResult<Self> {
         let (tx, rx) = watch::channel(false);
         let subscriber = spawn_subscriber(node.clone(), notifier, tx);
         let sentinel_watch = spawn_sentinel_watch(&node);
@@ -185,7 +185,7 @@ impl RedisLocks {
         lease: &str,
         ttl: Duration,
         floor: i64,
-    ) -> Result<Acquired, LockError> {
+    ) -> LockResult<Acquired> {
         let (lock, fence, delay) = (lock_key(name), fence_key(name), delay_key(name));
         let ms = ttl_ms(ttl);
         let delay_ms = delay_ms(self.delay);
@@ -222,12 +222,7 @@ impl RedisLocks {
 }
 
 impl LockBackend for RedisLocks {
-    async fn try_acquire(
-        &self,
-        name: &str,
-        lease: &str,
-        ttl: Duration,
-    ) -> Result<Lease, LockError> {
+    async fn try_acquire(&self, name: &str, lease: &str, ttl: Duration) -> LockResult<Lease> {
         let store = &self.inner.store;
         store.check_writer()?;
         // Twice at most: a refused record means the store's floor moved past
@@ -296,7 +291,7 @@ impl LockBackend for RedisLocks {
         ))
     }
 
-    async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
+    async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> LockResult<Lease> {
         let started = Instant::now();
         match self.inner.node.renew(name, lease, ttl, self.delay).await? {
             Some(fence) => Ok(Lease {
@@ -311,7 +306,7 @@ impl LockBackend for RedisLocks {
 
     /// Releases and publishes the name (in the same script), so waiters on
     /// every gateway wake.
-    async fn release(&self, name: &str, lease: &str) -> Result<(), LockError> {
+    async fn release(&self, name: &str, lease: &str) -> LockResult<()> {
         if self.inner.node.release(name, lease).await? {
             Ok(())
         } else {
@@ -319,11 +314,11 @@ impl LockBackend for RedisLocks {
         }
     }
 
-    async fn break_lease(&self, name: &str) -> Result<bool, LockError> {
+    async fn break_lease(&self, name: &str) -> LockResult<bool> {
         self.inner.node.break_lease(name).await
     }
 
-    async fn status(&self, name: &str) -> Result<LockState, LockError> {
+    async fn status(&self, name: &str) -> LockResult<LockState> {
         let (lock, fence, delay) = (lock_key(name), fence_key(name), delay_key(name));
         let (value, left, counter, delay_left): (Option<String>, i64, Option<i64>, i64) = self
             .inner
@@ -363,7 +358,7 @@ impl LockBackend for RedisLocks {
     }
 
     /// Readiness: Redis answers PING within the op timeout.
-    async fn ping(&self) -> Result<(), LockError> {
+    async fn ping(&self) -> LockResult<()> {
         self.inner.node.ping().await
     }
 }

@@ -12,16 +12,16 @@
 //! `expires_at` is one that expired, and it stays ungrantable until
 //! `expires_at` plus the delay.
 //!
-//! On SQLite, statements that write are stepped to the end (`fetch_all`)
-//! even for one row, so that a failed commit is reported, never
-//! acknowledged (see the `store::sqlite` module docs).
+//! Statements that write are stepped to the end (`fetch_all`) even for one
+//! row, so that a failed commit on SQLite is reported, never acknowledged
+//! (see the `store::sqlite` module docs).
 
 use std::fmt::Display;
 use std::future::Future;
 use std::time::Duration;
 
-use super::backend::{Lease, LockBackend, LockError, LockState};
-use crate::store::sql::{highest_token, sqlite_now_ms};
+use super::backend::{Lease, LockBackend, LockError, LockResult, LockState};
+use crate::store::sql::{highest_token, on_backend, pg_ms_until, sqlite_now_ms};
 use crate::store::{bounded, FenceStore, StoreError};
 
 /// Postgres: take the lock if it is released, or expired for longer than
@@ -36,14 +36,15 @@ ON CONFLICT (name) DO UPDATE
         lease = EXCLUDED.lease,
         expires_at = EXCLUDED.expires_at
     WHERE l.lease IS NULL OR l.expires_at + $4 * interval '1 millisecond' <= now()
-RETURNING fence, GREATEST(0, (EXTRACT(EPOCH FROM (expires_at - now())) * 1000))::bigint");
+RETURNING fence, ", pg_ms_until!("expires_at"));
 
 /// Postgres: extend a lease that is still ours and still valid; an expired
 /// lease is never silently revived.
-const PG_RENEW: &str = "\
+#[rustfmt::skip]
+const PG_RENEW: &str = concat!("\
 UPDATE locks SET expires_at = now() + $3 * interval '1 millisecond'
  WHERE name = $1 AND lease = $2 AND expires_at > now()
-RETURNING fence, GREATEST(0, (EXTRACT(EPOCH FROM (expires_at - now())) * 1000))::bigint";
+RETURNING fence, ", pg_ms_until!("expires_at"));
 
 /// Postgres: release and wake waiters on every instance, in one statement
 /// (the notification is delivered when it commits).
@@ -68,14 +69,15 @@ SELECT pg_notify('fencegate_locks', name) FROM r";
 /// Postgres: the fence, whether held, the ms left of the lease, and (for an
 /// expired lease) the ms left of its lock-delay (`$2` ms), rounded up so a
 /// delay with a fraction of a millisecond left still shows.
-const PG_STATUS: &str = "\
+#[rustfmt::skip]
+const PG_STATUS: &str = concat!("\
 SELECT fence,
        lease IS NOT NULL AND expires_at > now(),
-       GREATEST(0, (EXTRACT(EPOCH FROM (expires_at - now())) * 1000))::bigint,
+       ", pg_ms_until!("expires_at"), ",
        CASE WHEN lease IS NOT NULL AND expires_at <= now() THEN
            CEIL(EXTRACT(EPOCH FROM (expires_at + $2 * interval '1 millisecond' - now())) * 1000)::bigint
        END
-  FROM locks WHERE name = $1";
+  FROM locks WHERE name = $1");
 
 /// SQLite: see [`PG_ACQUIRE`].
 #[rustfmt::skip]
@@ -156,7 +158,7 @@ impl TableLocks {
     async fn run<T>(
         &self,
         statement: impl Future<Output = Result<T, sqlx::Error>>,
-    ) -> Result<T, LockError> {
+    ) -> LockResult<T> {
         let unavailable = |why: &dyn Display| LockError::Unavailable(format!("fence store: {why}"));
         bounded(
             self.timeout,
@@ -185,7 +187,7 @@ impl TableLocks {
         lease: &str,
         ttl: Duration,
         delay: Option<Duration>,
-    ) -> Result<Option<(i64, i64)>, LockError> {
+    ) -> LockResult<Option<(i64, i64)>> {
         self.store.check_writer()?;
         let ttl_ms = ttl.as_millis() as i64;
         let delay_ms = delay.map(|d| d.as_millis() as i64);
@@ -227,26 +229,17 @@ impl TableLocks {
     /// Why a renew or release by `lease` matched no row: the lease is still
     /// recorded (so it expired), or it is not (someone else's, or released).
     async fn refusal(&self, name: &str, lease: &str) -> LockError {
-        let ours: Result<Option<bool>, LockError> = match &self.store {
-            FenceStore::Postgres(s) => {
-                self.run(
-                    sqlx::query_scalar("SELECT lease = $2 FROM locks WHERE name = $1")
-                        .bind(name)
-                        .bind(lease)
-                        .fetch_optional(s.pool()),
-                )
-                .await
+        let ours: LockResult<Option<bool>> = on_backend!(
+            &self.store,
+            (
+                "SELECT lease = $2 FROM locks WHERE name = $1",
+                "SELECT lease = ?2 FROM locks WHERE name = ?1"
+            ),
+            |pool, sql| {
+                let query = sqlx::query_scalar(sql).bind(name).bind(lease);
+                self.run(query.fetch_optional(pool)).await
             }
-            FenceStore::Sqlite(s) => {
-                self.run(
-                    sqlx::query_scalar("SELECT lease = ?2 FROM locks WHERE name = ?1")
-                        .bind(name)
-                        .bind(lease)
-                        .fetch_optional(s.pool()),
-                )
-                .await
-            }
-        };
+        );
         match ours {
             Ok(Some(true)) => LockError::Expired,
             _ => LockError::NotHolder,
@@ -255,12 +248,7 @@ impl TableLocks {
 }
 
 impl LockBackend for TableLocks {
-    async fn try_acquire(
-        &self,
-        name: &str,
-        lease: &str,
-        ttl: Duration,
-    ) -> Result<Lease, LockError> {
+    async fn try_acquire(&self, name: &str, lease: &str, ttl: Duration) -> LockResult<Lease> {
         match self
             .lease_statement(
                 PG_ACQUIRE,
@@ -282,7 +270,7 @@ impl LockBackend for TableLocks {
         }
     }
 
-    async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> Result<Lease, LockError> {
+    async fn renew(&self, name: &str, lease: &str, ttl: Duration) -> LockResult<Lease> {
         match self
             .lease_statement(PG_RENEW, SQLITE_RENEW, name, lease, ttl, None)
             .await?
@@ -295,30 +283,12 @@ impl LockBackend for TableLocks {
     /// Releases the lease; `NotHolder` or `Expired` when it held nothing.
     /// The caller wakes local waiters; Postgres also notifies other
     /// instances.
-    async fn release(&self, name: &str, lease: &str) -> Result<(), LockError> {
+    async fn release(&self, name: &str, lease: &str) -> LockResult<()> {
         self.store.check_writer()?;
-        let released = match &self.store {
-            FenceStore::Postgres(s) => self
-                .run(
-                    sqlx::query(PG_RELEASE)
-                        .bind(name)
-                        .bind(lease)
-                        .fetch_optional(s.pool()),
-                )
-                .await?
-                .is_some(),
-            FenceStore::Sqlite(s) => self
-                .run(
-                    sqlx::query(SQLITE_RELEASE)
-                        .bind(name)
-                        .bind(lease)
-                        .fetch_all(s.pool()),
-                )
-                .await?
-                .into_iter()
-                .next()
-                .is_some(),
-        };
+        let released = on_backend!(&self.store, (PG_RELEASE, SQLITE_RELEASE), |pool, sql| {
+            let query = sqlx::query(sql).bind(name).bind(lease);
+            !self.run(query.fetch_all(pool)).await?.is_empty()
+        });
         if released {
             Ok(())
         } else {
@@ -326,21 +296,19 @@ impl LockBackend for TableLocks {
         }
     }
 
-    async fn break_lease(&self, name: &str) -> Result<bool, LockError> {
+    async fn break_lease(&self, name: &str) -> LockResult<bool> {
         self.store.check_writer()?;
-        Ok(match &self.store {
-            FenceStore::Postgres(s) => self
-                .run(sqlx::query(PG_BREAK).bind(name).fetch_optional(s.pool()))
-                .await?
-                .is_some(),
-            FenceStore::Sqlite(s) => !self
-                .run(sqlx::query(SQLITE_BREAK).bind(name).fetch_all(s.pool()))
-                .await?
-                .is_empty(),
-        })
+        Ok(on_backend!(
+            &self.store,
+            (PG_BREAK, SQLITE_BREAK),
+            |pool, sql| {
+                let query = sqlx::query(sql).bind(name);
+                !self.run(query.fetch_all(pool)).await?.is_empty()
+            }
+        ))
     }
 
-    async fn status(&self, name: &str) -> Result<LockState, LockError> {
+    async fn status(&self, name: &str) -> LockResult<LockState> {
         let delay_ms = self.delay.as_millis() as i64;
         let row: Option<StatusRow> = match &self.store {
             FenceStore::Postgres(s) => {

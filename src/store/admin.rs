@@ -11,6 +11,7 @@
 use chrono::{DateTime, Utc};
 use sqlx::Row;
 
+use super::sql::on_backend;
 use super::{bounded, FenceStore, StoreError};
 
 /// What the admin API shows for a key.
@@ -137,22 +138,14 @@ impl FenceStore {
     pub async fn get(&self, key: &str) -> Result<Option<FenceRecord>, StoreError> {
         let timeout = self.timeout();
         bounded(timeout, StoreError::Timeout, async {
-            let found = match self {
-                FenceStore::Postgres(s) => records(
-                    sqlx::query(&format!("{PG_RECORD} WHERE f.resource_key = $1"))
-                        .bind(key)
-                        .fetch_all(s.pool())
-                        .await?,
-                    pg_at,
-                )?,
-                FenceStore::Sqlite(s) => records(
-                    sqlx::query(&format!("{SQLITE_RECORD} WHERE f.resource_key = ?1"))
-                        .bind(key)
-                        .fetch_all(s.pool())
-                        .await?,
-                    sqlite_at,
-                )?,
-            };
+            let pg = (format!("{PG_RECORD} WHERE f.resource_key = $1"), pg_at);
+            let sqlite = (
+                format!("{SQLITE_RECORD} WHERE f.resource_key = ?1"),
+                sqlite_at,
+            );
+            let found = on_backend!(self, (pg, sqlite), |pool, (sql, at)| {
+                records(sqlx::query(&sql).bind(key).fetch_all(pool).await?, at)?
+            });
             Ok(found.into_iter().next())
         })
         .await
@@ -171,38 +164,30 @@ impl FenceStore {
         let take = limit as i64 + 1;
         let timeout = self.timeout();
         let items = bounded(timeout, StoreError::Timeout, async {
-            let found = match self {
-                FenceStore::Postgres(s) => records(
-                    sqlx::query(&format!(
-                        "{PG_RECORD} WHERE f.resource_key COLLATE \"C\" >= $1 \
-                           AND ($2::text IS NULL OR f.resource_key COLLATE \"C\" < $2) \
-                           AND ($3::text IS NULL OR f.resource_key COLLATE \"C\" > $3) \
-                         ORDER BY f.resource_key COLLATE \"C\" LIMIT $4"
-                    ))
-                    .bind(prefix)
-                    .bind(end.as_deref())
-                    .bind(after)
-                    .bind(take)
-                    .fetch_all(s.pool())
-                    .await?,
-                    pg_at,
-                )?,
-                FenceStore::Sqlite(s) => records(
-                    sqlx::query(&format!(
-                        "{SQLITE_RECORD} WHERE f.resource_key >= ?1 \
-                           AND (?2 IS NULL OR f.resource_key < ?2) \
-                           AND (?3 IS NULL OR f.resource_key > ?3) \
-                         ORDER BY f.resource_key LIMIT ?4"
-                    ))
-                    .bind(prefix)
-                    .bind(end.as_deref())
-                    .bind(after)
-                    .bind(take)
-                    .fetch_all(s.pool())
-                    .await?,
-                    sqlite_at,
-                )?,
-            };
+            let pg = format!(
+                "{PG_RECORD} WHERE f.resource_key COLLATE \"C\" >= $1 \
+                   AND ($2::text IS NULL OR f.resource_key COLLATE \"C\" < $2) \
+                   AND ($3::text IS NULL OR f.resource_key COLLATE \"C\" > $3) \
+                 ORDER BY f.resource_key COLLATE \"C\" LIMIT $4"
+            );
+            let sqlite = format!(
+                "{SQLITE_RECORD} WHERE f.resource_key >= ?1 \
+                   AND (?2 IS NULL OR f.resource_key < ?2) \
+                   AND (?3 IS NULL OR f.resource_key > ?3) \
+                 ORDER BY f.resource_key LIMIT ?4"
+            );
+            let found = on_backend!(
+                self,
+                ((pg, pg_at), (sqlite, sqlite_at)),
+                |pool, (sql, at)| {
+                    let query = sqlx::query(&sql)
+                        .bind(prefix)
+                        .bind(end.as_deref())
+                        .bind(after)
+                        .bind(take);
+                    records(query.fetch_all(pool).await?, at)?
+                }
+            );
             Ok(found)
         })
         .await?;
@@ -318,65 +303,24 @@ impl FenceStore {
         let take = limit as i64 + 1;
         let timeout = self.timeout();
         let items: Vec<String> = bounded(timeout, StoreError::Timeout, async {
-            Ok(match self {
-                FenceStore::Postgres(s) => {
-                    sqlx::query_scalar(
-                        "SELECT name FROM locks WHERE name COLLATE \"C\" >= $1 \
-                           AND ($2::text IS NULL OR name COLLATE \"C\" < $2) \
-                           AND ($3::text IS NULL OR name COLLATE \"C\" > $3) \
-                         ORDER BY name COLLATE \"C\" LIMIT $4",
-                    )
+            let pg = "SELECT name FROM locks WHERE name COLLATE \"C\" >= $1 \
+                        AND ($2::text IS NULL OR name COLLATE \"C\" < $2) \
+                        AND ($3::text IS NULL OR name COLLATE \"C\" > $3) \
+                      ORDER BY name COLLATE \"C\" LIMIT $4";
+            let sqlite = "SELECT name FROM locks WHERE name >= ?1 \
+                            AND (?2 IS NULL OR name < ?2) AND (?3 IS NULL OR name > ?3) \
+                          ORDER BY name LIMIT ?4";
+            Ok(on_backend!(self, (pg, sqlite), |pool, sql| {
+                let query = sqlx::query_scalar(sql)
                     .bind(prefix)
                     .bind(end.as_deref())
                     .bind(after)
-                    .bind(take)
-                    .fetch_all(s.pool())
-                    .await?
-                }
-                FenceStore::Sqlite(s) => {
-                    sqlx::query_scalar(
-                        "SELECT name FROM locks WHERE name >= ?1 \
-                           AND (?2 IS NULL OR name < ?2) AND (?3 IS NULL OR name > ?3) \
-                         ORDER BY name LIMIT ?4",
-                    )
-                    .bind(prefix)
-                    .bind(end.as_deref())
-                    .bind(after)
-                    .bind(take)
-                    .fetch_all(s.pool())
-                    .await?
-                }
-            })
+                    .bind(take);
+                query.fetch_all(pool).await?
+            }))
         })
         .await?;
         Ok(Page::of(items, limit, String::clone))
-    }
-
-    /// The highest fence the lock API has granted for the lock `name` (0 if
-    /// none): `token = "issued"` routes accept no token above it.
-    pub async fn issued_fence(&self, name: &str) -> Result<i64, StoreError> {
-        let timeout = self.timeout();
-        bounded(timeout, StoreError::Timeout, async {
-            Ok(match self {
-                FenceStore::Postgres(s) => {
-                    sqlx::query_scalar(
-                        "SELECT COALESCE((SELECT fence FROM locks WHERE name = $1), 0)",
-                    )
-                    .bind(name)
-                    .fetch_one(s.pool())
-                    .await?
-                }
-                FenceStore::Sqlite(s) => {
-                    sqlx::query_scalar(
-                        "SELECT COALESCE((SELECT fence FROM locks WHERE name = ?1), 0)",
-                    )
-                    .bind(name)
-                    .fetch_one(s.pool())
-                    .await?
-                }
-            })
-        })
-        .await
     }
 
     /// Resets after the one with id `after`, oldest first, as `(id, key)`:
@@ -386,22 +330,14 @@ impl FenceStore {
     pub async fn resets_after(&self, after: i64) -> Result<Vec<(i64, String)>, StoreError> {
         let timeout = self.timeout();
         bounded(timeout, StoreError::Timeout, async {
-            let sql = match self {
-                FenceStore::Postgres(_) => {
-                    "SELECT id, resource_key FROM fence_resets WHERE id > $1 ORDER BY id LIMIT 1000"
-                }
-                FenceStore::Sqlite(_) => {
+            Ok(on_backend!(
+                self,
+                (
+                    "SELECT id, resource_key FROM fence_resets WHERE id > $1 ORDER BY id LIMIT 1000",
                     "SELECT id, resource_key FROM fence_resets WHERE id > ?1 ORDER BY id LIMIT 1000"
-                }
-            };
-            Ok(match self {
-                FenceStore::Postgres(s) => {
-                    sqlx::query_as(sql).bind(after).fetch_all(s.pool()).await?
-                }
-                FenceStore::Sqlite(s) => {
-                    sqlx::query_as(sql).bind(after).fetch_all(s.pool()).await?
-                }
-            })
+                ),
+                |pool, sql| sqlx::query_as(sql).bind(after).fetch_all(pool).await?
+            ))
         })
         .await
     }
@@ -411,10 +347,9 @@ impl FenceStore {
         let timeout = self.timeout();
         bounded(timeout, StoreError::Timeout, async {
             let sql = "SELECT COALESCE(max(id), 0) FROM fence_resets";
-            Ok(match self {
-                FenceStore::Postgres(s) => sqlx::query_scalar(sql).fetch_one(s.pool()).await?,
-                FenceStore::Sqlite(s) => sqlx::query_scalar(sql).fetch_one(s.pool()).await?,
-            })
+            Ok(on_backend!(self, (sql, sql), |pool, sql| {
+                sqlx::query_scalar(sql).fetch_one(pool).await?
+            }))
         })
         .await
     }

@@ -9,10 +9,22 @@
 //! A statement that timed out may still commit later. That is safe: a token
 //! recorded but never forwarded only makes older tokens stale sooner, which
 //! is what the newer holder's existence means anyway.
+//!
+//! # Layout
+//!
+//! * `postgres`: the production store, shared mode and failover included.
+//! * `sqlite`: the embedded store for a single instance.
+//! * [`batch`]: group commit: concurrent decisions in one statement.
+//! * [`readiness`]: `/readyz`'s view of the store; the durability check.
+//! * `idempotency`: `Idempotency-Key` records.
+//! * `lock_fences`: the fences of the Redis and Redlock lock backends.
+//! * `admin`: fence records for the admin API: reads, listings, resets.
+//! * `sql`: SQL fragments the statements share.
 
 mod admin;
 pub mod batch;
 mod idempotency;
+mod lock_fences;
 mod postgres;
 pub mod readiness;
 pub(crate) mod sql;
@@ -110,27 +122,6 @@ impl FenceStore {
     /// The returned value is durable: the statement has committed.
     pub async fn record(&self, key: &str, token: i64) -> Result<i64, StoreError> {
         dispatch!(self, s => s.record(key, token).await)
-    }
-
-    /// Issues the next fence for a lock name, durably: above every fence
-    /// issued for the name and above the highest token recorded for the
-    /// resource key of the same name. Used by Redlock grants.
-    pub async fn issue_fence(&self, name: &str) -> Result<i64, StoreError> {
-        dispatch!(self, s => s.issue_fence(name).await)
-    }
-
-    /// The value every new fence for `name` must exceed: the last fence
-    /// issued for it, or the highest token recorded for the key, whichever is
-    /// higher (0 if neither exists).
-    pub async fn fence_floor(&self, name: &str) -> Result<i64, StoreError> {
-        dispatch!(self, s => s.fence_floor(name).await)
-    }
-
-    /// Durably records `fence` as issued for `name` if it is above the floor.
-    /// Returns false (and records nothing) when it is not: a grant with that
-    /// fence must then be withdrawn.
-    pub async fn record_fence(&self, name: &str, fence: i64) -> Result<bool, StoreError> {
-        dispatch!(self, s => s.record_fence(name, fence).await)
     }
 
     /// The bound on every operation (`[store] timeout_ms`).

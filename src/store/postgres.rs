@@ -39,7 +39,6 @@ use sqlx::{Connection, PgConnection, PgPool};
 use tokio::task::JoinHandle;
 
 use super::readiness::{Probe, ServerState, StoreReadiness, WriterLock, PROBE};
-use super::sql::highest_token;
 use super::{bounded, StoreError};
 use crate::config::{redact_url, StoreConfig};
 
@@ -77,35 +76,6 @@ SELECT pg_is_in_recovery(),
             ELSE pg_try_advisory_lock($1, $2) END";
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");
-
-/// Next fence for a lock name: above every fence issued for it and above the
-/// highest token recorded for the resource key of the same name.
-#[rustfmt::skip]
-const ISSUE_FENCE: &str = concat!("\
-INSERT INTO locks AS l (name, fence)
-VALUES ($1, ", highest_token!("$1"), " + 1)
-ON CONFLICT (name) DO UPDATE
-    SET fence = GREATEST(l.fence, ", highest_token!("$1"), ") + 1
-RETURNING fence");
-
-/// The highest fence a grant for this name must exceed.
-#[rustfmt::skip]
-const FENCE_FLOOR: &str = concat!("\
-SELECT GREATEST(
-    COALESCE((SELECT fence FROM locks WHERE name = $1), 0),
-    ", highest_token!("$1"), ")");
-
-/// Records a fence issued elsewhere (Redis) if it is above the floor;
-/// returns a row only when it was.
-#[rustfmt::skip]
-const RECORD_FENCE: &str = concat!("\
-INSERT INTO locks AS l (name, fence)
-SELECT $1, $2
- WHERE $2 > ", highest_token!("$1"), "
-ON CONFLICT (name) DO UPDATE
-    SET fence = EXCLUDED.fence
-    WHERE l.fence < EXCLUDED.fence
-RETURNING fence");
 
 /// A batch of decisions in one statement. Keys are deduplicated keeping
 /// the highest token (ON CONFLICT may not touch a row twice) and locked in
@@ -250,42 +220,9 @@ impl PgStore {
         }
     }
 
-    pub async fn issue_fence(&self, name: &str) -> Result<i64, StoreError> {
-        self.check_owner()?;
-        bounded(self.timeout, StoreError::Timeout, async {
-            Ok(sqlx::query_scalar(ISSUE_FENCE)
-                .bind(name)
-                .fetch_one(&self.pool)
-                .await?)
-        })
-        .await
-    }
-
-    pub async fn fence_floor(&self, name: &str) -> Result<i64, StoreError> {
-        bounded(self.timeout, StoreError::Timeout, async {
-            Ok(sqlx::query_scalar(FENCE_FLOOR)
-                .bind(name)
-                .fetch_one(&self.pool)
-                .await?)
-        })
-        .await
-    }
-
-    pub async fn record_fence(&self, name: &str, fence: i64) -> Result<bool, StoreError> {
-        self.check_owner()?;
-        bounded(self.timeout, StoreError::Timeout, async {
-            let raised: Option<i64> = sqlx::query_scalar(RECORD_FENCE)
-                .bind(name)
-                .bind(fence)
-                .fetch_optional(&self.pool)
-                .await?;
-            Ok(raised.is_some())
-        })
-        .await
-    }
-
     /// Shared mode: admits a fenced write of `token` on `key` across every
-    /// instance (`fencegate_enter`: see migrations/postgres/0003 and 0005).
+    /// instance (`fencegate_enter`: see migrations/postgres/0003, 0005 and
+    /// 0008).
     /// On success the returned lock must be held until the write has
     /// finished at the upstream; `hold` bounds how long a crashed holder's
     /// write may be assumed in flight.

@@ -23,38 +23,11 @@ use std::time::Duration;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::SqlitePool;
 
-use super::sql::{highest_token, sqlite_now_ms};
+use super::sql::sqlite_now_ms;
 use super::{bounded, StoreError};
 use crate::config::StoreConfig;
 
 static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
-
-/// See `postgres::ISSUE_FENCE`.
-#[rustfmt::skip]
-const ISSUE_FENCE: &str = concat!("\
-INSERT INTO locks (name, fence)
-VALUES (?1, ", highest_token!("?1"), " + 1)
-ON CONFLICT (name) DO UPDATE
-    SET fence = MAX(locks.fence, ", highest_token!("?1"), ") + 1
-RETURNING fence");
-
-/// See `postgres::FENCE_FLOOR`.
-#[rustfmt::skip]
-const FENCE_FLOOR: &str = concat!("\
-SELECT MAX(
-    COALESCE((SELECT fence FROM locks WHERE name = ?1), 0),
-    ", highest_token!("?1"), ")");
-
-/// See `postgres::RECORD_FENCE`.
-#[rustfmt::skip]
-const RECORD_FENCE: &str = concat!("\
-INSERT INTO locks (name, fence)
-SELECT ?1, ?2
- WHERE ?2 > ", highest_token!("?1"), "
-ON CONFLICT (name) DO UPDATE
-    SET fence = excluded.fence
-    WHERE locks.fence < excluded.fence
-RETURNING fence");
 
 /// One decision of a batch: returns a row only when it raised the token.
 #[rustfmt::skip]
@@ -111,43 +84,6 @@ impl SqliteStore {
     /// One decision, group-committed with concurrent ones (see `batch`).
     pub async fn record(&self, key: &str, token: i64) -> Result<i64, StoreError> {
         self.batcher.record(key, token).await
-    }
-
-    pub async fn issue_fence(&self, name: &str) -> Result<i64, StoreError> {
-        bounded(self.timeout, StoreError::Timeout, async {
-            sqlx::query_scalar(ISSUE_FENCE)
-                .bind(name)
-                .fetch_all(&self.pool)
-                .await?
-                .into_iter()
-                .next()
-                .ok_or(sqlx::Error::RowNotFound.into())
-        })
-        .await
-    }
-
-    pub async fn fence_floor(&self, name: &str) -> Result<i64, StoreError> {
-        bounded(self.timeout, StoreError::Timeout, async {
-            Ok(sqlx::query_scalar(FENCE_FLOOR)
-                .bind(name)
-                .fetch_one(&self.pool)
-                .await?)
-        })
-        .await
-    }
-
-    pub async fn record_fence(&self, name: &str, fence: i64) -> Result<bool, StoreError> {
-        bounded(self.timeout, StoreError::Timeout, async {
-            let raised: Option<i64> = sqlx::query_scalar(RECORD_FENCE)
-                .bind(name)
-                .bind(fence)
-                .fetch_all(&self.pool)
-                .await?
-                .into_iter()
-                .next();
-            Ok(raised.is_some())
-        })
-        .await
     }
 
     /// See `PgStore::begin_run`.

@@ -3,7 +3,8 @@
 use std::time::Duration;
 
 use crate::support::app::{docs_route, problem, route, TestApp};
-use crate::support::db::{Backend, TestStore};
+use crate::support::db::{Backend, SqliteBlocker, TestStore};
+use crate::support::fenced_put;
 use crate::support::upstream::Upstream;
 
 macro_rules! on_both_stores {
@@ -221,12 +222,8 @@ async fn upstream_timeout_is_504(b: Backend) {
     let mut routes = docs_route(&up.url());
     routes.push_str("timeout_ms = 200\n");
     let app = TestApp::spawn(&store.url, &routes).await;
-    let resp = app
-        .http
-        .put(app.url("/docs/a"))
-        .header("x-fence-token", "5")
+    let resp = fenced_put(&app.http, app.url("/docs/a"), "5", "slow")
         .header("x-test-delay-ms", "2000")
-        .body("slow")
         .send()
         .await
         .unwrap();
@@ -236,34 +233,16 @@ async fn upstream_timeout_is_504(b: Backend) {
 
 async fn admin_shows_fences(b: Backend) {
     let (_s, _up, app) = setup(b).await;
-    let resp = app
-        .http
-        .get(app.admin_url("/fences/doc:a"))
-        .send()
-        .await
-        .unwrap();
+    let resp = app.admin_get("/fences/doc:a").await;
     problem(resp, 404).await;
     app.put("/docs/a", Some("12"), "x").await;
-    let v: serde_json::Value = app
-        .http
-        .get(app.admin_url("/fences/doc:a"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: serde_json::Value = app.admin_get("/fences/doc:a").await.json().await.unwrap();
     assert_eq!(v["resource_key"], "doc:a");
     assert_eq!(v["highest_token"], 12);
     assert!(v["updated_at"].is_string());
-    let ready = app.http.get(app.admin_url("/readyz")).send().await.unwrap();
+    let ready = app.admin_get("/readyz").await;
     assert_eq!(ready.status(), 200);
-    let health = app
-        .http
-        .get(app.admin_url("/healthz"))
-        .send()
-        .await
-        .unwrap();
+    let health = app.admin_get("/healthz").await;
     assert_eq!(health.status(), 200);
     let metrics = app.metrics().await;
     assert!(
@@ -296,15 +275,7 @@ async fn first_matching_route_wins() {
     assert_eq!(app.put("/docs/special", Some("5"), "x").await.status(), 200);
     // Same token on doc:special via the generic route would be a different
     // key; the special route took it.
-    let v: serde_json::Value = app
-        .http
-        .get(app.admin_url("/fences/special"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: serde_json::Value = app.admin_get("/fences/special").await.json().await.unwrap();
     assert_eq!(v["highest_token"], 5);
     assert_eq!(
         app.put("/t/acme/docs/1", Some("9"), "x").await.status(),
@@ -348,16 +319,11 @@ async fn first_matching_route_wins() {
 /// write lock.
 #[tokio::test]
 async fn sqlite_store_unavailable_is_503_then_recovers() {
-    use sqlx::{Connection, SqliteConnection};
     let store = TestStore::new(Backend::Sqlite).await;
     let up = Upstream::start().await;
     let app = TestApp::spawn(&store.url, &docs_route(&up.url())).await;
     assert_eq!(app.put("/docs/a", Some("1"), "x").await.status(), 200);
-    let mut blocker = SqliteConnection::connect(&store.url).await.unwrap();
-    sqlx::query("BEGIN EXCLUSIVE")
-        .execute(&mut blocker)
-        .await
-        .unwrap();
+    let blocker = SqliteBlocker::begin(&store.url, "EXCLUSIVE").await;
     let started = std::time::Instant::now();
     let resp = app.put("/docs/a", Some("2"), "x").await;
     let elapsed = started.elapsed();
@@ -375,8 +341,7 @@ async fn sqlite_store_unavailable_is_503_then_recovers() {
         1,
         "nothing forwarded while the store is down"
     );
-    sqlx::query("ROLLBACK").execute(&mut blocker).await.unwrap();
-    drop(blocker);
+    blocker.release().await;
     let resp = app.put("/docs/a", Some("2"), "x").await;
     assert_eq!(resp.status(), 200, "recovers by itself");
 }
@@ -387,21 +352,16 @@ async fn sqlite_store_unavailable_is_503_then_recovers() {
 /// fails closed.
 #[tokio::test]
 async fn memory_fast_paths_need_no_store() {
-    use sqlx::{Connection, SqliteConnection};
     let store = TestStore::new(Backend::Sqlite).await;
     let up = Upstream::start().await;
     let app = TestApp::spawn(&store.url, &docs_route(&up.url())).await;
     assert_eq!(app.put("/docs/a", Some("5"), "first").await.status(), 200);
-    let mut blocker = SqliteConnection::connect(&store.url).await.unwrap();
-    sqlx::query("BEGIN EXCLUSIVE")
-        .execute(&mut blocker)
-        .await
-        .unwrap();
+    let blocker = SqliteBlocker::begin(&store.url, "EXCLUSIVE").await;
     let body = problem(app.put("/docs/a", Some("4"), "stale").await, 409).await;
     assert_eq!(body["highest_token"], 5);
     assert_eq!(app.put("/docs/a", Some("5"), "again").await.status(), 200);
     problem(app.put("/docs/a", Some("6"), "new").await, 503).await;
-    sqlx::query("ROLLBACK").execute(&mut blocker).await.unwrap();
+    blocker.release().await;
     let bodies: Vec<_> = up.applied().iter().map(|a| a.body.clone()).collect();
     assert_eq!(bodies, vec!["first", "again"]);
 }

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use rand::Rng;
 
-use crate::support::app::{docs_route, TestApp};
+use crate::support::app::{config_sections, docs_route, TestApp};
 use crate::support::db::{Backend, TestStore};
 use crate::support::holders::{self, Workload};
 use crate::support::pg::PrivatePg;
@@ -17,11 +17,11 @@ use crate::support::upstream::{Upstream, UpstreamOptions};
 fn shared_config(store_url: &str, upstream: &str) -> String {
     // A short route timeout: it bounds how long a key stays closed after an
     // instance dies mid-forward.
-    format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nshutdown_grace_ms = 1000\n\
-         [store]\nurl = \"{store_url}\"\nmode = \"shared\"\ntimeout_ms = 2000\nkey_lock_wait_ms = 20000\n\
-         {}timeout_ms = 1000\n",
-        docs_route(upstream)
+    config_sections(
+        "shutdown_grace_ms = 1000\n",
+        store_url,
+        "mode = \"shared\"\ntimeout_ms = 2000\nkey_lock_wait_ms = 20000\n",
+        &format!("{}timeout_ms = 1000\n", docs_route(upstream)),
     )
 }
 
@@ -129,8 +129,7 @@ async fn postgres_crashes_under_load_keep_per_key_order() {
     let config = shared_config(&pg.url(), &up.url());
     let mut apps = Vec::new();
     for _ in 0..2 {
-        let c = fencegate::config::Config::from_toml("t.toml", &config, Vec::new()).unwrap();
-        apps.push(TestApp::from_config(c).await.unwrap());
+        apps.push(TestApp::from_text(&config).await);
     }
     let targets: Vec<String> = apps.iter().map(|a| a.url("")).collect();
     let chaos = {

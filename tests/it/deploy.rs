@@ -389,12 +389,7 @@ async fn the_kubernetes_example_runs_shared_mode_with_real_probes() {
         .await
         .expect("the example's config starts a gateway");
     for path in probed {
-        let resp = app
-            .http
-            .get(app.admin_url(path))
-            .send()
-            .await
-            .expect("admin answered");
+        let resp = app.admin_get(path).await;
         assert_eq!(resp.status(), 200, "the probe of {path}");
     }
     app.stop().await;

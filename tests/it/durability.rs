@@ -4,18 +4,12 @@
 
 use crate::support::app::{config_text, docs_route, problem, TestApp};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
+use crate::support::per_store;
 use crate::support::process::GatewayProcess;
 use crate::support::upstream::Upstream;
 
-#[tokio::test]
-async fn survives_restart_sqlite() {
-    survives_restart(Backend::Sqlite).await
-}
-
-#[tokio::test]
-async fn survives_restart_postgres() {
-    survives_restart(Backend::Postgres).await
-}
+per_store!(#[tokio::test] survives_restart => survives_restart_sqlite, survives_restart_postgres);
 
 async fn survives_restart(b: Backend) {
     let store = TestStore::new(b).await;
@@ -32,15 +26,7 @@ async fn survives_restart(b: Backend) {
     );
 }
 
-#[tokio::test]
-async fn survives_kill_9_sqlite() {
-    survives_kill_9(Backend::Sqlite).await
-}
-
-#[tokio::test]
-async fn survives_kill_9_postgres() {
-    survives_kill_9(Backend::Postgres).await
-}
+per_store!(#[tokio::test] survives_kill_9 => survives_kill_9_sqlite, survives_kill_9_postgres);
 
 /// Acknowledged tokens survive kill -9 of the gateway process, including
 /// writes acknowledged the instant before the kill.
@@ -52,10 +38,7 @@ async fn survives_kill_9(b: Backend) {
     let http = reqwest::Client::new();
     let mut last_acked = 0;
     for t in 1..=50 {
-        let resp = http
-            .put(gw.url(&format!("/docs/k{}", t % 5)))
-            .header("x-fence-token", t.to_string())
-            .body("x")
+        let resp = fenced_put(&http, gw.url(&format!("/docs/k{}", t % 5)), t, "x")
             .send()
             .await
             .unwrap();
@@ -67,10 +50,7 @@ async fn survives_kill_9(b: Backend) {
     for k in 0..5 {
         // The highest acknowledged token for key k is the largest t ≤ 50 with t % 5 == k.
         let highest = (1..=last_acked).filter(|t| t % 5 == k).max().unwrap();
-        let resp = http
-            .put(gw.url(&format!("/docs/k{k}")))
-            .header("x-fence-token", (highest - 1).to_string())
-            .body("stale")
+        let resp = fenced_put(&http, gw.url(&format!("/docs/k{k}")), highest - 1, "stale")
             .send()
             .await
             .unwrap();
@@ -83,15 +63,7 @@ async fn survives_kill_9(b: Backend) {
     );
 }
 
-#[tokio::test]
-async fn second_single_instance_is_refused_sqlite() {
-    second_single_instance_is_refused(Backend::Sqlite).await
-}
-
-#[tokio::test]
-async fn second_single_instance_is_refused_postgres() {
-    second_single_instance_is_refused(Backend::Postgres).await
-}
+per_store!(#[tokio::test] second_single_instance_is_refused => second_single_instance_is_refused_sqlite, second_single_instance_is_refused_postgres);
 
 async fn second_single_instance_is_refused(b: Backend) {
     let store = TestStore::new(b).await;
@@ -115,15 +87,7 @@ async fn second_single_instance_is_refused(b: Backend) {
     TestApp::spawn(&store.url, &docs_route(&up.url())).await;
 }
 
-#[tokio::test]
-async fn restart_after_crash_waits_for_in_flight_writes_sqlite() {
-    restart_after_crash_waits_for_in_flight_writes(Backend::Sqlite).await
-}
-
-#[tokio::test]
-async fn restart_after_crash_waits_for_in_flight_writes_postgres() {
-    restart_after_crash_waits_for_in_flight_writes(Backend::Postgres).await
-}
+per_store!(#[tokio::test] restart_after_crash_waits_for_in_flight_writes => restart_after_crash_waits_for_in_flight_writes_sqlite, restart_after_crash_waits_for_in_flight_writes_postgres);
 
 /// A single-mode gateway killed while its write (token 5) is still being
 /// applied upstream, restarted at once: a write with token 6 must not reach
@@ -138,11 +102,8 @@ async fn restart_after_crash_waits_for_in_flight_writes(b: Backend) {
     let mut gw = GatewayProcess::start(&config);
     let url = gw.url("/docs/q");
     let slow = tokio::spawn(async move {
-        reqwest::Client::new()
-            .put(url)
-            .header("x-fence-token", "5")
+        fenced_put(&reqwest::Client::new(), url, "5", "old")
             .header("x-test-delay-ms", "1000")
-            .body("old")
             .send()
             .await
     });
@@ -161,10 +122,7 @@ async fn restart_after_crash_waits_for_in_flight_writes(b: Backend) {
     let _ = slow.await;
     let gw = GatewayProcess::start(&config);
     assert!(gw.log().contains("did not stop cleanly"), "{}", gw.log());
-    let resp = reqwest::Client::new()
-        .put(gw.url("/docs/q"))
-        .header("x-fence-token", "6")
-        .body("new")
+    let resp = fenced_put(&reqwest::Client::new(), gw.url("/docs/q"), "6", "new")
         .send()
         .await
         .unwrap();

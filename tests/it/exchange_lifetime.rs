@@ -44,6 +44,7 @@ use tokio::net::TcpStream;
 
 use crate::support::app::{docs_route, TestApp};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::raw_upstream::{
     chunk, read_response, read_response_head, Behaviour, RawUpstream, BEHAVIOUR_HEADER,
     CHUNKS_HEADER, CHUNK_MS_HEADER, FENCE_HEADER, ID_HEADER, WORK_HEADER,
@@ -127,6 +128,13 @@ impl Rig {
         self.apps.last().expect("an instance")
     }
 
+    /// Sends token 2 on `path` and waits for its answer: forwarded
+    /// eventually (200).
+    async fn token_2_is_forwarded(&self, path: &str) {
+        let two = self.send_token_2(path);
+        assert_eq!(two.await.unwrap(), 200, "token 2 is forwarded eventually");
+    }
+
     /// Sends token 2 on `path` through B in a task (a normal write, no
     /// work); the task answers the gateway's status.
     fn send_token_2(&self, path: &str) -> tokio::task::JoinHandle<u16> {
@@ -200,14 +208,7 @@ async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
 /// upstream was done with token 1, and not before `timeout_ms` since token
 /// 1 was sent.
 async fn assert_key_held_until_timeout(rig: &Rig, path: &str, sent1: Instant) {
-    rig.up.settle(SETTLE).await;
-    let timeline = timeline(&rig.up, path, sent1);
-    let violations = rig.up.violations();
-    assert!(
-        violations.is_empty(),
-        "the upstream saw the guarantee broken:\n{}\n{timeline}",
-        violations.join("\n")
-    );
+    let timeline = settled_without_breach(rig, path, sent1).await;
     assert_eq!(
         rig.up.applied_tokens(path),
         vec![1, 2],
@@ -227,6 +228,20 @@ async fn assert_key_held_until_timeout(rig: &Rig, path: &str, sent1: Instant) {
          exchange that did not end normally the key must stay closed until timeout_ms \
          ({TIMEOUT:?}) since token 1's forward began"
     );
+}
+
+/// Once the upstream has settled: no breach of the guarantee. Answers the
+/// timeline of `path` (see [`timeline`]) for later assertions' messages.
+async fn settled_without_breach(rig: &Rig, path: &str, sent1: Instant) -> String {
+    rig.up.settle(SETTLE).await;
+    let timeline = timeline(&rig.up, path, sent1);
+    let violations = rig.up.violations();
+    assert!(
+        violations.is_empty(),
+        "the upstream saw the guarantee broken:\n{}\n{timeline}",
+        violations.join("\n")
+    );
+    timeline
 }
 
 /// The writes on `path` as the upstream saw them, in ms since `t0`.
@@ -307,8 +322,7 @@ async fn upstream_breaks_after_the_head(setup: Setup) {
     assert!(!resp.complete, "the client must see the break: {resp:?}");
     // Token 1 is worked on until ~530 ms; see `TOKEN_2_PAUSE`.
     tokio::time::sleep(TOKEN_2_PAUSE).await;
-    let two = rig.send_token_2(path);
-    assert_eq!(two.await.unwrap(), 200, "token 2 is forwarded eventually");
+    rig.token_2_is_forwarded(path).await;
     assert_key_held_until_timeout(&rig, path, sent1).await;
 }
 
@@ -329,8 +343,7 @@ async fn client_leaves_during_the_answer(setup: Setup) {
     drop(s); // the client leaves
              // The upstream streams until ~1 s; see `TOKEN_2_PAUSE`.
     tokio::time::sleep(TOKEN_2_PAUSE).await;
-    let two = rig.send_token_2(path);
-    assert_eq!(two.await.unwrap(), 200, "token 2 is forwarded eventually");
+    rig.token_2_is_forwarded(path).await;
     assert_key_held_until_timeout(&rig, path, sent1).await;
 }
 
@@ -358,8 +371,7 @@ async fn client_leaves_before_the_head(setup: Setup) {
         rig.up.write(path, 1).applied_at.is_none(),
         "the test's client must leave before the answer (800 ms of work)"
     );
-    let two = rig.send_token_2(path);
-    assert_eq!(two.await.unwrap(), 200, "token 2 is forwarded eventually");
+    rig.token_2_is_forwarded(path).await;
     assert_key_held_until_timeout(&rig, path, sent1).await;
 }
 
@@ -570,16 +582,8 @@ async fn client_breaks_off_the_request_body(setup: Setup) {
     .await;
     drop(s); // the client breaks off mid-body
     tokio::time::sleep(TOKEN_2_PAUSE).await;
-    let two = rig.send_token_2(path);
-    assert_eq!(two.await.unwrap(), 200, "token 2 is forwarded eventually");
-    rig.up.settle(SETTLE).await;
-    let timeline = timeline(&rig.up, path, sent1);
-    let violations = rig.up.violations();
-    assert!(
-        violations.is_empty(),
-        "the upstream saw the guarantee broken:\n{}\n{timeline}",
-        violations.join("\n")
-    );
+    rig.token_2_is_forwarded(path).await;
+    let timeline = settled_without_breach(&rig, path, sent1).await;
     assert!(
         !rig.up.write(path, 1).body_complete,
         "token 1's body must arrive cut short\n{timeline}"
@@ -636,8 +640,7 @@ async fn client_stops_reading_the_answer(setup: Setup) {
     assert_eq!(status, 200);
     // From here on the client reads nothing, and keeps `s` open.
     tokio::time::sleep(TOKEN_2_PAUSE).await;
-    let two = rig.send_token_2(path);
-    assert_eq!(two.await.unwrap(), 200, "token 2 is forwarded eventually");
+    rig.token_2_is_forwarded(path).await;
     rig.up.settle(SETTLE).await;
     let timeline = timeline(&rig.up, path, sent1);
     let (w1, w2) = (rig.up.write(path, 1), rig.up.write(path, 2));
@@ -972,22 +975,20 @@ async fn a_body_arriving_after_the_head_reopens_the_key_at_once() {
 async fn abandoned_writes_do_not_use_up_key_lock_connections() {
     let store = TestStore::new(Backend::Postgres).await;
     let up = crate::support::upstream::Upstream::start().await;
-    let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-         [store]\nurl = \"{}\"\nmode = \"shared\"\ntimeout_ms = 2000\nkey_lock_connections = 2\n{}timeout_ms = 3000\n",
-        store.url,
-        crate::support::app::docs_route(&up.url())
+    let text = crate::support::app::config_sections(
+        "",
+        &store.url,
+        "mode = \"shared\"\ntimeout_ms = 2000\nkey_lock_connections = 2\n",
+        &format!(
+            "{}timeout_ms = 3000\n",
+            crate::support::app::docs_route(&up.url())
+        ),
     );
-    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-    let app = Arc::new(TestApp::from_config(config).await.unwrap());
+    let app = Arc::new(TestApp::from_text(&text).await);
     // Four writes whose clients give up while the upstream works on them.
     for i in 0..4 {
-        let gave_up = app
-            .http
-            .put(app.url(&format!("/docs/left{i}")))
-            .header("x-fence-token", "1")
+        let gave_up = fenced_put(&app.http, app.url(&format!("/docs/left{i}")), "1", "x")
             .header("x-test-delay-ms", "600")
-            .body("x")
             .timeout(Duration::from_millis(200))
             .send()
             .await;

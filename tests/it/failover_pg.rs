@@ -34,6 +34,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::support::app::{config_text, docs_route, problem, route, TestApp};
+use crate::support::fenced_put;
 use crate::support::pg::PrivatePg;
 use crate::support::process::GatewayProcess;
 use crate::support::upstream::Upstream;
@@ -212,14 +213,19 @@ async fn promote(pg: PrivatePg) -> PrivatePg {
 
 /// `/readyz`: its status and body.
 async fn readyz(app: &TestApp) -> (u16, serde_json::Value) {
-    let r = app
-        .http
-        .get(app.admin_url("/readyz"))
-        .send()
-        .await
-        .expect("admin listener answers");
+    let r = app.admin_get("/readyz").await;
     let status = r.status().as_u16();
     (status, r.json().await.expect("readyz is JSON"))
+}
+
+/// A `/readyz` answer of 503 that gives `why` in its store's detail; the
+/// store's details.
+fn unready_for<'a>(status: u16, ready: &'a serde_json::Value, why: &str) -> &'a serde_json::Value {
+    assert_eq!(status, 503, "{ready}");
+    let store = &ready["details"]["store"];
+    let detail = store["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains(why), "{ready}");
+    store
 }
 
 /// Waits until `/readyz` shows `pred` of its `details.store`; returns the
@@ -296,12 +302,14 @@ impl Load {
                         }
                         let body = format!("{key}/{w}/{n}/{token}");
                         let started = Instant::now();
-                        let answer = http
-                            .put(format!("http://{gw}/docs/{key}"))
-                            .header("x-fence-token", token.to_string())
-                            .body(body.clone())
-                            .send()
-                            .await;
+                        let answer = fenced_put(
+                            &http,
+                            format!("http://{gw}/docs/{key}"),
+                            token,
+                            body.clone(),
+                        )
+                        .send()
+                        .await;
                         let (status, refused_below) = match answer {
                             Ok(r) => {
                                 let status = r.status().as_u16();
@@ -463,11 +471,8 @@ async fn still_enforced(fresh: &TestApp, acked: &BTreeMap<String, i64>) {
         let highest = body["highest_token"].as_i64().unwrap_or_default();
         assert!(highest >= h, "{key}: acknowledged {h}, store now {highest}");
         let rec: serde_json::Value = fresh
-            .http
-            .get(fresh.admin_url(&format!("/fences/doc:{key}")))
-            .send()
+            .admin_get(&format!("/fences/doc:{key}"))
             .await
-            .expect("admin answers")
             .json()
             .await
             .expect("fence record");
@@ -540,15 +545,7 @@ async fn single_mode_fails_over_to_a_synchronous_standby() {
         s["server"] == "read-only"
     })
     .await;
-    assert_eq!(status, 503, "{ready}");
-    let store = &ready["details"]["store"];
-    assert!(
-        store["detail"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("in recovery"),
-        "{ready}"
-    );
+    let store = unready_for(status, &ready, "in recovery");
     assert_eq!(store["writer_lock"]["held"], false, "{ready}");
     assert!(
         ready["detail"]
@@ -662,10 +659,8 @@ async fn shared_mode_fails_over_to_a_synchronous_standby() {
     let slow = {
         let (http, url) = (a.http.clone(), a.url("/docs/slow"));
         tokio::spawn(async move {
-            http.put(url)
-                .header("x-fence-token", "10")
+            fenced_put(&http, url, "10", "slow 10")
                 .header("x-test-delay-ms", "9000")
-                .body("slow 10")
                 .send()
                 .await
                 .map(|r| r.status().as_u16())
@@ -827,15 +822,7 @@ async fn read_only_primary_is_unavailable(mode: &str) {
         s["server"] == "read-only" && (mode == "shared" || s["writer_lock"]["held"] == false)
     })
     .await;
-    assert_eq!(status, 503, "{ready}");
-    let store = &ready["details"]["store"];
-    assert!(
-        store["detail"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("default_transaction_read_only"),
-        "{ready}"
-    );
+    let store = unready_for(status, &ready, "default_transaction_read_only");
     if mode == "single" {
         let why = store["writer_lock"]["detail"].as_str().unwrap_or_default();
         assert!(why.contains("read-only transactions"), "{ready}");
@@ -904,7 +891,7 @@ async fn durability_warning_for_an_asynchronous_standby_only() {
     let config = config_text(&primary.url(), &docs_route("http://127.0.0.1:9"));
     let http = reqwest::Client::new();
     let durability = |gw: &GatewayProcess| {
-        let url = format!("http://{}/readyz", gw.admin);
+        let url = gw.admin_url("/readyz");
         let http = http.clone();
         async move {
             let r = http.get(url).send().await.expect("readyz answers");

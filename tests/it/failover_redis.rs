@@ -427,20 +427,11 @@ async fn wait_synced(replica: &PrivateRedis) {
     }
 }
 
-/// `redis_sentinels` and `redis_master_name`: the gateway finds the master
-/// through a 3-Sentinel group; the master is killed and the Sentinels
-/// promote the replica by themselves.
-///
-/// - Before: grants and writes, `/readyz` 200.
-/// - After: grants resume without a restart, on the master Sentinel names
-///   now; the release subscription moved there too; a blocking acquire
-///   waiting when the master died is granted with a higher fence once the
-///   holder releases; the holder's old token is 409 after the new one
-///   wrote, and the upstream never sees it.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sentinel_discovery_follows_the_master_through_a_failover() {
+/// A 3-Sentinel group, and a gateway that finds the master through it,
+/// ready.
+async fn on_sentinels() -> (SentinelGroup, TestStore, Upstream, TestApp) {
     let name = unique("fg");
-    let mut group = tokio::task::spawn_blocking(move || SentinelGroup::start(&name))
+    let group = tokio::task::spawn_blocking(move || SentinelGroup::start(&name))
         .await
         .expect("sentinel group");
     let store = TestStore::new(Backend::Sqlite).await;
@@ -454,6 +445,22 @@ async fn sentinel_discovery_follows_the_master_through_a_failover() {
     );
     let app = TestApp::spawn(&store.url, &extra).await;
     wait_ready(&app).await;
+    (group, store, up, app)
+}
+
+/// `redis_sentinels` and `redis_master_name`: the gateway finds the master
+/// through a 3-Sentinel group; the master is killed and the Sentinels
+/// promote the replica by themselves.
+///
+/// - Before: grants and writes, `/readyz` 200.
+/// - After: grants resume without a restart, on the master Sentinel names
+///   now; the release subscription moved there too; a blocking acquire
+///   waiting when the master died is granted with a higher fence once the
+///   holder releases; the holder's old token is 409 after the new one
+///   wrote, and the upstream never sees it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sentinel_discovery_follows_the_master_through_a_failover() {
+    let (mut group, _store, up, app) = on_sentinels().await;
 
     let h = granted(acquire(&app, "doc:s", 60_000, 0).await).await;
     assert_eq!(
@@ -511,21 +518,7 @@ async fn sentinel_discovery_follows_the_master_through_a_failover() {
 /// replicated), the next fence higher, `/readyz` 200.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sentinel_failover_command_moves_the_gateway_to_the_new_master() {
-    let name = unique("fg");
-    let group = tokio::task::spawn_blocking(move || SentinelGroup::start(&name))
-        .await
-        .expect("sentinel group");
-    let store = TestStore::new(Backend::Sqlite).await;
-    let up = Upstream::start().await;
-    let extra = format!(
-        "{}[locks]\nbackend = \"redis\"\nredis_sentinels = {}\nredis_master_name = \"{}\"\n\
-         redis_timeout_ms = {REDIS_TIMEOUT_MS}\n",
-        docs_route(&up.url()),
-        group.toml_list(),
-        group.name
-    );
-    let app = TestApp::spawn(&store.url, &extra).await;
-    wait_ready(&app).await;
+    let (group, _store, _up, app) = on_sentinels().await;
     let h = granted(acquire(&app, "doc:f", 60_000, 0).await).await;
     group.first.wait_replicated(1);
 

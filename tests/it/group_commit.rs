@@ -4,22 +4,14 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use fencegate::config::Config;
 use fencegate::store::FenceStore;
 use rand::Rng;
 
-use crate::support::app::config_text;
+use crate::support::app::{config_text, parse_config};
 use crate::support::db::{Backend, TestStore};
+use crate::support::per_store;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_decisions_sqlite() {
-    concurrent_decisions(Backend::Sqlite).await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn concurrent_decisions_postgres() {
-    concurrent_decisions(Backend::Postgres).await
-}
+per_store!(#[tokio::test(flavor = "multi_thread", worker_threads = 4)] concurrent_decisions => concurrent_decisions_sqlite, concurrent_decisions_postgres);
 
 /// 400 decisions from 400 tasks at once over 8 keys with random tokens:
 /// every answer is at least the presented token; a token is accepted only if
@@ -29,8 +21,7 @@ async fn concurrent_decisions_postgres() {
 /// key was accepted.
 async fn concurrent_decisions(b: Backend) {
     let test_store = TestStore::new(b).await;
-    let config =
-        Config::from_toml("t.toml", &config_text(&test_store.url, ""), Vec::new()).unwrap();
+    let config = parse_config(&config_text(&test_store.url, ""));
     let store = Arc::new(FenceStore::open(&config.store).await.unwrap());
     let mut tasks = Vec::new();
     for i in 0..400 {

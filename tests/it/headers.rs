@@ -2,8 +2,9 @@
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::support::app::{docs_route, problem, TestApp};
+use crate::support::app::{config_sections, docs_route, problem, TestApp};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::upstream::Upstream;
 
 async fn setup() -> (TestStore, Upstream, TestApp) {
@@ -78,16 +79,15 @@ async fn bodies_stream_both_ways() {
     // 8 MiB up, chunked (unknown length), through the gateway.
     let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
         (0..128).map(|_| Ok(vec![7u8; 64 * 1024])).collect();
-    let resp = app
-        .http
-        .put(app.url("/docs/big"))
-        .header("x-fence-token", "1")
-        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
-            chunks,
-        )))
-        .send()
-        .await
-        .unwrap();
+    let resp = fenced_put(
+        &app.http,
+        app.url("/docs/big"),
+        "1",
+        reqwest::Body::wrap_stream(futures_util::stream::iter(chunks)),
+    )
+    .send()
+    .await
+    .unwrap();
     assert_eq!(resp.status(), 200);
     assert_eq!(up.applied()[0].body.len(), 8 * 1024 * 1024);
     // 32 MiB down, larger than the request limit: responses are not limited.
@@ -107,29 +107,27 @@ async fn oversized_bodies_are_413() {
     let store = TestStore::new(Backend::Sqlite).await;
     let up = Upstream::start().await;
     // A small limit via the [server] section.
-    let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nmax_body_bytes = 1000\n\
-         [store]\nurl = \"{}\"\n{}",
-        store.url,
-        docs_route(&up.url())
+    let text = config_sections(
+        "max_body_bytes = 1000\n",
+        &store.url,
+        "",
+        &docs_route(&up.url()),
     );
-    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-    let app = TestApp::from_config(config).await.unwrap();
+    let app = TestApp::from_text(&text).await;
     // Declared too large: refused before anything else.
     let resp = app.put("/docs/a", Some("1"), &"x".repeat(1001)).await;
     problem(resp, 413).await;
     // Chunked and too large: cut off on the bytes actually read.
     let chunks: Vec<Result<Vec<u8>, std::io::Error>> = (0..4).map(|_| Ok(vec![1u8; 600])).collect();
-    let resp = app
-        .http
-        .put(app.url("/docs/b"))
-        .header("x-fence-token", "1")
-        .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
-            chunks,
-        )))
-        .send()
-        .await
-        .unwrap();
+    let resp = fenced_put(
+        &app.http,
+        app.url("/docs/b"),
+        "1",
+        reqwest::Body::wrap_stream(futures_util::stream::iter(chunks)),
+    )
+    .send()
+    .await
+    .unwrap();
     problem(resp, 413).await;
     assert!(up.applied().is_empty(), "no oversized write was applied");
     // At the limit is fine.

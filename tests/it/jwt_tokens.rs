@@ -211,16 +211,7 @@ async fn attacks_are_refused_with_the_failed_check() {
         "no forged write reached the upstream"
     );
     // The forged fence was never recorded.
-    let v: Value = s
-        .app
-        .http
-        .get(s.app.admin_url("/fences/doc:c"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let v: Value = s.app.admin_get("/fences/doc:c").await.json().await.unwrap();
     assert_eq!(v["highest_token"], 5);
     // Missing header is still 428.
     problem(s.app.put("/docs/c", None, "x").await, 428).await;

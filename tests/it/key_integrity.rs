@@ -4,6 +4,7 @@
 
 use crate::support::app::{docs_route, problem, route, TestApp};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::upstream::Upstream;
 
 /// Every spelling that back ends resolve differently, on a fenced write of
@@ -79,12 +80,7 @@ async fn as_is_routes_and_reads_forward_odd_spellings() {
     let get = app.http.get(app.url("/docs/a;x=1")).send().await.unwrap();
     assert_eq!(get.headers()["x-upstream"], "recorder");
     assert_eq!(app.put("/raw/a;x=1", Some("3"), "A").await.status(), 200);
-    let fence = app
-        .http
-        .get(app.admin_url("/fences/raw:a;x=1"))
-        .send()
-        .await
-        .unwrap();
+    let fence = app.admin_get("/fences/raw:a;x=1").await;
     assert_eq!(fence.status(), 200);
     let arrived: Vec<_> = up
         .requests()
@@ -134,11 +130,7 @@ async fn query_and_header_key_parts_must_name_one_value() {
     );
     let app = TestApp::spawn(&store.url, &routes).await;
     let put = |path: &str, tenant: Vec<&str>, token: &str| {
-        let mut req = app
-            .http
-            .put(app.url(path))
-            .header("x-fence-token", token)
-            .body("x");
+        let mut req = fenced_put(&app.http, app.url(path), token, "x");
         for t in tenant {
             req = req.header("x-tenant", t);
         }
@@ -148,12 +140,7 @@ async fn query_and_header_key_parts_must_name_one_value() {
         .await
         .unwrap();
     assert_eq!(ok.status(), 200);
-    let fence = app
-        .http
-        .get(app.admin_url("/fences/item:acme:v1:7"))
-        .send()
-        .await
-        .unwrap();
+    let fence = app.admin_get("/fences/item:acme:v1:7").await;
     assert_eq!(
         fence.status(),
         200,

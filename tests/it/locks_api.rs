@@ -567,13 +567,7 @@ async fn redis_down_is_503_and_recovers() {
         503,
     )
     .await;
-    let ready = s
-        .app
-        .http
-        .get(s.app.admin_url("/readyz"))
-        .send()
-        .await
-        .unwrap();
+    let ready = s.app.admin_get("/readyz").await;
     assert_eq!(ready.status(), 503);
     // Redis comes back empty (it keeps nothing on disk): the fence still grows.
     let mut node = node;

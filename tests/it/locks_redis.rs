@@ -5,16 +5,15 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use fencegate::config::Config;
 use fencegate::locks::backend::{Lease, LockBackend, LockError};
 use fencegate::locks::notify::Notifier;
 use fencegate::locks::redis_node::{fence_key, lock_key};
 use fencegate::locks::redlock::Redlock;
 use fencegate::locks::single_redis::RedisLocks;
 use fencegate::store::FenceStore;
-use sqlx::Connection;
 
-use crate::support::db::{Backend, TestStore};
+use crate::support::app::{config_sections, parse_config};
+use crate::support::db::{Backend, SqliteBlocker, TestStore};
 use crate::support::redis::{command, require_shared_redis, PrivateRedis};
 
 const OP_TIMEOUT: Duration = Duration::from_millis(500);
@@ -27,13 +26,8 @@ async fn fence_store(timeout_ms: u64) -> (FenceStore, TestStore) {
 /// A fresh fence store on `backend` (the guard deletes it).
 pub async fn fence_store_on(backend: Backend, timeout_ms: u64) -> (FenceStore, TestStore) {
     let db = TestStore::new(backend).await;
-    let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-         [store]\nurl = \"{}\"\ntimeout_ms = {timeout_ms}\n",
-        db.url
-    );
-    let config = Config::from_toml("t.toml", &text, Vec::new())
-        .unwrap_or_else(|e| panic!("test config is invalid:\n{e}"));
+    let store_lines = format!("timeout_ms = {timeout_ms}\n");
+    let config = parse_config(&config_sections("", &db.url, &store_lines, ""));
     let store = FenceStore::open(&config.store).await.expect("open store");
     (store, db)
 }
@@ -291,11 +285,7 @@ async fn a_token_recorded_during_an_acquire_still_leaves_the_grant_above_it() {
     let (store, db) = fence_store(5000).await;
     let (locks, _) = redis_locks(&url, &store).await;
     let name = unique("moved");
-    let mut blocker = sqlx::SqliteConnection::connect(&db.url).await.unwrap();
-    sqlx::query("BEGIN IMMEDIATE")
-        .execute(&mut blocker)
-        .await
-        .unwrap();
+    let mut blocker = SqliteBlocker::begin(&db.url, "IMMEDIATE").await;
     let task = {
         let (locks, name) = (locks.clone(), name.clone());
         tokio::spawn(async move {
@@ -307,10 +297,10 @@ async fn a_token_recorded_during_an_acquire_still_leaves_the_grant_above_it() {
     tokio::time::sleep(Duration::from_millis(400)).await;
     sqlx::query("INSERT INTO fences (resource_key, highest_token, updated_at) VALUES (?1, 50, 0)")
         .bind(&name)
-        .execute(&mut blocker)
+        .execute(blocker.conn())
         .await
         .unwrap();
-    sqlx::query("COMMIT").execute(&mut blocker).await.unwrap();
+    blocker.commit().await;
     let g = task.await.unwrap().expect("granted after the retry");
     assert_eq!(g.fence, 51);
     let value: String = command(&url, redis::cmd("GET").arg(lock_key(&name)));
@@ -327,11 +317,7 @@ async fn no_grant_without_a_durable_fence() {
     let (store, db) = fence_store(300).await;
     let (locks, _) = redis_locks(&url, &store).await;
     let name = unique("nodurable");
-    let mut blocker = sqlx::SqliteConnection::connect(&db.url).await.unwrap();
-    sqlx::query("BEGIN IMMEDIATE")
-        .execute(&mut blocker)
-        .await
-        .unwrap();
+    let blocker = SqliteBlocker::begin(&db.url, "IMMEDIATE").await;
     assert_unavailable(
         locks
             .try_acquire(&name, &new_lease(), Duration::from_secs(10))
@@ -340,7 +326,7 @@ async fn no_grant_without_a_durable_fence() {
     );
     let exists: i64 = command(&url, redis::cmd("EXISTS").arg(lock_key(&name)));
     assert_eq!(exists, 0, "the grant was withdrawn from Redis");
-    sqlx::query("ROLLBACK").execute(&mut blocker).await.unwrap();
+    blocker.release().await;
     let g = locks
         .try_acquire(&name, &new_lease(), Duration::from_secs(10))
         .await

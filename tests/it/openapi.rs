@@ -101,12 +101,7 @@ fn the_document_is_valid_openapi_3_1() {
 async fn the_served_document_is_the_file() {
     let store = TestStore::new(Backend::Sqlite).await;
     let app = TestApp::spawn(&store.url, "").await;
-    let resp = app
-        .http
-        .get(app.admin_url("/openapi.json"))
-        .send()
-        .await
-        .expect("admin answered");
+    let resp = app.admin_get("/openapi.json").await;
     assert_eq!(resp.status(), 200);
     assert_eq!(
         resp.headers()["content-type"],
@@ -132,14 +127,14 @@ struct Api<'a> {
 }
 
 impl Api<'_> {
-    /// `method` on `template` (the document's path), sent to `path`.
+    /// The operation `(method, template)` (`template` the document's path),
+    /// sent to `path`.
     async fn call(
         &mut self,
-        method: &str,
-        template: &str,
+        (method, template): (&str, &str),
         path: &str,
         key: Option<&str>,
-        body: Option<Value>,
+        body: Option<&Value>,
     ) -> (u16, Value) {
         let url = if template.starts_with("/_fencegate/") {
             self.app.url(path)
@@ -154,7 +149,7 @@ impl Api<'_> {
             req = req.bearer_auth(k);
         }
         if let Some(b) = body {
-            req = req.json(&b);
+            req = req.json(b);
         }
         let resp = req.send().await.expect("gateway answered");
         let status = resp.status().as_u16();
@@ -244,110 +239,47 @@ async fn real_answers_match_the_documented_schemas() {
         seen: BTreeSet::new(),
     };
     let (billing, ops) = (Some("key-billing"), Some("key-ops"));
-    let lock = "/_fencegate/locks/{name}";
+    let acquire = ("POST", "/_fencegate/locks/{name}");
+    let status = ("GET", "/_fencegate/locks/{name}");
+    let renew = ("POST", "/_fencegate/locks/{name}/renew");
+    let release = ("POST", "/_fencegate/locks/{name}/release");
+    let a = "/_fencegate/locks/billing:a";
+    let (a_renew, a_release) = (format!("{a}/renew"), format!("{a}/release"));
     let ttl = json!({"ttl_ms": 10000});
 
     // The lock API, every answer a client can provoke.
-    let (s, _) = api
-        .call(
-            "POST",
-            lock,
-            "/_fencegate/locks/billing:a",
-            None,
-            Some(ttl.clone()),
-        )
-        .await;
+    let (s, _) = api.call(acquire, a, None, Some(&ttl)).await;
     assert_eq!(s, 401);
     let (s, _) = api
-        .call(
-            "POST",
-            lock,
-            "/_fencegate/locks/doc:zz",
-            billing,
-            Some(ttl.clone()),
-        )
+        .call(acquire, "/_fencegate/locks/doc:zz", billing, Some(&ttl))
         .await;
     assert_eq!(s, 403);
     let (s, p) = api
-        .call(
-            "POST",
-            lock,
-            "/_fencegate/locks/billing:a",
-            billing,
-            Some(json!({"ttl": 1})),
-        )
+        .call(acquire, a, billing, Some(&json!({"ttl": 1})))
         .await;
     assert_eq!((s, p["field"].as_str()), (400, Some("body")));
-    let (s, grant) = api
-        .call(
-            "POST",
-            lock,
-            "/_fencegate/locks/billing:a",
-            billing,
-            Some(ttl.clone()),
-        )
-        .await;
+    let (s, grant) = api.call(acquire, a, billing, Some(&ttl)).await;
     assert_eq!(s, 201);
-    let (s, p) = api
-        .call(
-            "POST",
-            lock,
-            "/_fencegate/locks/billing:a",
-            ops,
-            Some(ttl.clone()),
-        )
-        .await;
+    let (s, p) = api.call(acquire, a, ops, Some(&ttl)).await;
     assert_eq!(
         (s, p["type"].as_str()),
         (409, Some("urn:fencegate:problem:lock-held"))
     );
-    let (s, st) = api
-        .call("GET", lock, "/_fencegate/locks/billing:a", billing, None)
-        .await;
+    let (s, st) = api.call(status, a, billing, None).await;
     assert_eq!((s, &st["held"]), (200, &json!(true)));
     let lease = json!({"lease": grant["lease"], "ttl_ms": 10000});
-    let renew = "/_fencegate/locks/{name}/renew";
-    let (s, _) = api
-        .call(
-            "POST",
-            renew,
-            "/_fencegate/locks/billing:a/renew",
-            billing,
-            Some(lease.clone()),
-        )
-        .await;
+    let (s, _) = api.call(renew, &a_renew, billing, Some(&lease)).await;
     assert_eq!(s, 200);
-    let release = "/_fencegate/locks/{name}/release";
     let just_lease = json!({"lease": grant["lease"]});
     let (s, _) = api
-        .call(
-            "POST",
-            release,
-            "/_fencegate/locks/billing:a/release",
-            billing,
-            Some(just_lease.clone()),
-        )
+        .call(release, &a_release, billing, Some(&just_lease))
         .await;
     assert_eq!(s, 204);
     let (s, _) = api
-        .call(
-            "POST",
-            release,
-            "/_fencegate/locks/billing:a/release",
-            billing,
-            Some(just_lease),
-        )
+        .call(release, &a_release, billing, Some(&just_lease))
         .await;
     assert_eq!(s, 409);
-    let (s, _) = api
-        .call(
-            "POST",
-            renew,
-            "/_fencegate/locks/billing:a/renew",
-            billing,
-            Some(lease),
-        )
-        .await;
+    let (s, _) = api.call(renew, &a_renew, billing, Some(&lease)).await;
     assert_eq!(s, 409);
 
     // Fenced writes' refusals use the document's problem schemas.
@@ -372,10 +304,12 @@ async fn real_answers_match_the_documented_schemas() {
         ("/fences", "/fences?prefix=doc:&limit=10"),
         ("/locks", "/locks?limit=10"),
     ] {
-        let (s, _) = api.call("GET", template, path, None, None).await;
+        let (s, _) = api.call(("GET", template), path, None, None).await;
         assert_eq!(s, 200, "GET {path}");
     }
-    let (s, page) = api.call("GET", "/refusals", "/refusals", None, None).await;
+    let (s, page) = api
+        .call(("GET", "/refusals"), "/refusals", None, None)
+        .await;
     assert_eq!(s, 200);
     let outcomes: Vec<&str> = page["refusals"]
         .as_array()
@@ -393,88 +327,43 @@ async fn real_answers_match_the_documented_schemas() {
         ("/fences", "/fences?limit=0"),
         ("/locks", "/locks?limit=x"),
     ] {
-        let (s, _) = api.call("GET", template, path, None, None).await;
+        let (s, _) = api.call(("GET", template), path, None, None).await;
         assert_eq!(s, 400, "GET {path}");
     }
-    let fence = "/fences/{key}";
-    let (s, rec) = api
-        .call("GET", fence, "/fences/doc:report", None, None)
-        .await;
+    let fence = ("GET", "/fences/{key}");
+    let (s, rec) = api.call(fence, "/fences/doc:report", None, None).await;
     assert_eq!((s, &rec["highest_token"]), (200, &json!(5)));
-    let (s, _) = api
-        .call("GET", fence, "/fences/nothing-here", None, None)
-        .await;
+    let (s, _) = api.call(fence, "/fences/nothing-here", None, None).await;
     assert_eq!(s, 404);
-    let reset = "/fences/{key}/reset";
+    let (reset, report) = (("POST", "/fences/{key}/reset"), "/fences/doc:report/reset");
     let why = json!({"highest_token": 3, "reason": "checking the document"});
-    let (s, _) = api
-        .call(
-            "POST",
-            reset,
-            "/fences/doc:report/reset",
-            None,
-            Some(why.clone()),
-        )
-        .await;
+    let (s, _) = api.call(reset, report, None, Some(&why)).await;
     assert_eq!(s, 401);
-    let (s, _) = api
-        .call(
-            "POST",
-            reset,
-            "/fences/doc:report/reset",
-            billing,
-            Some(why.clone()),
-        )
-        .await;
+    let (s, _) = api.call(reset, report, billing, Some(&why)).await;
     assert_eq!(s, 403);
-    let (s, _) = api
-        .call(
-            "POST",
-            reset,
-            "/fences/doc:report/reset",
-            ops,
-            Some(json!({"highest_token": -1, "reason": "x"})),
-        )
-        .await;
+    let negative = json!({"highest_token": -1, "reason": "x"});
+    let (s, _) = api.call(reset, report, ops, Some(&negative)).await;
     assert_eq!(s, 400);
-    let (s, rec) = api
-        .call("POST", reset, "/fences/doc:report/reset", ops, Some(why))
-        .await;
+    let (s, rec) = api.call(reset, report, ops, Some(&why)).await;
     assert_eq!((s, &rec["last_reset"]["to"]), (200, &json!(3)));
-    let (s, rec) = api
-        .call("GET", fence, "/fences/doc:report", None, None)
-        .await;
+    let (s, rec) = api.call(fence, "/fences/doc:report", None, None).await;
     assert_eq!((s, &rec["last_reset"]["by"]), (200, &json!("ops")));
 
-    let brk = "/locks/{name}/break";
+    let (brk, b) = (("POST", "/locks/{name}/break"), "/locks/billing:b/break");
     let (s, _) = api
-        .call(
-            "POST",
-            lock,
-            "/_fencegate/locks/billing:b",
-            billing,
-            Some(ttl),
-        )
+        .call(acquire, "/_fencegate/locks/billing:b", billing, Some(&ttl))
         .await;
     assert_eq!(s, 201);
-    let (s, _) = api
-        .call("POST", brk, "/locks/billing:b/break", None, None)
-        .await;
+    let (s, _) = api.call(brk, b, None, None).await;
     assert_eq!(s, 401);
-    let (s, _) = api
-        .call("POST", brk, "/locks/billing:b/break", billing, None)
-        .await;
+    let (s, _) = api.call(brk, b, billing, None).await;
     assert_eq!(s, 403);
-    let (s, _) = api
-        .call("POST", brk, "/locks/billing:b/break", ops, None)
-        .await;
+    let (s, _) = api.call(brk, b, ops, None).await;
     assert_eq!(s, 204);
-    let (s, _) = api
-        .call("POST", brk, "/locks/billing:b/break", ops, None)
-        .await;
+    let (s, _) = api.call(brk, b, ops, None).await;
     assert_eq!(s, 404);
     let (s, listing) = api
-        .call("GET", "/locks", "/locks?prefix=billing:", None, None)
+        .call(("GET", "/locks"), "/locks?prefix=billing:", None, None)
         .await;
     assert_eq!(
         (s, listing["locks"].as_array().map(Vec::len)),

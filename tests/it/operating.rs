@@ -7,17 +7,14 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::support::app::{docs_route, route};
+use crate::support::app::{config_sections, docs_route, route};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::process::GatewayProcess;
 use crate::support::upstream::Upstream;
 
 fn config(store: &TestStore, extra: &str) -> String {
-    format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-         [store]\nurl = \"{}\"\n{extra}",
-        store.url
-    )
+    config_sections("", &store.url, "", extra)
 }
 
 async fn wait_for_log(gw: &GatewayProcess, needle: &str) {
@@ -40,19 +37,18 @@ async fn json_and_access_logs_parse_and_carry_no_secrets() {
     );
     let gw = GatewayProcess::start(&config(&store, &extra));
     let http = reqwest::Client::new();
-    let put = http
-        .put(gw.url("/docs/report?secret=hunter2"))
-        .header("x-fence-token", "34")
-        .header("authorization", "Bearer top-secret-key")
-        .body("the body must not be logged")
-        .send()
-        .await
-        .unwrap();
+    let put = fenced_put(
+        &http,
+        gw.url("/docs/report?secret=hunter2"),
+        "34",
+        "the body must not be logged",
+    )
+    .header("authorization", "Bearer top-secret-key")
+    .send()
+    .await
+    .unwrap();
     assert_eq!(put.status(), 200);
-    let stale = http
-        .put(gw.url("/docs/report"))
-        .header("x-fence-token", "33")
-        .body("x")
+    let stale = fenced_put(&http, gw.url("/docs/report"), "33", "x")
         .send()
         .await
         .unwrap();
@@ -121,12 +117,7 @@ async fn sighup_changes_routes_under_load_without_a_failed_request() {
             let deadline = Instant::now() + Duration::from_secs(20);
             while !stop.load(Ordering::Relaxed) && Instant::now() < deadline {
                 let path = format!("/docs/k{client}");
-                let resp = http
-                    .put(gw.url(&path))
-                    .header("x-fence-token", "1")
-                    .body("x")
-                    .send()
-                    .await;
+                let resp = fenced_put(&http, gw.url(&path), "1", "x").send().await;
                 match resp.map(|r| r.status().as_u16()) {
                     Ok(200) => ok.fetch_add(1, Ordering::Relaxed),
                     _ => failed.fetch_add(1, Ordering::Relaxed),
@@ -144,10 +135,7 @@ async fn sighup_changes_routes_under_load_without_a_failed_request() {
     gw.signal(libc::SIGHUP);
     wait_for_log(&gw, "config reloaded").await;
     let http = reqwest::Client::new();
-    let resp = http
-        .put(gw.url("/more/x"))
-        .header("x-fence-token", "1")
-        .body("x")
+    let resp = fenced_put(&http, gw.url("/more/x"), "1", "x")
         .send()
         .await
         .unwrap();
@@ -163,14 +151,7 @@ async fn sighup_changes_routes_under_load_without_a_failed_request() {
         "no request failed across the reload"
     );
     assert!(ok.load(Ordering::Relaxed) > 20, "the load ran");
-    let metrics = http
-        .get(format!("http://{}/metrics", gw.admin))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = gw.metrics().await;
     assert!(
         metrics.contains("fencegate_config_reloads_total{result=\"ok\"} 1"),
         "{metrics}"
@@ -211,29 +192,17 @@ async fn a_bad_reload_keeps_serving() {
     gw.signal(libc::SIGHUP);
     wait_for_log(&gw, "server.listen: changed, and only a restart applies it").await;
     let http = reqwest::Client::new();
-    let put = http
-        .put(gw.url("/docs/a"))
-        .header("x-fence-token", "1")
-        .body("x")
+    let put = fenced_put(&http, gw.url("/docs/a"), "1", "x")
         .send()
         .await
         .unwrap();
     assert_eq!(put.status(), 200, "the old config keeps serving");
-    let more = http
-        .put(gw.url("/more/a"))
-        .header("x-fence-token", "1")
+    let more = fenced_put(&http, gw.url("/more/a"), "1", "")
         .send()
         .await
         .unwrap();
     assert_eq!(more.status(), 404, "nothing of a refused reload applies");
-    let metrics = http
-        .get(format!("http://{}/metrics", gw.admin))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = gw.metrics().await;
     assert!(
         metrics.contains("fencegate_config_reloads_total{result=\"error\"} 2"),
         "{metrics}"

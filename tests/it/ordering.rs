@@ -18,17 +18,11 @@ use tokio::io::AsyncWriteExt;
 
 use crate::support::app::{docs_route, TestApp};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
+use crate::support::per_store;
 use crate::support::upstream::{Upstream, UpstreamOptions};
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn lock_holders_never_overlap_sqlite() {
-    lock_holders_never_overlap(Backend::Sqlite).await
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
-async fn lock_holders_never_overlap_postgres() {
-    lock_holders_never_overlap(Backend::Postgres).await
-}
+per_store!(#[tokio::test(flavor = "multi_thread", worker_threads = 4)] lock_holders_never_overlap => lock_holders_never_overlap_sqlite, lock_holders_never_overlap_postgres);
 
 /// 24 clients act as lock holders on 3 documents: each takes the next token
 /// for a random document ("acquires the lock"), pauses at random (a GC
@@ -191,11 +185,8 @@ async fn forward_survives_client_disconnect() {
     let a = {
         let app = app.clone();
         tokio::spawn(async move {
-            app.http
-                .put(app.url("/docs/y"))
-                .header("x-fence-token", "33")
+            fenced_put(&app.http, app.url("/docs/y"), "33", "A")
                 .header("x-test-delay-ms", "400")
-                .body("A")
                 .send()
                 .await
         })
@@ -220,11 +211,8 @@ async fn equal_tokens_run_concurrently() {
     for i in 0..4 {
         let app = app.clone();
         tasks.push(tokio::spawn(async move {
-            app.http
-                .put(app.url("/docs/z"))
-                .header("x-fence-token", "5")
+            fenced_put(&app.http, app.url("/docs/z"), "5", format!("w{i}"))
                 .header("x-test-delay-ms", "300")
-                .body(format!("w{i}"))
                 .send()
                 .await
                 .unwrap()

@@ -36,7 +36,7 @@ async fn postgres_outage_fails_closed_and_recovers() {
         took < Duration::from_secs(10),
         "503 must come promptly, took {took:?}"
     );
-    let ready = app.http.get(app.admin_url("/readyz")).send().await.unwrap();
+    let ready = app.admin_get("/readyz").await;
     assert_eq!(ready.status(), 503);
     // Reads do not need the store.
     let read = app.http.get(app.url("/docs/a")).send().await.unwrap();
@@ -65,6 +65,6 @@ async fn postgres_outage_fails_closed_and_recovers() {
     }
     let body = problem(app.put("/docs/a", Some("11"), "stale").await, 409).await;
     assert_eq!(body["highest_token"], 12);
-    let ready = app.http.get(app.admin_url("/readyz")).send().await.unwrap();
+    let ready = app.admin_get("/readyz").await;
     assert_eq!(ready.status(), 200);
 }

@@ -73,10 +73,28 @@ async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
 
 const SETTLE: Duration = Duration::from_secs(10);
 
+/// Token 1's write on `/p`, with the behaviour `headers` ask for.
+fn one(headers: &[(&str, &str)]) -> String {
+    put("/p", 1, headers, "one")
+}
+
+/// What the detectors report when token 2 reached `/p` while the upstream
+/// was still working on token 1.
+const OVERTAKEN: [&str; 2] = [
+    "two tokens in flight on /p: 1 and 2",
+    "applied 1 after 2 on /p",
+];
+
+/// A raw upstream, and a client connected to it.
+async fn started() -> (RawUpstream, Client) {
+    let up = RawUpstream::start().await;
+    let c = Client::connect(&up).await;
+    (up, c)
+}
+
 #[tokio::test]
 async fn normal_writes_are_applied_on_a_kept_alive_connection() {
-    let up = RawUpstream::start().await;
-    let mut c = Client::connect(&up).await;
+    let (up, mut c) = started().await;
 
     let resp = c
         .exchange(&put(
@@ -146,8 +164,7 @@ async fn normal_writes_are_applied_on_a_kept_alive_connection() {
 
 #[tokio::test]
 async fn reads_are_answered_empty_and_not_recorded() {
-    let up = RawUpstream::start().await;
-    let mut c = Client::connect(&up).await;
+    let (up, mut c) = started().await;
     for method in ["GET", "HEAD", "OPTIONS"] {
         let resp = c.exchange(&head(method, "/d/1", &[], Some(0))).await;
         assert_eq!((resp.status, resp.complete), (200, true), "{method}");
@@ -158,8 +175,7 @@ async fn reads_are_answered_empty_and_not_recorded() {
 
 #[tokio::test]
 async fn an_unknown_behaviour_is_refused() {
-    let up = RawUpstream::start().await;
-    let mut c = Client::connect(&up).await;
+    let (up, mut c) = started().await;
     let resp = c
         .exchange(&put("/d/1", 1, &[("x-test-behaviour", "sideways")], "x"))
         .await;
@@ -213,8 +229,7 @@ async fn equal_tokens_in_flight_together_are_fine() {
 
 #[tokio::test]
 async fn apply_order_going_down_is_a_violation() {
-    let up = RawUpstream::start().await;
-    let mut c = Client::connect(&up).await;
+    let (up, mut c) = started().await;
     for t in [3, 7, 7] {
         assert_eq!(c.exchange(&put("/p", t, &[], "x")).await.status, 200);
     }
@@ -265,18 +280,12 @@ async fn a_cut_body_is_aborted_and_never_applied() {
 
 #[tokio::test]
 async fn break_after_head_resets_and_keeps_working() {
-    let up = RawUpstream::start().await;
-    let mut c = Client::connect(&up).await;
+    let (up, mut c) = started().await;
     let resp = c
-        .exchange(&put(
-            "/p",
-            1,
-            &[
-                ("x-test-behaviour", "break-after-head"),
-                ("x-test-work-ms", "400"),
-            ],
-            "one",
-        ))
+        .exchange(&one(&[
+            ("x-test-behaviour", "break-after-head"),
+            ("x-test-work-ms", "400"),
+        ]))
         .await;
     let broken_at = Instant::now();
     assert_eq!(resp.status, 200);
@@ -305,30 +314,18 @@ async fn break_after_head_resets_and_keeps_working() {
     assert!(applied >= broken_at, "applied only after the reset");
     assert!(applied - w.started >= Duration::from_millis(400));
     assert!(w.ended.unwrap() >= applied);
-    assert_eq!(
-        up.violations(),
-        vec![
-            "two tokens in flight on /p: 1 and 2",
-            "applied 1 after 2 on /p"
-        ]
-    );
+    assert_eq!(up.violations(), OVERTAKEN);
 }
 
 #[tokio::test]
 async fn slow_stream_streams_then_applies() {
-    let up = RawUpstream::start().await;
-    let mut c = Client::connect(&up).await;
+    let (up, mut c) = started().await;
     let resp = c
-        .exchange(&put(
-            "/p",
-            1,
-            &[
-                ("x-test-behaviour", "slow-stream"),
-                ("x-test-chunks", "5"),
-                ("x-test-chunk-ms", "60"),
-            ],
-            "one",
-        ))
+        .exchange(&one(&[
+            ("x-test-behaviour", "slow-stream"),
+            ("x-test-chunks", "5"),
+            ("x-test-chunk-ms", "60"),
+        ]))
         .await;
     let done = Instant::now();
     assert_eq!(resp.status, 200);
@@ -348,19 +345,13 @@ async fn slow_stream_streams_then_applies() {
 
 #[tokio::test]
 async fn slow_stream_keeps_working_after_the_peer_left() {
-    let up = RawUpstream::start().await;
-    let mut c = Client::connect(&up).await;
+    let (up, mut c) = started().await;
     c.send(
-        put(
-            "/p",
-            1,
-            &[
-                ("x-test-behaviour", "slow-stream"),
-                ("x-test-chunks", "6"),
-                ("x-test-chunk-ms", "100"),
-            ],
-            "one",
-        )
+        one(&[
+            ("x-test-behaviour", "slow-stream"),
+            ("x-test-chunks", "6"),
+            ("x-test-chunk-ms", "100"),
+        ])
         .as_bytes(),
     )
     .await;
@@ -382,19 +373,12 @@ async fn slow_stream_keeps_working_after_the_peer_left() {
         .expect("the upstream noticed the peer was gone");
     assert!(cut < applied, "noticed at a chunk, before the stream's end");
     assert_eq!(up.applied_tokens("/p"), vec![2, 1]);
-    assert_eq!(
-        up.violations(),
-        vec![
-            "two tokens in flight on /p: 1 and 2",
-            "applied 1 after 2 on /p"
-        ]
-    );
+    assert_eq!(up.violations(), OVERTAKEN);
 }
 
 #[tokio::test]
 async fn early_answer_comes_before_the_body_is_read() {
-    let up = RawUpstream::start().await;
-    let mut c = Client::connect(&up).await;
+    let (up, mut c) = started().await;
     let h = head(
         "PUT",
         "/p",
@@ -432,8 +416,7 @@ async fn early_answer_comes_before_the_body_is_read() {
 
 #[tokio::test]
 async fn early_answer_with_a_cut_body_is_aborted() {
-    let up = RawUpstream::start().await;
-    let mut c = Client::connect(&up).await;
+    let (up, mut c) = started().await;
     let h = head(
         "PUT",
         "/p",

@@ -5,22 +5,22 @@ use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::support::app::{config_text, docs_route, TestApp};
+use crate::support::app::{config_sections, config_text, docs_route, TestApp};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::process::GatewayProcess;
 use crate::support::upstream::Upstream;
 
 async fn app_with(server_extra: &str) -> (TestStore, Upstream, TestApp) {
     let store = TestStore::new(Backend::Sqlite).await;
     let up = Upstream::start().await;
-    let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{server_extra}\n\
-         [store]\nurl = \"{}\"\n{}",
-        store.url,
-        docs_route(&up.url())
+    let text = config_sections(
+        &format!("{server_extra}\n"),
+        &store.url,
+        "",
+        &docs_route(&up.url()),
     );
-    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-    let app = TestApp::from_config(config).await.unwrap();
+    let app = TestApp::from_text(&text).await;
     (store, up, app)
 }
 
@@ -76,11 +76,8 @@ async fn sigterm_lets_in_flight_writes_finish_and_exits_0() {
     let mut gw = GatewayProcess::start(&config_text(&store.url, &docs_route(&up.url())));
     let url = gw.url("/docs/s");
     let slow = tokio::spawn(async move {
-        reqwest::Client::new()
-            .put(url)
-            .header("x-fence-token", "1")
+        fenced_put(&reqwest::Client::new(), url, "1", "slow")
             .header("x-test-delay-ms", "700")
-            .body("slow")
             .send()
             .await
             .map(|r| r.status())

@@ -1,8 +1,9 @@
 //! `[store] mode = "shared"`: several gateways on one Postgres keep the
 //! per-key ordering guarantee between them.
 
-use crate::support::app::{docs_route, problem, TestApp};
+use crate::support::app::{config_sections, docs_route, problem, TestApp, SHARED_STORE};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::holders::{self, Workload};
 use crate::support::upstream::{Upstream, UpstreamOptions};
 
@@ -19,14 +20,9 @@ async fn gateways_with(
 ) -> Vec<TestApp> {
     let mut apps = Vec::new();
     for _ in 0..n {
-        let text = format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-             [store]\nurl = \"{}\"\nmode = \"shared\"\ntimeout_ms = 3000\n{store_extra}\n{}",
-            store.url,
-            docs_route(&up.url())
-        );
-        let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-        apps.push(TestApp::from_config(config).await.unwrap());
+        let store_lines = format!("{SHARED_STORE}{store_extra}\n");
+        let text = config_sections("", &store.url, &store_lines, &docs_route(&up.url()));
+        apps.push(TestApp::from_text(&text).await);
     }
     apps
 }
@@ -77,12 +73,7 @@ async fn shared_instances_see_each_others_tokens() {
 /// 1.5 s, so that the key is held meanwhile; returns once the write is in
 /// flight. The task answers the write's status.
 async fn hold_key(app: &TestApp, path: &str) -> tokio::task::JoinHandle<reqwest::Result<u16>> {
-    let req = app
-        .http
-        .put(app.url(path))
-        .header("x-fence-token", "5")
-        .header("x-test-delay-ms", "1500")
-        .body("five");
+    let req = fenced_put(&app.http, app.url(path), "5", "five").header("x-test-delay-ms", "1500");
     let task = tokio::spawn(async move { req.send().await.map(|r| r.status().as_u16()) });
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
     task
@@ -100,11 +91,7 @@ async fn client_gone_while_waiting_in_postgres_leaks_no_lock() {
     // Instance 0 forwards token 5 slowly, holding the key.
     let slow = hold_key(&apps[0], "/docs/w").await;
     // Token 6 on instance 1 waits for it inside Postgres; its client gives up.
-    let gave_up = apps[1]
-        .http
-        .put(apps[1].url("/docs/w"))
-        .header("x-fence-token", "6")
-        .body("six")
+    let gave_up = fenced_put(&apps[1].http, apps[1].url("/docs/w"), "6", "six")
         .timeout(std::time::Duration::from_millis(300))
         .send()
         .await;

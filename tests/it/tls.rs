@@ -4,8 +4,9 @@
 
 use std::time::Duration;
 
-use crate::support::app::{docs_route, TestApp};
+use crate::support::app::{config_sections, docs_route, TestApp};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::pki::{self, Ca};
 use crate::support::process::GatewayProcess;
 use crate::support::upstream::Upstream;
@@ -24,10 +25,7 @@ async fn https_traffic_and_lock_api_are_served_and_forwarded_as_https() {
     let app = TestApp::spawn(&store.url, &extra).await;
     let https = pki::client(&ca, None);
     let base = format!("https://127.0.0.1:{}", app.addr.port());
-    let put = https
-        .put(format!("{base}/docs/a"))
-        .header("x-fence-token", "1")
-        .body("A")
+    let put = fenced_put(&https, format!("{base}/docs/a"), "1", "A")
         .send()
         .await
         .unwrap();
@@ -225,12 +223,11 @@ async fn sighup_reloads_the_certificate_and_keeps_it_when_the_new_one_is_bad() {
     let store = TestStore::new(Backend::Sqlite).await;
     let ca = Ca::new("test CA");
     let (_, cert, key) = ca.server_files("first");
-    let config = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-         [store]\nurl = \"{}\"\n{}{}",
-        store.url,
-        docs_route("http://127.0.0.1:9"),
-        pki::tls_section(&cert, &key, None)
+    let config = config_sections(
+        "",
+        &store.url,
+        "",
+        &(docs_route("http://127.0.0.1:9") + &pki::tls_section(&cert, &key, None)),
     );
     let mut gw = GatewayProcess::start(&config);
     let first = std::fs::read_to_string(&cert).unwrap();

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use sha2::Digest;
 
-use crate::support::app::{docs_route, problem, route, TestApp};
+use crate::support::app::{config_sections, docs_route, problem, route, TestApp, SHARED_STORE};
 use crate::support::db::{Backend, TestStore};
 use crate::support::redis::{require_shared_redis, PrivateRedis};
 use crate::support::upstream::Upstream;
@@ -28,6 +28,12 @@ pub(crate) fn auth_section() -> String {
         sha("key-billing"),
         sha("key-ops")
     )
+}
+
+/// An open read of the admin listener, as JSON.
+async fn read(app: &TestApp, path: &str) -> Value {
+    let resp = call(app, "GET", path, None, None).await;
+    resp.json().await.expect("a JSON answer")
 }
 
 async fn call(
@@ -329,11 +335,7 @@ async fn poisoned_key_is_recovered_by_a_reset(locks: &str, backend: Backend) {
     assert_eq!(record["last_reset"]["from"], i64::MAX);
     assert_eq!(record["last_reset"]["to"], 5);
     assert_eq!(record["last_reset"]["reason"], "forged token from a test");
-    let shown: Value = call(&app, "GET", "/fences/doc:victim", None, None)
-        .await
-        .json()
-        .await
-        .unwrap();
+    let shown: Value = read(&app, "/fences/doc:victim").await;
     assert_eq!(shown["last_reset"], record["last_reset"]);
 
     // Memory forgot the forged token at once: the lock grants again, above
@@ -393,15 +395,9 @@ async fn poisoned_key_on_the_redlock_backend() {
 async fn shared_pair(store: &TestStore, up: &Upstream) -> Vec<TestApp> {
     let mut apps = Vec::new();
     for _ in 0..2 {
-        let text = format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-             [store]\nurl = \"{}\"\nmode = \"shared\"\ntimeout_ms = 3000\n{}{}",
-            store.url,
-            docs_route(&up.url()),
-            auth_section()
-        );
-        let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-        apps.push(TestApp::from_config(config).await.unwrap());
+        let rest = docs_route(&up.url()) + &auth_section();
+        let text = config_sections("", &store.url, SHARED_STORE, &rest);
+        apps.push(TestApp::from_text(&text).await);
     }
     apps
 }
@@ -614,11 +610,7 @@ async fn listings_page_through_more_keys_than_one_page() {
             if let Some(a) = &after {
                 path.push_str(&format!("&after={a}"));
             }
-            let page: Value = call(&app, "GET", &path, None, None)
-                .await
-                .json()
-                .await
-                .unwrap();
+            let page: Value = read(&app, &path).await;
             pages += 1;
             for f in page["fences"].as_array().unwrap() {
                 got.push(f["resource_key"].as_str().unwrap().to_string());
@@ -643,11 +635,7 @@ async fn listings_page_through_more_keys_than_one_page() {
         for n in ["lk:a", "lk:b", "lk:c"] {
             assert_eq!(acquire(&app, n, None).await.status(), 201);
         }
-        let page: Value = call(&app, "GET", "/locks?prefix=lk:&limit=2", None, None)
-            .await
-            .json()
-            .await
-            .unwrap();
+        let page: Value = read(&app, "/locks?prefix=lk:&limit=2").await;
         let names: Vec<_> = page["locks"]
             .as_array()
             .unwrap()
@@ -657,11 +645,7 @@ async fn listings_page_through_more_keys_than_one_page() {
         assert_eq!(names, vec![json!("lk:a"), json!("lk:b")]);
         assert_eq!(page["locks"][0]["held"], true);
         assert_eq!(page["next"], "lk:b");
-        let rest: Value = call(&app, "GET", "/locks?prefix=lk:&after=lk:b", None, None)
-            .await
-            .json()
-            .await
-            .unwrap();
+        let rest: Value = read(&app, "/locks?prefix=lk:&after=lk:b").await;
         assert_eq!(rest["locks"][0]["name"], "lk:c");
         assert_eq!(rest["next"], Value::Null);
     }
@@ -692,17 +676,7 @@ async fn lock_listings_on_redis_and_redlock_and_their_bad_parameters() {
                 201
             );
         }
-        let page: Value = call(
-            &app,
-            "GET",
-            &format!("/locks?prefix={prefix}&limit=2"),
-            None,
-            None,
-        )
-        .await
-        .json()
-        .await
-        .unwrap();
+        let page: Value = read(&app, &format!("/locks?prefix={prefix}&limit=2")).await;
         let names: Vec<_> = page["locks"]
             .as_array()
             .unwrap()
@@ -717,17 +691,7 @@ async fn lock_listings_on_redis_and_redlock_and_their_bad_parameters() {
         assert_eq!(page["locks"][0]["held"], true, "{locks}");
         assert!(page["locks"][0]["fence"].as_i64().unwrap() >= 1);
         let next = page["next"].as_str().unwrap().to_string();
-        let rest: Value = call(
-            &app,
-            "GET",
-            &format!("/locks?prefix={prefix}&after={next}"),
-            None,
-            None,
-        )
-        .await
-        .json()
-        .await
-        .unwrap();
+        let rest: Value = read(&app, &format!("/locks?prefix={prefix}&after={next}")).await;
         assert_eq!(rest["locks"][0]["name"], format!("{prefix}c"), "{locks}");
         assert_eq!(rest["next"], Value::Null);
         for bad in [

@@ -9,30 +9,20 @@ use std::time::{Duration, Instant};
 
 use sqlx::{Connection, PgConnection, SqliteConnection};
 
-use crate::support::app::{docs_route, problem, TestApp};
+use crate::support::app::{config_sections, docs_route, problem, TestApp, SHARED_STORE};
 use crate::support::db::{Backend, TestStore};
 use crate::support::upstream::Upstream;
 
 /// A single-mode gateway with a short store timeout.
 async fn gateway(store: &TestStore, up: &Upstream, store_timeout_ms: u64) -> TestApp {
-    let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-         [store]\nurl = \"{}\"\ntimeout_ms = {store_timeout_ms}\n{}",
-        store.url,
-        docs_route(&up.url())
-    );
-    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-    TestApp::from_config(config).await.unwrap()
+    let store_lines = format!("timeout_ms = {store_timeout_ms}\n");
+    let text = config_sections("", &store.url, &store_lines, &docs_route(&up.url()));
+    TestApp::from_text(&text).await
 }
 
 /// The highest token the store holds for `key`, through the admin API.
 async fn recorded(app: &TestApp, key: &str) -> i64 {
-    let resp = app
-        .http
-        .get(app.admin_url(&format!("/fences/{key}")))
-        .send()
-        .await
-        .unwrap();
+    let resp = app.admin_get(&format!("/fences/{key}")).await;
     assert_eq!(resp.status(), 200);
     resp.json::<serde_json::Value>().await.unwrap()["highest_token"]
         .as_i64()
@@ -153,13 +143,8 @@ async fn a_failing_leave_keeps_the_key_closed_until_the_marker_expires() {
     let route = format!("{}timeout_ms = 1500\n", docs_route(&up.url()));
     let mut apps = Vec::new();
     for _ in 0..2 {
-        let text = format!(
-            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-             [store]\nurl = \"{}\"\nmode = \"shared\"\ntimeout_ms = 3000\n{route}",
-            store.url
-        );
-        let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-        apps.push(TestApp::from_config(config).await.unwrap());
+        let text = config_sections("", &store.url, SHARED_STORE, &route);
+        apps.push(TestApp::from_text(&text).await);
     }
     // Migrations have run: break the leave.
     let mut conn = PgConnection::connect(&store.url).await.unwrap();

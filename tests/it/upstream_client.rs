@@ -10,8 +10,9 @@ use std::time::Duration;
 use rand::Rng;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::support::app::{problem, route, TestApp};
+use crate::support::app::{config_sections, problem, route, TestApp};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::pki::{Ca, HttpsUpstream};
 
 fn https_route(name: &str, addr: std::net::SocketAddr, ca: Option<&std::path::Path>) -> String {
@@ -205,10 +206,7 @@ async fn a_request_is_never_sent_twice_when_pooled_connections_die() {
                 let req = if n % 2 == 0 {
                     app.http.get(app.url(&format!("/docs/k{client}")))
                 } else {
-                    app.http
-                        .put(app.url(&format!("/docs/k{client}")))
-                        .header("x-fence-token", "1")
-                        .body("x")
+                    fenced_put(&app.http, app.url(&format!("/docs/k{client}")), "1", "x")
                 };
                 let status = req
                     .header("x-test-id", &id)
@@ -266,14 +264,13 @@ async fn https_connections_are_kept_alive() {
     let up = HttpsUpstream::start(&ca.server("upstream")).await;
     // One worker: every request of the test's one client connection is
     // served by the same upstream pool.
-    let text = format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\nworkers = 1\n\
-         [store]\nurl = \"{}\"\n{}",
-        store.url,
-        https_route("kept", up.addr, Some(&ca_file))
+    let text = config_sections(
+        "workers = 1\n",
+        &store.url,
+        "",
+        &https_route("kept", up.addr, Some(&ca_file)),
     );
-    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-    let app = TestApp::from_config(config).await.unwrap();
+    let app = TestApp::from_text(&text).await;
     for i in 0..6 {
         let resp = if i % 2 == 0 {
             app.put("/kept/a", Some("1"), "x").await

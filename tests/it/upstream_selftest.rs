@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use tokio::io::AsyncWriteExt;
 
+use crate::support::fenced_put;
 use crate::support::upstream::{pattern_bytes, Upstream, UpstreamOptions};
 
 fn client() -> reqwest::Client {
@@ -24,10 +25,7 @@ async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
 }
 
 async fn write(c: &reqwest::Client, up: &Upstream, path: &str, token: i64, body: &str) {
-    let resp = c
-        .put(format!("{}{path}", up.url()))
-        .header("x-fence-token", token.to_string())
-        .body(body.to_string())
+    let resp = fenced_put(c, format!("{}{path}", up.url()), token, body.to_string())
         .send()
         .await
         .unwrap();

@@ -22,10 +22,28 @@ pub fn docs_route(upstream: &str) -> String {
 /// A whole config: listeners on port 0, the store, then `extra` (routes and
 /// any other sections).
 pub fn config_text(store_url: &str, extra: &str) -> String {
+    config_sections("", store_url, "timeout_ms = 1500\n", extra)
+}
+
+/// A whole config, section by section: listeners on port 0 and the lines
+/// `server` in `[server]`, the store at `store_url` and the lines `store` in
+/// `[store]`, then `rest` (routes and any other sections). Each part ends
+/// with a newline, or is empty.
+pub fn config_sections(server: &str, store_url: &str, store: &str, rest: &str) -> String {
     format!(
-        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
-         [store]\nurl = \"{store_url}\"\ntimeout_ms = 1500\n{extra}"
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{server}\
+         [store]\nurl = \"{store_url}\"\n{store}{rest}"
     )
+}
+
+/// The `[store]` lines of shared mode, with a store timeout that a loaded
+/// machine does not run into.
+pub const SHARED_STORE: &str = "mode = \"shared\"\ntimeout_ms = 3000\n";
+
+/// A test's config text as a config; it must be valid.
+pub fn parse_config(text: &str) -> Config {
+    Config::from_toml("test.toml", text, Vec::new())
+        .unwrap_or_else(|e| panic!("test config is invalid:\n{e}\n---\n{text}"))
 }
 
 pub struct TestApp {
@@ -45,10 +63,15 @@ impl TestApp {
     }
 
     pub async fn try_spawn(store_url: &str, extra: &str) -> Result<TestApp, StartError> {
-        let text = config_text(store_url, extra);
-        let config = Config::from_toml("test.toml", &text, Vec::new())
-            .unwrap_or_else(|e| panic!("test config is invalid:\n{e}\n---\n{text}"));
-        Self::from_config(config).await
+        Self::from_config(parse_config(&config_text(store_url, extra))).await
+    }
+
+    /// A gateway on the whole config `text`.
+    pub async fn from_text(text: &str) -> TestApp {
+        match Self::from_config(parse_config(text)).await {
+            Ok(a) => a,
+            Err(e) => panic!("gateway did not start: {e}"),
+        }
     }
 
     pub async fn from_config(config: Config) -> Result<TestApp, StartError> {
@@ -82,10 +105,16 @@ impl TestApp {
         format!("http://{}{}", self.admin, path)
     }
 
+    /// `GET path` on the admin listener, which must answer.
+    pub async fn admin_get(&self, path: &str) -> reqwest::Response {
+        let resp = self.http.get(self.admin_url(path)).send().await;
+        resp.expect("admin answered")
+    }
+
     /// The admin listener's Prometheus text.
     pub async fn metrics(&self) -> String {
-        let resp = self.http.get(self.admin_url("/metrics")).send().await;
-        resp.expect("admin answered")
+        self.admin_get("/metrics")
+            .await
             .text()
             .await
             .expect("metrics text")

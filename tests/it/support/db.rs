@@ -119,3 +119,36 @@ impl Drop for TestStore {
         }
     }
 }
+
+/// A transaction of another connection on a SQLite store, holding its write
+/// lock (`IMMEDIATE`) or all its locks (`EXCLUSIVE`) until [`release`]: the
+/// store is then as good as down for the gateway.
+///
+/// [`release`]: SqliteBlocker::release
+pub struct SqliteBlocker(sqlx::SqliteConnection);
+
+impl SqliteBlocker {
+    pub async fn begin(url: &str, mode: &str) -> Self {
+        let mut conn = sqlx::SqliteConnection::connect(url).await.unwrap();
+        sqlx::query(&format!("BEGIN {mode}"))
+            .execute(&mut conn)
+            .await
+            .unwrap();
+        Self(conn)
+    }
+
+    /// The connection, to write within the transaction.
+    pub fn conn(&mut self) -> &mut sqlx::SqliteConnection {
+        &mut self.0
+    }
+
+    /// Rolls the transaction back, and closes the connection.
+    pub async fn release(mut self) {
+        sqlx::query("ROLLBACK").execute(&mut self.0).await.unwrap();
+    }
+
+    /// Commits the transaction, and closes the connection.
+    pub async fn commit(mut self) {
+        sqlx::query("COMMIT").execute(&mut self.0).await.unwrap();
+    }
+}

@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use rand::Rng;
 
+use super::fenced_put;
 use super::upstream::Upstream;
 
 /// What the holders saw.
@@ -67,12 +68,10 @@ pub async fn run_dynamic(targets: Arc<RwLock<Vec<String>>>, w: Workload) -> Outc
                         t[rng.gen_range(0..t.len())].clone()
                     };
                     let body = format!("c{client}-r{round}-w{n}-t{token}");
-                    let resp = http
-                        .put(format!("{target}/docs/{doc}"))
-                        .header("x-fence-token", token.to_string())
-                        .body(body.clone())
-                        .send()
-                        .await;
+                    let resp =
+                        fenced_put(&http, format!("{target}/docs/{doc}"), token, body.clone())
+                            .send()
+                            .await;
                     let status = resp.as_ref().map(|r| r.status().as_u16()).unwrap_or(0);
                     *out.lock().unwrap().statuses.entry(status).or_default() += 1;
                     match status {

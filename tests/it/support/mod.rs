@@ -1,6 +1,7 @@
 #![allow(dead_code)]
 
 pub mod app;
+pub mod breaches;
 pub mod browser;
 pub mod cli;
 pub mod db;
@@ -12,6 +13,23 @@ pub mod raw_upstream;
 pub mod redis;
 pub mod upstream;
 
+/// One test per fence store of the case `$case(Backend)`, under the names
+/// given: `per_store!(#[tokio::test] case => case_sqlite, case_postgres);`.
+macro_rules! per_store {
+    (#[$attr:meta] $case:ident => $sqlite:ident, $postgres:ident) => {
+        #[$attr]
+        async fn $sqlite() {
+            $case($crate::support::db::Backend::Sqlite).await
+        }
+
+        #[$attr]
+        async fn $postgres() {
+            $case($crate::support::db::Backend::Postgres).await
+        }
+    };
+}
+pub(crate) use per_store;
+
 /// Sends raw bytes on a new connection and returns what came back first.
 pub async fn raw_request(addr: std::net::SocketAddr, raw: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -20,4 +38,17 @@ pub async fn raw_request(addr: std::net::SocketAddr, raw: &str) -> String {
     let mut buf = vec![0u8; 8192];
     let n = s.read(&mut buf).await.unwrap_or(0);
     String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+/// A fenced write about to be sent: `PUT url` with `X-Fence-Token: token`
+/// and `body`. Add headers (`x-test-delay-ms`, say) before sending.
+pub fn fenced_put(
+    http: &reqwest::Client,
+    url: impl reqwest::IntoUrl,
+    token: impl std::fmt::Display,
+    body: impl Into<reqwest::Body>,
+) -> reqwest::RequestBuilder {
+    http.put(url)
+        .header("x-fence-token", token.to_string())
+        .body(body)
 }

@@ -86,6 +86,19 @@ impl GatewayProcess {
         format!("http://{}{}", self.addr, path)
     }
 
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://{}{}", self.admin, path)
+    }
+
+    /// The admin listener's Prometheus text.
+    pub async fn metrics(&self) -> String {
+        let resp = reqwest::get(self.admin_url("/metrics")).await;
+        resp.expect("admin answered")
+            .text()
+            .await
+            .expect("metrics text")
+    }
+
     pub fn pid(&self) -> i32 {
         self.child.id() as i32
     }

@@ -63,6 +63,8 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::AbortHandle;
 
+use super::breaches::{fmt_token, Breaches};
+
 /// Header: how the upstream behaves for this write.
 pub const BEHAVIOUR_HEADER: &str = "x-test-behaviour";
 /// Header: work (ms) before a write is applied.
@@ -230,7 +232,7 @@ impl RawUpstream {
 
     /// Breaches of the fencing guarantees seen so far; empty means they held.
     pub fn violations(&self) -> Vec<String> {
-        self.shared.state().violations.clone()
+        self.shared.state().breaches.seen.clone()
     }
 
     /// The tokens of the writes applied on `path`, in the order they were
@@ -327,15 +329,9 @@ struct State {
     writes: Vec<WriteRecord>,
     /// Ids of the writes in flight, per path.
     in_flight: HashMap<String, Vec<usize>>,
-    /// Highest token applied per path.
-    highest: HashMap<String, i64>,
     /// Ids of applied writes, in order of application.
     applied: Vec<usize>,
-    violations: Vec<String>,
-}
-
-fn fmt_token(t: Option<i64>) -> String {
-    t.map_or_else(|| "none".to_string(), |t| t.to_string())
+    breaches: Breaches,
 }
 
 impl Shared {
@@ -367,22 +363,12 @@ impl Shared {
         let mut st = self.state();
         let id = st.writes.len();
         let path = head.path.clone();
-        let mut reported: Vec<Option<i64>> = Vec::new();
         let others: Vec<Option<i64>> = st
             .in_flight
             .get(&path)
             .map(|ids| ids.iter().map(|&i| st.writes[i].token).collect())
             .unwrap_or_default();
-        for other in others {
-            if other != token && !reported.contains(&other) {
-                reported.push(other);
-                st.violations.push(format!(
-                    "two tokens in flight on {path}: {} and {}",
-                    fmt_token(other),
-                    fmt_token(token)
-                ));
-            }
-        }
+        st.breaches.arrive(&path, token, others);
         st.in_flight.entry(path.clone()).or_default().push(id);
         st.writes.push(WriteRecord {
             id,
@@ -428,18 +414,7 @@ impl Shared {
             assert!(!w.aborted, "an aborted write is never applied");
             (w.path.clone(), w.token)
         };
-        if let Some(t) = token {
-            match st.highest.get(&path).copied() {
-                Some(h) if t < h => {
-                    st.violations
-                        .push(format!("applied {t} after {h} on {path}"));
-                }
-                Some(h) if t == h => {}
-                _ => {
-                    st.highest.insert(path, t);
-                }
-            }
-        }
+        st.breaches.apply(&path, token);
         st.writes[id].applied_at = Some(now);
         st.applied.push(id);
     }
@@ -543,16 +518,7 @@ async fn read_head(conn: &mut Conn) -> HeadRead {
                         .split_once('?')
                         .map_or(target, |(p, _)| p)
                         .to_string();
-                    let headers: Vec<(String, String)> = req
-                        .headers
-                        .iter()
-                        .map(|h| {
-                            (
-                                h.name.to_ascii_lowercase(),
-                                String::from_utf8_lossy(h.value).into_owned(),
-                            )
-                        })
-                        .collect();
+                    let headers = lowercase_headers(req.headers);
                     conn.buf.advance(n);
                     let framing = match request_framing(&headers) {
                         Ok(f) => f,
@@ -578,6 +544,19 @@ async fn read_head(conn: &mut Conn) -> HeadRead {
             Ok(_) => {}
         }
     }
+}
+
+/// Parsed headers as `(lowercase name, value)` pairs.
+fn lowercase_headers(headers: &[httparse::Header<'_>]) -> Vec<(String, String)> {
+    headers
+        .iter()
+        .map(|h| {
+            (
+                h.name.to_ascii_lowercase(),
+                String::from_utf8_lossy(h.value).into_owned(),
+            )
+        })
+        .collect()
 }
 
 fn is_chunked(headers: &[(String, String)]) -> bool {
@@ -976,16 +955,7 @@ pub async fn read_response_head<R: AsyncRead + Unpin>(
             match resp.parse(buf) {
                 Ok(httparse::Status::Complete(n)) => {
                     let status = resp.code.unwrap_or(0);
-                    let headers = resp
-                        .headers
-                        .iter()
-                        .map(|h| {
-                            (
-                                h.name.to_ascii_lowercase(),
-                                String::from_utf8_lossy(h.value).into_owned(),
-                            )
-                        })
-                        .collect();
+                    let headers = lowercase_headers(resp.headers);
                     buf.advance(n);
                     return Ok((status, headers));
                 }

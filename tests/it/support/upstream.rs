@@ -47,6 +47,8 @@ use rand::Rng;
 use tokio::net::TcpListener;
 use tokio::task::{JoinHandle, JoinSet};
 
+use super::breaches::Breaches;
+
 /// Header: delay (ms) before applying a write or answering a read.
 pub const DELAY_HEADER: &str = "x-test-delay-ms";
 /// Header: status code to answer with.
@@ -208,7 +210,7 @@ impl Upstream {
 
     /// Ordering violations seen so far; empty means the fencing guarantees held.
     pub fn violations(&self) -> Vec<String> {
-        self.shared.lock().violations.clone()
+        self.shared.lock().breaches.seen.clone()
     }
 
     /// Every request received (any method), in arrival order.
@@ -261,12 +263,10 @@ struct State {
     next_seq: u64,
     next_flight_id: u64,
     applied: Vec<Applied>,
-    /// Highest token applied per path.
-    highest: HashMap<String, i64>,
     /// Writes in flight per path: (flight id, token).
     in_flight: HashMap<String, Vec<(u64, Option<i64>)>>,
     in_flight_total: usize,
-    violations: Vec<String>,
+    breaches: Breaches,
     requests: Vec<Received>,
     aborted: Vec<Received>,
     /// Body of the last applied write per path.
@@ -287,10 +287,6 @@ impl State {
     }
 }
 
-fn fmt_token(t: Option<i64>) -> String {
-    t.map_or_else(|| "none".to_string(), |t| t.to_string())
-}
-
 /// Registration of a write as in flight on a path; unregisters on drop.
 struct FlightGuard {
     shared: Arc<Shared>,
@@ -309,17 +305,7 @@ impl FlightGuard {
             .get(path)
             .map(|l| l.iter().map(|(_, t)| *t).collect())
             .unwrap_or_default();
-        let mut reported = Vec::new();
-        for other in others {
-            if other != token && !reported.contains(&other) {
-                reported.push(other);
-                st.violations.push(format!(
-                    "two tokens in flight on {path}: {} and {}",
-                    fmt_token(other),
-                    fmt_token(token)
-                ));
-            }
-        }
+        st.breaches.arrive(path, token, others);
         st.in_flight
             .entry(path.to_string())
             .or_default()
@@ -337,18 +323,7 @@ impl FlightGuard {
     fn apply(mut self, method: &str, token: Option<i64>, body: Bytes) -> u64 {
         let mut st = self.shared.lock();
         let path = self.path.as_str();
-        if let Some(t) = token {
-            match st.highest.get(path).copied() {
-                Some(h) if t < h => {
-                    st.violations
-                        .push(format!("applied {t} after {h} on {path}"));
-                }
-                Some(h) if t == h => {}
-                _ => {
-                    st.highest.insert(path.to_string(), t);
-                }
-            }
-        }
+        st.breaches.apply(path, token);
         st.next_seq += 1;
         let seq = st.next_seq;
         st.applied.push(Applied {
