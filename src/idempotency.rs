@@ -43,13 +43,17 @@
 //! instances sharing it agree, and the gateway's memory does not grow with
 //! them. Expired records are purged by [`purge_forever`].
 
+mod cache;
+
 use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, HeaderMap, Method};
 use sha2::{Digest, Sha256};
 
-use crate::store::FenceStore;
+pub use cache::{until as cached_until, Cached, ReplayCache};
+
+use crate::store::{FenceStore, StoredAnswer};
 
 /// The request header.
 pub const IDEMPOTENCY_KEY: header::HeaderName = header::HeaderName::from_static("idempotency-key");
@@ -143,6 +147,24 @@ pub fn fingerprint(
     }
     part(&Sha256::digest(body));
     h.finalize().into()
+}
+
+/// The status and headers a replay of `stored` answers with: the stored
+/// ones, and `Idempotent-Replayed: true`. From the store or from memory,
+/// the same.
+pub fn replay_head(stored: &StoredAnswer) -> (http::StatusCode, HeaderMap) {
+    let status = http::StatusCode::from_u16(stored.status).unwrap_or(http::StatusCode::OK);
+    let mut headers = HeaderMap::with_capacity(stored.headers.len() + 1);
+    for (name, value) in &stored.headers {
+        if let (Ok(n), Ok(v)) = (
+            header::HeaderName::from_bytes(name.as_bytes()),
+            header::HeaderValue::from_bytes(value),
+        ) {
+            headers.append(n, v);
+        }
+    }
+    headers.insert(REPLAYED, header::HeaderValue::from_static("true"));
+    (status, headers)
 }
 
 /// How often expired records are purged: the default of
