@@ -182,7 +182,7 @@ ON CONFLICT (route, method, idem_key) DO UPDATE
        in_flight_until = EXCLUDED.in_flight_until, expires_at = EXCLUDED.expires_at,
        attempt = EXCLUDED.attempt, status = NULL, headers = NULL, body = NULL
  WHERE i.expires_at <= now()
-RETURNING i.route, i.method, i.idem_key";
+RETURNING i.route, i.method, i.idem_key, i.attempt";
 
 /// A batch of answers (single mode): each stored in its attempt's record
 /// if that is still in flight, one statement, one commit. The records are
@@ -204,7 +204,7 @@ UPDATE idempotency i SET state = 'done', status = b.s, headers = b.h, body = b.b
  WHERE i.ctid = ANY(ARRAY(SELECT row FROM locked))
    AND i.route = b.r AND i.method = b.m AND i.idem_key = b.k AND i.attempt = b.a
    AND i.state = 'in_flight'
-RETURNING i.route, i.method, i.idem_key";
+RETURNING i.route, i.method, i.idem_key, i.attempt";
 
 /// Answers larger than this (body and encoded headers) are stored by a
 /// statement of their own, not in a batch: a batch of answers then stays
@@ -238,7 +238,14 @@ impl BeginItem {
     fn id(&self) -> (&str, &str, &str) {
         (&self.route, &self.method, &self.key)
     }
+
+    fn attempt(&self) -> Written<'_> {
+        (&self.route, &self.method, &self.key, self.attempt)
+    }
 }
+
+/// A record's id and attempt, as a batch statement returns them.
+type Written<'a> = (&'a str, &'a str, &'a str, i64);
 
 /// An answer to store, owned, as a batch carries it.
 pub(super) struct CompleteItem {
@@ -252,8 +259,8 @@ pub(super) struct CompleteItem {
 }
 
 impl CompleteItem {
-    fn id(&self) -> (&str, &str, &str) {
-        (&self.route, &self.method, &self.key)
+    fn attempt(&self) -> Written<'_> {
+        (&self.route, &self.method, &self.key, self.attempt)
     }
 }
 
@@ -294,7 +301,7 @@ pub(super) async fn pg_begin_batch(
         cols.5.push(i.ttl_ms);
         cols.6.push(i.attempt);
     }
-    let written: Vec<(String, String, String)> = sqlx::query_as(PG_BEGIN_BATCH)
+    let written: Vec<(String, String, String, i64)> = sqlx::query_as(PG_BEGIN_BATCH)
         .bind(&cols.0)
         .bind(&cols.1)
         .bind(&cols.2)
@@ -304,7 +311,7 @@ pub(super) async fn pg_begin_batch(
         .bind(&cols.6)
         .fetch_all(pool)
         .await?;
-    Ok(answered(&items, &sent, &written, BeginItem::id))
+    Ok(answered(&items, &sent, &written, BeginItem::attempt))
 }
 
 /// Runs a batch of answers on Postgres.
@@ -330,7 +337,7 @@ pub(super) async fn pg_complete_batch(
         cols.5.push(i.headers.as_slice());
         cols.6.push(&i.body[..]);
     }
-    let done: Vec<(String, String, String)> = sqlx::query_as(PG_COMPLETE_BATCH)
+    let done: Vec<(String, String, String, i64)> = sqlx::query_as(PG_COMPLETE_BATCH)
         .bind(&cols.0)
         .bind(&cols.1)
         .bind(&cols.2)
@@ -340,28 +347,29 @@ pub(super) async fn pg_complete_batch(
         .bind(&cols.6)
         .fetch_all(pool)
         .await?;
-    // An answer's record is in the batch once: only its attempt's gateway
-    // stores into it.
+    // Answers for one record may share a batch (a stalled attempt's and
+    // the newer one's): each is judged by its own attempt.
     let all = vec![true; items.len()];
-    Ok(answered(&items, &all, &done, CompleteItem::id))
+    Ok(answered(&items, &all, &done, CompleteItem::attempt))
 }
 
 /// Which items' records came back from a batch statement: those whose
-/// item went into it (`sent`) and whose id is among the rows returned.
+/// item went into it (`sent`) and whose id and attempt are among the rows
+/// returned.
 fn answered<T>(
     items: &[T],
     sent: &[bool],
-    rows: &[(String, String, String)],
-    id: impl Fn(&T) -> (&str, &str, &str),
+    rows: &[(String, String, String, i64)],
+    written: impl Fn(&T) -> Written<'_>,
 ) -> Vec<bool> {
-    let rows: HashSet<(&str, &str, &str)> = rows
+    let rows: HashSet<Written<'_>> = rows
         .iter()
-        .map(|(r, m, k)| (r.as_str(), m.as_str(), k.as_str()))
+        .map(|(r, m, k, a)| (r.as_str(), m.as_str(), k.as_str(), *a))
         .collect();
     items
         .iter()
         .zip(sent)
-        .map(|(i, sent)| *sent && rows.contains(&id(i)))
+        .map(|(i, sent)| *sent && rows.contains(&written(i)))
         .collect()
 }
 
