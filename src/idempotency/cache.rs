@@ -50,7 +50,7 @@ use http::{HeaderMap, StatusCode};
 use crate::store::{RecordId, StoredAnswer};
 
 /// Entries kept at most.
-pub const MAX_ENTRIES: usize = 65_536;
+pub const MAX_ENTRIES: usize = 16_384;
 /// Bytes charged at most, over all entries.
 pub const MAX_BYTES: usize = 32 * 1024 * 1024;
 /// Larger entries are not cached: one answer may not crowd out 64 others.
