@@ -743,7 +743,7 @@ impl FencedWrite {
         // `Fence::check_keyed`). Its insert is also the lookup: a live
         // record of the key (a duplicate, or a replay memory did not know)
         // is found only then, and read.
-        let (admission, recorded) = match &first_use {
+        let (admission, record_times) = match &first_use {
             None => {
                 let check = state.fence.check(
                     &self.key,
@@ -847,7 +847,7 @@ impl FencedWrite {
                 return (false, Err(StoreError::Late.into()));
             }
         }
-        if let Some((until, _)) = recorded {
+        if let Some((until, _)) = record_times {
             // Likewise for the key's record: the exchange and the storing of
             // its answer must be over while the record is in flight. Past
             // it, duplicates hear "outcome unknown", and once it expired
@@ -858,9 +858,18 @@ impl FencedWrite {
                 return (false, Err(StoreError::Late.into()));
             }
         }
-        let (Some(first), Some((_, expires))) = (first_use, recorded) else {
+        let Some(first) = first_use else {
             let result = forward(state, &self.route, self.req, peer, Some(admission)).await;
             return (true, result);
+        };
+        let Some((_, expires)) = record_times else {
+            // Every first use above came with its record's times; never
+            // forward one without its record.
+            forget(&Some(first));
+            return (
+                false,
+                Err(GatewayError::Internal("a first use without its record")),
+            );
         };
         // Phase: forward, then store the answer before returning it.
         let result = forward(state, &self.route, self.req, peer, Some(admission)).await;
