@@ -141,7 +141,7 @@ done
 ticks() { # CPU clock ticks (user + system) of a process and its children
     local t=0 p f
     for p in $1 $(pgrep -P "$1" || true); do
-        read -r -a f < "/proc/$p/stat"
+        read -r -a f < "/proc/$p/stat" 2>/dev/null || continue   # a child that just ended
         t=$((t + f[13] + f[14]))
     done
     echo "$t"
