@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
 # Where the pass-through path spends its CPU, next to nginx doing the same job;
 # or, with --raise, where a raising fenced write spends it, in fencegate and
-# in Postgres.
+# in Postgres; or, with --keyed, what an Idempotency-Key first use and a
+# replay cost.
 #
 #   bash bench/profile.sh [BINARY]
 #   bash bench/profile.sh --raise [--shared] [BINARY]
+#   bash bench/profile.sh --keyed [--shared] [BINARY]
 #
 # --raise: fencegate on a fresh Postgres database (single mode, or shared
 # with --shared); wrk -t2 -c64 PUTs whose every request raises its key's
 # token (bench/fenced.lua's `raise`). CPU per request is given for fencegate
 # and for Postgres (every server process of the cluster, so keep the
 # machine quiet), then fencegate is profiled as below.
+#
+# --keyed: the same Postgres setup and a route /keyed/{id} with
+# `idempotency = "required"` (bench/run.sh's); the keys h0..h9999 seeded
+# with token 1 and one answer stored (`POST /keyed/h1`, `Idempotency-Key:
+# bench-replay`). Then rounds of wrk -t2 -c64 with bench/fenced.lua's
+# `fresh` (every request a first use: (h) of run.sh) and `replay` (every
+# request replays the stored answer: (i)), each with fencegate's and
+# Postgres's CPU per request. No profile.
 #
 # Starts an nginx upstream (`return 200`), an nginx reverse proxy and
 # fencegate (SQLite store: pass-through GETs never touch it) on free
@@ -42,6 +52,7 @@ MODE=single
 while [ $# -gt 0 ]; do
     case "$1" in
         --raise) SCENARIO=raise; shift ;;
+        --keyed) SCENARIO=keyed; shift ;;
         --shared) MODE=shared; shift ;;
         *) break ;;
     esac
@@ -90,7 +101,7 @@ server { listen 127.0.0.1:$P_NGX; location / {
     proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection \"\"; } }"
 STORE_URL="sqlite://$W/fences.db"
 DB=""
-if [ "$SCENARIO" = raise ]; then
+if [ "$SCENARIO" != get ]; then
     export PGHOST="${PGHOST:-127.0.0.1}" PGPORT="${PGPORT:-5432}" PGUSER="${PGUSER:-postgres}"
     DB="fg_profile_$$"
     psql -qX -d postgres -c "CREATE DATABASE $DB" >/dev/null
@@ -110,6 +121,13 @@ name = "documents"
 path = "/docs/{id}"
 upstream = "http://127.0.0.1:$P_UP"
 key = "doc:{id}"
+
+[[routes]]
+name = "keyed"
+path = "/keyed/{id}"
+upstream = "http://127.0.0.1:$P_UP"
+key = "doc:{id}"
+idempotency = "required"
 EOF
 
 nginx -p "$W/up" -c "$W/up/nginx.conf" -g 'daemon off;' & PIDS+=($!); NGX_UP=$!
@@ -123,33 +141,34 @@ done
 ticks() { # CPU clock ticks (user + system) of a process and its children
     local t=0 p f
     for p in $1 $(pgrep -P "$1" || true); do
-        read -r -a f < "/proc/$p/stat"
+        read -r -a f < "/proc/$p/stat" 2>/dev/null || continue   # a child that just ended
         t=$((t + f[13] + f[14]))
     done
     echo "$t"
 }
 HZ=$(getconf CLK_TCK)
 
-if [ "$SCENARIO" = raise ]; then
-    # Every server process of the cluster: the gateway's backends, and the
-    # WAL writer and checkpointer its commits make work.
-    pg_ticks() {
-        local t=0 p f
-        for p in $(pgrep -u postgres -x postgres || true); do
-            read -r -a f < "/proc/$p/stat" 2>/dev/null || continue
-            t=$((t + f[13] + f[14]))
-        done
-        echo "$t"
-    }
-    echo "CPU per raising fenced write ($MODE mode), wrk -t2 -c64 -d8s (one line per run)"
-    printf '%-8s %10s %18s %18s\n' run "2xx/s" "fencegate us/req" "postgres us/req"
-    for round in 1 2 3; do
-        before=$(ticks "$FG"); pg_before=$(pg_ticks)
-        wrk -t2 -c64 -d8s -s "$REPO/bench/fenced.lua" "http://127.0.0.1:$P_FG" \
-            -- raise 10000 "r$round-" 2 > "$W/wrk_raise_$round.txt"
-        after=$(ticks "$FG"); pg_after=$(pg_ticks)
-        python3 - "$W/wrk_raise_$round.txt" "$round" "$((after - before))" \
-            "$((pg_after - pg_before))" "$HZ" <<'EOF'
+# Every server process of the cluster: the gateway's backends, and the WAL
+# writer and checkpointer its commits make work.
+pg_ticks() {
+    local t=0 p f
+    for p in $(pgrep -u postgres -x postgres || true); do
+        read -r -a f < "/proc/$p/stat" 2>/dev/null || continue
+        t=$((t + f[13] + f[14]))
+    done
+    echo "$t"
+}
+
+# One wrk run of bench/fenced.lua and the CPU it cost: label, mode, prefix.
+# Prints 2xx answers per second, and fencegate's and Postgres's CPU per 2xx.
+cpu_run() {
+    local label=$1 mode=$2 prefix=$3 before after pg_before pg_after
+    before=$(ticks "$FG"); pg_before=$(pg_ticks)
+    wrk -t2 -c64 -d8s -s "$REPO/bench/fenced.lua" "http://127.0.0.1:$P_FG" \
+        -- "$mode" 10000 "$prefix" 2 > "$W/wrk_$label.txt"
+    after=$(ticks "$FG"); pg_after=$(pg_ticks)
+    python3 - "$W/wrk_$label.txt" "$label" "$((after - before))" \
+        "$((pg_after - pg_before))" "$HZ" <<'EOF'
 import json, re, sys
 text = open(sys.argv[1]).read()
 line = next(l for l in text.splitlines() if l.startswith("BENCHJSON "))
@@ -159,8 +178,39 @@ ok = stats["s2xx"]
 hz = int(sys.argv[5])
 fg = int(sys.argv[3]) / hz * 1e6 / max(ok, 1)
 pg = int(sys.argv[4]) / hz * 1e6 / max(ok, 1)
-print(f"{sys.argv[2]:<8} {ok / secs:>10,.0f} {fg:>18.1f} {pg:>18.1f}")
+other = stats["requests"] - ok
+note = f"  ({other} not 2xx)" if other else ""
+print(f"{sys.argv[2]:<10} {ok / secs:>10,.0f} {fg:>18.1f} {pg:>18.1f}{note}")
 EOF
+}
+
+if [ "$SCENARIO" = keyed ]; then
+    python3 "$REPO/bench/util.py" seed "http://127.0.0.1:$P_FG" h 10000 1 >&2
+    stored=$(python3 - "$P_FG" <<'EOF'
+import http.client, sys
+c = http.client.HTTPConnection("127.0.0.1", int(sys.argv[1]), timeout=10)
+c.request("POST", "/keyed/h1", body=b"written-by-bench", headers={
+    "X-Fence-Token": "1", "Content-Type": "text/plain", "Idempotency-Key": "bench-replay"})
+print(c.getresponse().status)
+EOF
+)
+    [ "$stored" = 200 ] || { echo "profile.sh: storing the replayed answer failed ($stored)" >&2; exit 1; }
+    echo "CPU per keyed POST ($MODE mode), wrk -t2 -c64 -d8s (one line per run)"
+    printf '%-10s %10s %18s %18s\n' run "2xx/s" "fencegate us/req" "postgres us/req"
+    for round in 1 2 3; do
+        cpu_run "fresh-$round" fresh h
+        cpu_run "replay-$round" replay h
+    done
+    echo
+    echo "raw outputs: $W"
+    exit 0
+fi
+
+if [ "$SCENARIO" = raise ]; then
+    echo "CPU per raising fenced write ($MODE mode), wrk -t2 -c64 -d8s (one line per run)"
+    printf '%-10s %10s %18s %18s\n' run "2xx/s" "fencegate us/req" "postgres us/req"
+    for round in 1 2 3; do
+        cpu_run "raise-$round" raise "r$round-"
     done
     echo
     echo "perf record -e cpu-clock -g on fencegate, 8 s under wrk -t2 -c64 raise"

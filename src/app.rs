@@ -138,6 +138,7 @@ impl Application {
             metrics: metrics.clone(),
             max_body_bytes: config.server.max_body_bytes,
             retry_after: config.store.retry_after,
+            replays: Arc::new(crate::idempotency::ReplayCache::default()),
         };
         let reloader = crate::reload::Reloader::new(
             &config,

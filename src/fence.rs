@@ -57,8 +57,14 @@ pub enum Keyed {
         record_until: Instant,
     },
     /// A live record of the key exists (a concurrent duplicate wrote it
-    /// first): not admitted, and not to be forwarded.
+    /// first, or an earlier request's record: a replay that memory did not
+    /// know): not admitted, and not to be forwarded.
     Duplicate,
+    /// Refused before anything of the record was written (stale, not
+    /// issued, the key busy, the store unavailable for the decision). The
+    /// key may still have a record of an earlier request — a replay's token
+    /// is stale once a newer one was recorded — which then answers instead.
+    Refused(GatewayError),
 }
 
 /// How often a shared-mode instance looks for resets made elsewhere: a reset
@@ -105,6 +111,11 @@ impl Fence {
     pub fn with_quarantine(mut self, until: Instant) -> Self {
         self.quarantine_until = Some(until);
         self
+    }
+
+    /// Whether fenced writes are held back now (see `quarantine_until`).
+    pub fn holding_back(&self) -> bool {
+        self.quarantine_until.is_some_and(|u| Instant::now() < u)
     }
 
     /// Whether a decision uses store connections directly from the calling
@@ -181,7 +192,8 @@ impl Fence {
             if pg.is_shared() {
                 return match self
                     .check_shared(pg, key, arrival, token, hold, None)
-                    .await?
+                    .await
+                    .map_err(Shared::into_error)?
                 {
                     Some((admission, _)) => Ok(admission),
                     None => Err(GatewayError::Internal(
@@ -213,6 +225,14 @@ impl Fence {
     /// the record but before the forward leaves a record that duplicates
     /// see in progress, then "outcome unknown" — never forwarded twice.
     ///
+    /// The record is written only once the fence admitted the write, so a
+    /// refusal of the fence (`Keyed::Refused`) leaves no record: a stale
+    /// first use is not recorded. In single mode it is written after the
+    /// wait at the gate and the start-up quarantine too, so neither eats
+    /// into its time in flight. The record's insert is also what finds an
+    /// existing record (`Keyed::Duplicate`): a first use costs no separate
+    /// lookup.
+    ///
     /// After an error the record may exist all the same (this instance's
     /// gate refused the write after the shared-mode statement, or a
     /// statement timed out and commits later): the caller forgets it, and
@@ -228,13 +248,23 @@ impl Fence {
         record: &Begin<'_>,
     ) -> Result<Keyed, GatewayError> {
         if issued_only {
-            arrival = self.check_issued(key, arrival, token).await?;
+            arrival = match self.check_issued(key, arrival, token).await {
+                Ok(a) => a,
+                Err(e) => return Ok(Keyed::Refused(e)),
+            };
         }
         if let FenceStore::Postgres(pg) = &self.store {
             if pg.is_shared() {
-                let checked = self
+                let checked = match self
                     .check_shared(pg, key, arrival, token, hold, Some(record))
-                    .await?;
+                    .await
+                {
+                    Ok(c) => c,
+                    // The statement refused the write, or never ran it
+                    // (lock_timeout aborts it): no record.
+                    Err(Shared::Refused(e)) => return Ok(Keyed::Refused(e)),
+                    Err(Shared::Failed(e)) => return Err(e),
+                };
                 return Ok(match checked {
                     Some((admission, entered_at)) => Keyed::Admitted {
                         admission,
@@ -246,7 +276,10 @@ impl Fence {
                 });
             }
         }
-        let permit = self.check_single(key, arrival, token).await?;
+        let permit = match self.check_single(key, arrival, token).await {
+            Ok(p) => p,
+            Err(e) => return Ok(Keyed::Refused(e)),
+        };
         let sent_at = Instant::now();
         // The record's time counts from the statement's start on the
         // store's clock, after this.
@@ -315,7 +348,7 @@ impl Fence {
         token: i64,
         hold: Duration,
         record: Option<&Begin<'_>>,
-    ) -> Result<Option<(Admission, Instant)>, GatewayError> {
+    ) -> Result<Option<(Admission, Instant)>, Shared> {
         // The shared gate is not exact: every write goes to Postgres.
         let (Arrival::Record(mut ticket) | Arrival::Recorded(mut ticket)) = arrival;
         // A little more than the forward's own bound, for the time between
@@ -326,7 +359,7 @@ impl Fence {
         let lock = match entered {
             Ok(Entered::Stale(highest)) => {
                 ticket.settle(Some(highest));
-                return Err(stale(key, token, highest));
+                return Err(Shared::Refused(stale(key, token, highest)));
             }
             Ok(Entered::Duplicate) => {
                 // The fence part went through: the token is the key's
@@ -338,15 +371,22 @@ impl Fence {
                 ticket.settle(Some(token));
                 lock
             }
+            Err(e @ StoreError::KeyBusy(_)) => {
+                // lock_timeout aborted the statement: nothing of it stays.
+                ticket.settle(None);
+                return Err(Shared::Refused(e.into()));
+            }
             Err(e) => {
                 ticket.settle(None);
-                return Err(e.into());
+                return Err(Shared::Failed(e.into()));
             }
         };
+        // Admitted by the store, and the record (if any) written: a refusal
+        // by this instance's gate now leaves it to be forgotten.
         let permit = ticket
             .admit(token)
             .await
-            .map_err(|s| stale(key, token, s.highest))?;
+            .map_err(|s| Shared::Failed(stale(key, token, s.highest)))?;
         let entered_at = lock.entered_at();
         Ok(Some((
             Admission {
@@ -406,6 +446,23 @@ impl Fence {
         // makes older tokens stale sooner.
         self.store.check_writer()?;
         Ok(permit)
+    }
+}
+
+/// Why a shared-mode decision did not admit.
+enum Shared {
+    /// Before the statement wrote anything but perhaps the token.
+    Refused(GatewayError),
+    /// The statement's writes may stand (it timed out, or the gate refused
+    /// after it).
+    Failed(GatewayError),
+}
+
+impl Shared {
+    fn into_error(self) -> GatewayError {
+        match self {
+            Shared::Refused(e) | Shared::Failed(e) => e,
+        }
     }
 }
 

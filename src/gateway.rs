@@ -24,7 +24,7 @@ use crate::exchange::Exchange;
 use crate::fence::Keyed;
 use crate::fence::{Admission, Fence};
 use crate::gate::Arrival;
-use crate::idempotency;
+use crate::idempotency::{self, Cached};
 use crate::jwt::JwtRejection;
 use crate::metrics::IdempotencyOutcome;
 use crate::metrics::{Metrics, Outcome, RouteMetrics, StoreOp, UpstreamFailure};
@@ -76,6 +76,9 @@ pub struct GatewayState {
     pub max_body_bytes: u64,
     /// Sent as `Retry-After` with 503 answers.
     pub retry_after: Duration,
+    /// Completed Idempotency-Key records' answers, replayed without a store
+    /// read (see `idempotency::cache`).
+    pub replays: Arc<idempotency::ReplayCache>,
     /// The runtime that owns the store's connections. Requests are served on
     /// worker threads with runtimes of their own; a fenced write that talks
     /// to the store directly (shared mode) runs here instead, and outlives
@@ -533,19 +536,46 @@ struct FencedWrite {
     route: Arc<GatedRoute>,
     key: String,
     token: i64,
-    /// The key's ticket from the memory-only step; `None` until after the
-    /// idempotency record is looked up.
+    /// The key's ticket from the memory-only step; `None` for a keyed write
+    /// until memory has no answer for its key.
     arrival: Option<Arrival>,
     /// The `Idempotency-Key`, on routes that use them.
     idem: Option<String>,
     req: Request<Body>,
 }
 
-/// A first use of an idempotency key, between its lookup and its record.
+/// A first use of an idempotency key, as far as memory knows: its body
+/// read and fingerprinted, no completed record of its key cached.
 struct FirstUse {
     settings: idempotency::Settings,
     key: String,
     fingerprint: [u8; 32],
+}
+
+/// How a fenced write ended.
+type Ended = Result<Response, GatewayError>;
+
+/// What [`account`] needs of a fenced write, kept apart from the write
+/// (whose request the forward consumes).
+struct Books {
+    route: Arc<GatedRoute>,
+    method: Method,
+    keyed: bool,
+    access: Option<Access>,
+}
+
+impl Books {
+    fn close(self, state: &GatewayState, forwarded: bool, ended: &Ended) {
+        let summary = Summary {
+            route: Some(&self.route),
+            fenced: true,
+            forwarded,
+            keyed: self.keyed,
+            method: &self.method,
+            path: None,
+        };
+        account(state, summary, self.access, ended);
+    }
 }
 
 impl FencedWrite {
@@ -553,6 +583,11 @@ impl FencedWrite {
     /// a write has started its way to the upstream it must not be cut off
     /// halfway by the client leaving. The task accounts for the write itself
     /// (the client may be gone by the time it ends).
+    ///
+    /// A keyed write first asks memory for a completed record of its key
+    /// ([`FencedWrite::ask_memory`]), on this worker: a replay from memory
+    /// (or its 422) needs neither the store nor, in shared mode, a hop to
+    /// the store's runtime.
     async fn run(
         self,
         state: Arc<GatewayState>,
@@ -560,27 +595,49 @@ impl FencedWrite {
         access: Option<Access>,
     ) -> Result<Response, GatewayError> {
         let (answer, answered) = oneshot::channel();
-        let runtime = state
+        let keyed = self.idem.is_some();
+        let store_rt = state
             .fence
             .talks_to_store()
             .then(|| state.store_runtime.clone());
-        let task = async move {
-            let route = self.route.clone();
-            let keyed = self.idem.is_some();
-            let method = self.req.method().clone();
-            let (forwarded, result) = self.decide_and_forward(&state, peer, &answer).await;
-            let summary = Summary {
-                route: Some(&route),
-                fenced: true,
-                forwarded,
-                keyed,
-                method: &method,
-                path: None,
-            };
-            account(&state, summary, access, &result);
-            let _ = answer.send(result);
+        // Where the store's part runs: shared mode runs it on the store's
+        // runtime; a keyed write gets there after its memory step.
+        let (outer, hop) = match store_rt {
+            Some(rt) if keyed => (None, Some(rt)),
+            Some(rt) => (Some(rt), None),
+            None => (None, None),
         };
-        match runtime {
+        let books = Books {
+            route: self.route.clone(),
+            method: self.req.method().clone(),
+            keyed,
+            access,
+        };
+        let task = async move {
+            let mut write = self;
+            let first = match write.idem.take() {
+                None => None,
+                Some(key) => match write.ask_memory(&state, key).await {
+                    Ok(first) => Some(first),
+                    Err(ended) => {
+                        books.close(&state, false, &ended);
+                        let _ = answer.send(ended);
+                        return;
+                    }
+                },
+            };
+            let rest = async move {
+                let (forwarded, ended) =
+                    write.decide_and_forward(&state, peer, first, &answer).await;
+                books.close(&state, forwarded, &ended);
+                let _ = answer.send(ended);
+            };
+            match hop {
+                Some(rt) => drop(rt.spawn(rest)),
+                None => rest.await,
+            }
+        };
+        match outer {
             Some(rt) => drop(rt.spawn(task)),
             None => drop(tokio::spawn(task)),
         }
@@ -589,46 +646,104 @@ impl FencedWrite {
         )))
     }
 
+    /// Phase: idempotency key, from memory. Reads the body (keyed writes
+    /// are buffered: the fingerprint covers it), then asks the cache of
+    /// completed records: a replay or a 422 ends here (`Err`), without the
+    /// store; otherwise the write goes on as a first use, as far as memory
+    /// knows (the record's insert will tell the truth).
+    async fn ask_memory(&mut self, state: &GatewayState, key: String) -> Result<FirstUse, Ended> {
+        let settings = self.route.idempotency.ok_or(Err(GatewayError::Internal(
+            "an idempotency key on a route without idempotency",
+        )))?;
+        let body = std::mem::take(self.req.body_mut());
+        let limit = state.max_body_bytes as usize;
+        let bytes =
+            match http_body_util::BodyExt::collect(http_body_util::Limited::new(body, limit)).await
+            {
+                Ok(c) => c.to_bytes(),
+                Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+                    return Err(Err(ClientError::BodyTooLarge {
+                        limit: state.max_body_bytes,
+                    }
+                    .into()))
+                }
+                Err(_) => {
+                    return Err(Err(ClientError::BadRequest(
+                        "the client broke off the request body",
+                    )
+                    .into()))
+                }
+            };
+        let pq = self
+            .req
+            .uri()
+            .path_and_query()
+            .map_or("/", |pq| pq.as_str());
+        let fingerprint =
+            idempotency::fingerprint(self.req.method(), pq, self.req.headers(), &bytes);
+        *self.req.body_mut() = Body::from(bytes);
+        match state
+            .replays
+            .get(self.record_id(&key), &fingerprint, Instant::now())
+        {
+            Cached::Replay(resp) => Err(Ok(resp)),
+            Cached::Reused => Err(Err(ClientError::IdempotencyReused.into())),
+            Cached::Miss => Ok(FirstUse {
+                settings,
+                key,
+                fingerprint,
+            }),
+        }
+    }
+
     /// Check the fence, then forward while holding the key's admission.
     /// Answers whether the write was forwarded, and the result.
     async fn decide_and_forward(
         mut self,
         state: &GatewayState,
         peer: Downstream,
-        answer: &oneshot::Sender<Result<Response, GatewayError>>,
-    ) -> (bool, Result<Response, GatewayError>) {
-        // Phase: idempotency record. A replay, or a refusal, ends here.
-        let first_use = match self.idem.take() {
-            None => None,
-            Some(key) => match self.look_up(state, key).await {
-                Ok(Ok(first)) => Some(first),
-                Ok(Err(replay)) => return (false, Ok(replay)),
-                Err(e) => return (false, Err(e)),
-            },
-        };
-        let arrival = match self.arrival.take() {
-            Some(a) => a,
-            None => match state.fence.arrive(&self.key, self.token) {
-                Ok(a) => a,
-                Err(e) => return (false, Err(e)),
-            },
-        };
-        let decided = Instant::now();
-        let issued_only = self.route.token == TokenKind::Issued;
-        let store_timeout = state.fence.store.timeout();
+        first_use: Option<FirstUse>,
+        answer: &oneshot::Sender<Ended>,
+    ) -> (bool, Ended) {
         // Owned handles, so that the record's id does not borrow `self`,
         // whose request the forward consumes (an `Arc` and, for the usual
         // methods, no allocation).
         let route = self.route.clone();
         let route_name = route.name.as_str();
         let method = self.req.method().clone();
+        let id_of = |first| record_of(route_name, &method, first);
+        // While this instance holds fenced writes back after a crash (the
+        // quarantine), a first use waits before its record is written; a
+        // replay must not wait with it, so then the store is asked first.
+        if let Some((id, fingerprint)) = id_of(&first_use) {
+            if state.fence.holding_back() {
+                match recorded(state, id, &fingerprint).await {
+                    Ok(None) => {}
+                    Ok(Some(ended)) => return (false, ended),
+                    Err(e) => return (false, Err(e)),
+                }
+            }
+        }
+        let arrival = match self.arrival.take() {
+            Some(a) => a,
+            None => match state.fence.arrive(&self.key, self.token) {
+                Ok(a) => a,
+                Err(e) => return (false, unless_recorded(state, id_of(&first_use), e).await),
+            },
+        };
+        let decided = Instant::now();
+        let issued_only = self.route.token == TokenKind::Issued;
+        let store_timeout = state.fence.store.timeout();
         let attempt: i64 = match first_use {
             Some(_) => rand::random(),
             None => 0,
         };
-        // A first use's record: decided with the fence, in one transaction
-        // where the store allows it (see `Fence::check_keyed`).
-        let (admission, record_until) = match &first_use {
+        // A first use's record: written once the fence admits the write,
+        // in one transaction with it where the store allows it (see
+        // `Fence::check_keyed`). Its insert is also the lookup: a live
+        // record of the key (a duplicate, or a replay memory did not know)
+        // is found only then, and read.
+        let (admission, record_times) = match &first_use {
             None => {
                 let check = state.fence.check(
                     &self.key,
@@ -654,6 +769,11 @@ impl FencedWrite {
                     in_flight: idempotency::in_flight(self.route.timeout, store_timeout),
                     ttl: first.settings.ttl,
                 };
+                // Before the record's statement starts: with the record's
+                // lifetime, a local lower bound of its expiry.
+                let begun = Instant::now();
+                let lives =
+                    Duration::from_millis(begin.in_flight.max(begin.ttl).as_millis() as u64);
                 let check = state.fence.check_keyed(
                     &self.key,
                     arrival,
@@ -666,20 +786,25 @@ impl FencedWrite {
                     Ok(Keyed::Admitted {
                         admission,
                         record_until,
-                    }) => (admission, Some(record_until)),
-                    // A concurrent duplicate got there first: tell what it
-                    // found.
+                    }) => (
+                        admission,
+                        Some((record_until, idempotency::cached_until(begun, lives))),
+                    ),
+                    // A live record of the key: tell what it says.
                     Ok(Keyed::Duplicate) => {
-                        let key = first.key.clone();
-                        return match self.look_up(state, key).await {
-                            Ok(Ok(_)) => (
+                        return match recorded(state, begin.id, &first.fingerprint).await {
+                            Ok(Some(ended)) => (false, ended),
+                            Ok(None) => (
                                 false,
                                 Err(StoreError::Other("an idempotency record vanished".into())
                                     .into()),
                             ),
-                            Ok(Err(replay)) => (false, Ok(replay)),
                             Err(e) => (false, Err(e)),
                         };
+                    }
+                    Ok(Keyed::Refused(e)) => {
+                        let id = Some((begin.id, first.fingerprint));
+                        return (false, unless_recorded(state, id, e).await);
                     }
                     Err(e) => {
                         // Nothing was forwarded; the record may have been
@@ -722,7 +847,7 @@ impl FencedWrite {
                 return (false, Err(StoreError::Late.into()));
             }
         }
-        if let Some(until) = record_until {
+        if let Some((until, _)) = record_times {
             // Likewise for the key's record: the exchange and the storing of
             // its answer must be over while the record is in flight. Past
             // it, duplicates hear "outcome unknown", and once it expired
@@ -737,6 +862,15 @@ impl FencedWrite {
             let result = forward(state, &self.route, self.req, peer, Some(admission)).await;
             return (true, result);
         };
+        let Some((_, expires)) = record_times else {
+            // Every first use above came with its record's times; never
+            // forward one without its record.
+            forget(&Some(first));
+            return (
+                false,
+                Err(GatewayError::Internal("a first use without its record")),
+            );
+        };
         // Phase: forward, then store the answer before returning it.
         let result = forward(state, &self.route, self.req, peer, Some(admission)).await;
         let id = RecordId {
@@ -744,9 +878,15 @@ impl FencedWrite {
             method: method.as_str(),
             key: &first.key,
         };
+        let end = FirstEnd {
+            id,
+            attempt,
+            fingerprint: first.fingerprint,
+            expires,
+        };
         (
             true,
-            idempotency_answer(state, &self.route, id, attempt, &first.settings, result).await,
+            idempotency_answer(state, &self.route, end, &first.settings, result).await,
         )
     }
 
@@ -757,82 +897,83 @@ impl FencedWrite {
             key,
         }
     }
+}
 
-    /// Reads the body (idempotent writes are buffered: the fingerprint
-    /// covers it) and looks the key up. `Ok(Ok(first use))` to go on,
-    /// `Ok(Err(replay))` for a stored answer, `Err` for a refusal.
-    async fn look_up(
-        &mut self,
-        state: &GatewayState,
-        key: String,
-    ) -> Result<Result<FirstUse, Response>, GatewayError> {
-        let settings = self.route.idempotency.ok_or(GatewayError::Internal(
-            "an idempotency key on a route without idempotency",
-        ))?;
-        let body = std::mem::take(self.req.body_mut());
-        let limit = state.max_body_bytes as usize;
-        let bytes =
-            match http_body_util::BodyExt::collect(http_body_util::Limited::new(body, limit)).await
-            {
-                Ok(c) => c.to_bytes(),
-                Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-                    return Err(ClientError::BodyTooLarge {
-                        limit: state.max_body_bytes,
-                    }
-                    .into())
-                }
-                Err(_) => {
-                    return Err(
-                        ClientError::BadRequest("the client broke off the request body").into(),
-                    )
-                }
-            };
-        let pq = self
-            .req
-            .uri()
-            .path_and_query()
-            .map_or("/", |pq| pq.as_str());
-        let fingerprint =
-            idempotency::fingerprint(self.req.method(), pq, self.req.headers(), &bytes);
-        *self.req.body_mut() = Body::from(bytes);
-        let found = state
-            .fence
-            .store
-            .idem_lookup(self.record_id(&key), &fingerprint)
-            .await?;
-        match found {
-            Found::Absent => Ok(Ok(FirstUse {
-                settings,
-                key,
-                fingerprint,
-            })),
-            Found::Done(stored) => Ok(Err(replay(stored))),
-            Found::Reused => Err(ClientError::IdempotencyReused.into()),
-            Found::InFlight { for_ms } => Err(ClientError::IdempotencyInProgress {
-                retry_after: Duration::from_millis(for_ms),
-            }
-            .into()),
-            Found::Unknown => Err(ClientError::IdempotencyOutcomeUnknown.into()),
+/// A first use's record: its id and fingerprint.
+fn record_of<'a>(
+    route: &'a str,
+    method: &'a Method,
+    first: &'a Option<FirstUse>,
+) -> Option<(RecordId<'a>, [u8; 32])> {
+    first.as_ref().map(|f| {
+        let id = RecordId {
+            route,
+            method: method.as_str(),
+            key: &f.key,
+        };
+        (id, f.fingerprint)
+    })
+}
+
+/// What the store's record `id` says to a request of `fingerprint`, when
+/// it says more than "absent": a completed record's answer (remembered in
+/// memory from now on), or a refusal. `Ok(None)` when there is no live
+/// record.
+async fn recorded(
+    state: &GatewayState,
+    id: RecordId<'_>,
+    fingerprint: &[u8; 32],
+) -> Result<Option<Ended>, GatewayError> {
+    // Before the read's statement starts: with the time to expiry it
+    // reports, a local lower bound of the record's expiry.
+    let anchor = Instant::now();
+    let read = state.fence.store.idem_read(id, fingerprint).await?;
+    Ok(match read.found {
+        Found::Absent => None,
+        Found::Done(stored) => {
+            let until = idempotency::cached_until(anchor, read.expires_in);
+            state
+                .replays
+                .insert(id, *fingerprint, &stored, until, Instant::now());
+            Some(Ok(replay(stored)))
         }
+        Found::Reused => Some(Err(ClientError::IdempotencyReused.into())),
+        Found::InFlight { for_ms } => Some(Err(ClientError::IdempotencyInProgress {
+            retry_after: Duration::from_millis(for_ms),
+        }
+        .into())),
+        Found::Unknown => Some(Err(ClientError::IdempotencyOutcomeUnknown.into())),
+    })
+}
+
+/// A write refused before its record (`record`: its id and fingerprint,
+/// when it has an idempotency key) was written: the refusal stands only if
+/// the key has no live record. A record of an earlier request answers
+/// instead — a replay's token is stale once a newer one was recorded, and
+/// a replay is served all the same (the write did happen); a duplicate in
+/// flight is 409 in progress. When the store cannot be read, its error:
+/// the gateway cannot tell which it is.
+async fn unless_recorded(
+    state: &GatewayState,
+    record: Option<(RecordId<'_>, [u8; 32])>,
+    refusal: GatewayError,
+) -> Ended {
+    let Some((id, fingerprint)) = record else {
+        return Err(refusal);
+    };
+    match recorded(state, id, &fingerprint).await {
+        Ok(None) => Err(refusal),
+        Ok(Some(ended)) => ended,
+        Err(e) => Err(e),
     }
 }
 
 /// A stored answer, replayed.
 fn replay(stored: StoredAnswer) -> Response {
+    let (status, headers) = idempotency::replay_head(&stored);
     let mut resp = Response::new(Body::from(stored.body));
-    *resp.status_mut() = http::StatusCode::from_u16(stored.status).unwrap_or(http::StatusCode::OK);
-    for (name, value) in stored.headers {
-        if let (Ok(n), Ok(v)) = (
-            http::HeaderName::from_bytes(name.as_bytes()),
-            http::HeaderValue::from_bytes(&value),
-        ) {
-            resp.headers_mut().append(n, v);
-        }
-    }
-    resp.headers_mut().insert(
-        idempotency::REPLAYED,
-        http::HeaderValue::from_static("true"),
-    );
+    *resp.status_mut() = status;
+    *resp.headers_mut() = headers;
     resp
 }
 
@@ -859,16 +1000,31 @@ fn forget_later(state: &GatewayState, id: RecordId<'_>, attempt: i64) {
     });
 }
 
+/// A forwarded first use's record, for its end.
+struct FirstEnd<'a> {
+    id: RecordId<'a>,
+    attempt: i64,
+    fingerprint: [u8; 32],
+    /// A local lower bound of the record's expiry.
+    expires: Instant,
+}
+
 /// The end of a first use: the upstream's answer stored durably before it
-/// is returned; or, when it cannot be, the record told what is known.
+/// is returned, and remembered for replays once it is; or, when it cannot
+/// be stored, the record told what is known.
 async fn idempotency_answer(
     state: &GatewayState,
     route: &GatedRoute,
-    id: RecordId<'_>,
-    attempt: i64,
+    end: FirstEnd<'_>,
     settings: &idempotency::Settings,
     result: Result<Response, GatewayError>,
 ) -> Result<Response, GatewayError> {
+    let FirstEnd {
+        id,
+        attempt,
+        fingerprint,
+        expires,
+    } = end;
     let store = &state.fence.store;
     let resp = match result {
         Ok(resp) => resp,
@@ -900,11 +1056,27 @@ async fn idempotency_answer(
                     .collect(),
                 body: bytes.clone(),
             };
-            if let Err(err) = store.idem_complete(id, attempt, &stored).await {
-                // The answer is the truth: give it; duplicates will hear
-                // "outcome unknown" once the record's time runs out.
-                route.metrics.idempotency(IdempotencyOutcome::NotStored);
-                tracing::warn!(error = %err, "cannot store an idempotency answer");
+            match store.idem_complete(id, attempt, &stored).await {
+                // Durable in the record, which nothing changes until it
+                // expires: replays may come from memory until then.
+                Ok(true) => state
+                    .replays
+                    .insert(id, fingerprint, &stored, expires, Instant::now()),
+                // The record is no longer this attempt's (this gateway
+                // stalled past its time and a duplicate took the expired
+                // record over): nothing stored, nothing remembered.
+                Ok(false) => {
+                    route.metrics.idempotency(IdempotencyOutcome::NotStored);
+                    tracing::warn!(
+                        "an idempotency answer came after its record's time; not stored"
+                    );
+                }
+                Err(err) => {
+                    // The answer is the truth: give it; duplicates will hear
+                    // "outcome unknown" once the record's time runs out.
+                    route.metrics.idempotency(IdempotencyOutcome::NotStored);
+                    tracing::warn!(error = %err, "cannot store an idempotency answer");
+                }
             }
             Ok(Response::from_parts(parts, Body::from(bytes)))
         }

@@ -33,15 +33,30 @@
 //! process) does not start its forward: a key is never taken over while
 //! its first request may still be on its way.
 //!
-//! The fence decision and the in-flight record: in shared mode on Postgres
-//! one statement (`fencegate_enter_keyed`), so one transaction and one
-//! commit; in single mode two statements, since single-mode fence decisions
-//! are group-committed with other keys' (see `Fence::check_keyed` for what
-//! a crash between them leaves: never a second forward).
+//! The round trips. A first use is checked against memory, then the
+//! fence, then its in-flight record is inserted; the insert is the lookup
+//! too (a live record of the key makes it find a duplicate, and only then
+//! is the record read), so a first use costs no separate read. In shared
+//! mode on Postgres the fence decision and the record are one statement
+//! (`fencegate_enter_keyed`), so one transaction and one commit; in single
+//! mode the record's insert and the answer's update are group-committed
+//! with other first uses' (see `store::idempotency` for the interleavings:
+//! a crash between statements, a batch that times out and commits later,
+//! two instances), and the fence decision is group-committed with other
+//! keys' (see `Fence::check_keyed` for what a crash between them leaves:
+//! never a second forward). Then the forward, then the answer stored.
 //!
-//! Records are not cached in memory: every lookup reads the store, so
-//! instances sharing it agree, and the gateway's memory does not grow with
-//! them. Expired records are purged by [`purge_forever`].
+//! A write refused before its record was written (a stale token, say) is
+//! answered by the key's record if it has one: that is how a replay memory
+//! does not know is still served after a newer token was recorded.
+//!
+//! Replays from memory: a completed record is immutable until it expires,
+//! on every instance, so its answer is cached ([`ReplayCache`]) by any
+//! instance that stored it or read it once, and replayed without the
+//! store until a local lower bound of its expiry. Expired records are
+//! purged by [`purge_forever`].
+
+mod cache;
 
 use std::time::Duration;
 
@@ -49,7 +64,12 @@ use bytes::Bytes;
 use http::{header, HeaderMap, Method};
 use sha2::{Digest, Sha256};
 
-use crate::store::FenceStore;
+pub use cache::{
+    until as cached_until, Cached, ReplayCache, MAX_BYTES as CACHE_MAX_BYTES,
+    MAX_ENTRIES as CACHE_MAX_ENTRIES,
+};
+
+use crate::store::{FenceStore, StoredAnswer};
 
 /// The request header.
 pub const IDEMPOTENCY_KEY: header::HeaderName = header::HeaderName::from_static("idempotency-key");
@@ -143,6 +163,24 @@ pub fn fingerprint(
     }
     part(&Sha256::digest(body));
     h.finalize().into()
+}
+
+/// The status and headers a replay of `stored` answers with: the stored
+/// ones, and `Idempotent-Replayed: true`. From the store or from memory,
+/// the same.
+pub fn replay_head(stored: &StoredAnswer) -> (http::StatusCode, HeaderMap) {
+    let status = http::StatusCode::from_u16(stored.status).unwrap_or(http::StatusCode::OK);
+    let mut headers = HeaderMap::with_capacity(stored.headers.len() + 1);
+    for (name, value) in &stored.headers {
+        if let (Ok(n), Ok(v)) = (
+            header::HeaderName::from_bytes(name.as_bytes()),
+            header::HeaderValue::from_bytes(value),
+        ) {
+            headers.append(n, v);
+        }
+    }
+    headers.insert(REPLAYED, header::HeaderValue::from_static("true"));
+    (status, headers)
 }
 
 /// How often expired records are purged: the default of

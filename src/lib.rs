@@ -24,7 +24,8 @@
 //! * [`gateway`]: one proxied request's phases, from route match to the
 //!   answer, and its accounting.
 //! * [`idempotency`]: `Idempotency-Key` on fenced writes: keys,
-//!   fingerprints, the records' life.
+//!   fingerprints, the records' life, and the memory cache of completed
+//!   records' answers.
 //! * [`routing`]: path patterns and resource-key templates.
 //! * [`token`]: the strict `X-Fence-Token` grammar.
 //! * [`jwt`]: JWT fence tokens: loading keys, verifying tokens, signing grants.

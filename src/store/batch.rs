@@ -1,16 +1,24 @@
-//! Group commit: concurrent fence decisions for different keys share one
-//! statement and one durable commit.
+//! Group commit: concurrent store writes of one kind share one statement
+//! (or one transaction) and one durable commit.
 //!
-//! A request hands its `(key, token)` to the batcher and waits for the
-//! answer. The batcher takes whatever has queued up (at most `max_batch`),
-//! runs it as one statement while the next requests queue, and fans the
-//! per-key answers back out. A request arriving while no batch is in flight
-//! runs at once as a batch of one; one arriving while `concurrency` batches
-//! are committing waits for a slot and goes with the next batch.
+//! A request hands its item to the batcher and waits for the answer. The
+//! batcher takes whatever has queued up (at most `max_batch`), runs it as
+//! one batch while the next requests queue, and fans the per-item answers
+//! back out. A request arriving while no batch is in flight runs at once as
+//! a batch of one; one arriving while `concurrency` batches are committing
+//! waits for a slot and goes with the next batch.
+//!
+//! Each kind of write has a batcher of its own, from this one mechanism:
+//! fence decisions `(key, token)` answered with the key's highest token,
+//! and, in single mode, Idempotency-Key records (the in-flight record a
+//! first use writes before its forward, and the answer it stores after it:
+//! see `store::idempotency`).
 //!
 //! Nothing about durability changes: a batch's answers are sent only after
 //! its statement has committed (synchronous_commit stays on; SQLite commits
-//! its one transaction per batch with synchronous=FULL).
+//! its one transaction per batch with synchronous=FULL). A batch that does
+//! not answer within the timeout is answered with an error, and may still
+//! commit later: each kind says why that is safe for it.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -23,35 +31,43 @@ use tokio::sync::{mpsc, oneshot, Semaphore};
 
 use super::{bounded, StoreError};
 
-/// The answers of one batch: each key's highest token after the batch.
+/// The answers of one fence batch: each key's highest token after the batch.
 pub type Answers = HashMap<String, i64>;
 
-type Reply = oneshot::Sender<Result<i64, String>>;
+type Reply<A> = oneshot::Sender<Result<A, String>>;
 
-struct Item {
-    key: String,
-    token: i64,
-    reply: Reply,
+struct Item<T, A> {
+    what: T,
+    reply: Reply<A>,
     /// The requester's thread and runtime, to deliver answers in bulk.
     home: Option<(ThreadId, Handle)>,
 }
 
-/// A handle on a running batcher; cheap to clone.
-#[derive(Clone)]
-pub struct Batcher {
-    tx: mpsc::Sender<Item>,
+/// A handle on a running batcher of items `T` answered with `A`; cheap to
+/// clone.
+pub struct Batcher<T, A> {
+    tx: mpsc::Sender<Item<T, A>>,
     timeout: Duration,
 }
 
-impl Batcher {
-    /// Starts the batching task. `run` records a batch of `(key, token)`
-    /// pairs (keys may repeat) and answers every key's highest token.
+impl<T, A> Clone for Batcher<T, A> {
+    fn clone(&self) -> Self {
+        Self {
+            tx: self.tx.clone(),
+            timeout: self.timeout,
+        }
+    }
+}
+
+impl<T: Send + 'static, A: Send + 'static> Batcher<T, A> {
+    /// Starts the batching task. `run` writes a batch of items and answers
+    /// each, in the items' order, only once the batch has committed.
     pub fn spawn<F, Fut>(max_batch: usize, concurrency: usize, timeout: Duration, run: F) -> Self
     where
-        F: Fn(Vec<(String, i64)>) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = Result<Answers, StoreError>> + Send + 'static,
+        F: Fn(Vec<T>) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = Result<Vec<A>, StoreError>> + Send + 'static,
     {
-        let (tx, mut rx) = mpsc::channel::<Item>(max_batch * concurrency * 4);
+        let (tx, mut rx) = mpsc::channel::<Item<T, A>>(max_batch * concurrency * 4);
         let run = Arc::new(run);
         tokio::spawn(async move {
             let slots = Arc::new(Semaphore::new(concurrency));
@@ -71,25 +87,37 @@ impl Batcher {
                 }
                 let run = run.clone();
                 tokio::spawn(async move {
-                    let pairs = items.iter().map(|i| (i.key.clone(), i.token)).collect();
-                    let result = tokio::time::timeout(timeout, run(pairs)).await;
-                    let mut homes: HashMap<ThreadId, (Handle, Vec<(Reply, Answer)>)> =
-                        HashMap::new();
+                    let mut whats = Vec::with_capacity(items.len());
+                    let mut waiting = Vec::with_capacity(items.len());
                     for item in items {
-                        let answer = match &result {
-                            Ok(Ok(answers)) => answers
-                                .get(&item.key)
-                                .copied()
-                                .ok_or_else(|| "a batch lost a key's answer".to_string()),
-                            Ok(Err(e)) => Err(e.to_string()),
-                            Err(_) => Err(format!("no answer within {timeout:?}")),
+                        whats.push(item.what);
+                        waiting.push((item.reply, item.home));
+                    }
+                    let count = waiting.len();
+                    let result = match tokio::time::timeout(timeout, run(whats)).await {
+                        Ok(Ok(answers)) if answers.len() == count => Ok(answers),
+                        Ok(Ok(_)) => Err("a batch lost an answer".to_string()),
+                        Ok(Err(e)) => Err(e.to_string()),
+                        Err(_) => Err(format!("no answer within {timeout:?}")),
+                    };
+                    let (mut answers, failed) = match result {
+                        Ok(a) => (a.into_iter(), None),
+                        Err(e) => (Vec::new().into_iter(), Some(e)),
+                    };
+                    let mut homes: Homes<A> = HashMap::new();
+                    for (reply, home) in waiting {
+                        let answer = match &failed {
+                            Some(e) => Err(e.clone()),
+                            None => answers
+                                .next()
+                                .ok_or_else(|| "a batch lost an answer".to_string()),
                         };
-                        match item.home {
+                        match home {
                             Some((thread, rt)) => {
                                 let home = homes.entry(thread).or_insert_with(|| (rt, Vec::new()));
-                                home.1.push((item.reply, answer));
+                                home.1.push((reply, answer));
                             }
-                            None => drop(item.reply.send(answer)),
+                            None => drop(reply.send(answer)),
                         }
                     }
                     deliver(homes);
@@ -100,13 +128,12 @@ impl Batcher {
         Self { tx, timeout }
     }
 
-    /// Records `token` for `key` as part of the next batch; answers the
-    /// key's highest token after it (equal to `token` iff accepted).
-    pub async fn record(&self, key: &str, token: i64) -> Result<i64, StoreError> {
+    /// Writes `what` as part of the next batch; answers once that batch
+    /// has committed.
+    pub async fn submit(&self, what: T) -> Result<A, StoreError> {
         let (reply, answer) = oneshot::channel();
         let item = Item {
-            key: key.to_string(),
-            token,
+            what,
             reply,
             home: Handle::try_current()
                 .ok()
@@ -126,13 +153,35 @@ impl Batcher {
     }
 }
 
-type Answer = Result<i64, String>;
+/// Fence decisions: `(key, token)` pairs (keys may repeat), each answered
+/// with the key's highest token after the batch (equal to its token iff
+/// accepted); `None` when the batch lost the key's answer.
+pub type Fences = Batcher<(String, i64), Option<i64>>;
+
+/// A fence batch's answers in its items' order.
+pub fn in_item_order(items: &[(String, i64)], answers: &Answers) -> Vec<Option<i64>> {
+    items.iter().map(|(k, _)| answers.get(k).copied()).collect()
+}
+
+/// Records `token` for `key` as part of the next fence batch; answers the
+/// key's highest token after it (equal to `token` iff accepted).
+pub async fn record(fences: &Fences, key: &str, token: i64) -> Result<i64, StoreError> {
+    fences
+        .submit((key.to_string(), token))
+        .await?
+        .ok_or_else(|| StoreError::Other("a batch lost a key's answer".into()))
+}
+
+type Answer<A> = Result<A, String>;
+
+/// A batch's answers by the requesters' threads.
+type Homes<A> = HashMap<ThreadId, (Handle, Vec<(Reply<A>, Answer<A>)>)>;
 
 /// Sends a batch's answers. Waking a task on another thread's runtime costs
 /// a syscall (the runtime's eventfd) per wake-up; a worker thread usually
 /// has many requests in one batch, so its answers go to it together, as one
 /// task that then wakes each request locally.
-fn deliver(homes: HashMap<ThreadId, (Handle, Vec<(Reply, Answer)>)>) {
+fn deliver<A: Send + 'static>(homes: Homes<A>) {
     for (_, (rt, replies)) in homes {
         if replies.len() == 1 {
             for (reply, answer) in replies {

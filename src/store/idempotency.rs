@@ -14,9 +14,50 @@
 //!   number it wrote with it. A gateway that stalled past its record's time
 //!   (after which a duplicate may have taken an expired record over) finds
 //!   its attempt gone and changes nothing.
+//!
+//! In single mode (SQLite, or Postgres with one instance) the two writes of
+//! a first use — its in-flight record before the forward, its answer after
+//! it — are group-committed like fence decisions (`store::batch`): one
+//! batch of each kind in flight at a time, one statement and one commit per
+//! batch, every answer sent only once its batch has committed. Nothing
+//! about the guarantees changes:
+//!
+//! * **recorded durably before forwarding**: a first use is forwarded only
+//!   after its batch of in-flight records committed and reported its record
+//!   written;
+//! * **stored durably before returned**: the answer is returned only after
+//!   its batch committed, or after the store failed to say so (then the
+//!   record stays in flight and becomes "unknown": never forwarded again);
+//! * **a crash between statements**: each batch is one statement, so all of
+//!   it commits or none. A crash after an in-flight batch committed, before
+//!   its forwards, leaves records of requests that never left: duplicates
+//!   hear "in progress", then "outcome unknown" (the gateway cannot know
+//!   nothing was sent), exactly as with a statement of its own;
+//! * **a batch that timed out and commits later**: its first uses were told
+//!   503 and not forwarded, and forget their records in the background; a
+//!   record the late commit writes after that stays in flight, then
+//!   unknown — never forwarded twice. A late answer batch makes its records
+//!   `done` (the answers were true); one that never commits leaves them to
+//!   become unknown. Either way nothing is forwarded again;
+//! * **two instances**: single mode has one writer, but even two gateways
+//!   that both believed they were it would write the same rows: the
+//!   primary key still decides which first use is forwarded, and attempts
+//!   still keep a late answer out of a newer record.
+//!
+//! Rows are locked in primary-key order by both batch statements (an
+//! in-flight insert locks a live record it conflicts with, an answer batch
+//! the records it completes), so a batch of each kind running at once
+//! cannot deadlock. Shared mode writes its in-flight records with the
+//! fence decision (`fencegate_enter_keyed`) and stores answers one
+//! statement each: there every write already has its own statement.
+
+use std::collections::HashSet;
+use std::time::Duration;
 
 use bytes::Bytes;
+use sqlx::{PgPool, SqlitePool};
 
+use super::batch::Batcher;
 use super::sql::sqlite_now_ms;
 use super::{bounded, FenceStore, StoreError};
 
@@ -53,6 +94,15 @@ pub enum Found {
     Done(StoredAnswer),
 }
 
+/// A record as read: what it says, and how long it lives.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Read {
+    pub found: Found,
+    /// From the statement's start on the store's clock until the record
+    /// expires (zero when absent).
+    pub expires_in: Duration,
+}
+
 /// The in-flight record a first use writes before it is forwarded.
 #[derive(Debug, Clone, Copy)]
 pub struct Begin<'a> {
@@ -71,6 +121,7 @@ pub struct Begin<'a> {
 const PG_LOOKUP: &str = "\
 SELECT fingerprint, state, in_flight_until > now(),
        GREATEST(0, EXTRACT(EPOCH FROM (in_flight_until - now())) * 1000)::bigint,
+       GREATEST(0, EXTRACT(EPOCH FROM (expires_at - now())) * 1000)::bigint,
        status, headers, body
   FROM idempotency
  WHERE route = $1 AND method = $2 AND idem_key = $3 AND expires_at > now()";
@@ -79,6 +130,7 @@ SELECT fingerprint, state, in_flight_until > now(),
 const SQLITE_LOOKUP: &str = concat!("\
 SELECT fingerprint, state, in_flight_until > ", sqlite_now_ms!(), ",
        MAX(0, in_flight_until - ", sqlite_now_ms!(), "),
+       MAX(0, expires_at - ", sqlite_now_ms!(), "),
        status, headers, body
   FROM idempotency
  WHERE route = ?1 AND method = ?2 AND idem_key = ?3 AND expires_at > ", sqlite_now_ms!());
@@ -112,6 +164,274 @@ ON CONFLICT (route, method, idem_key) DO UPDATE
  WHERE idempotency.expires_at <= ", sqlite_now_ms!(), "
 RETURNING 1");
 
+/// [`PG_BEGIN`] for a batch (single mode): one statement, one commit. The
+/// batch's records are distinct (the caller answers repeats itself: a
+/// statement may not insert and then update one row), and are written in
+/// primary-key order, which is also the order the live records they
+/// conflict with are locked in. Only the records written come back.
+const PG_BEGIN_BATCH: &str = "\
+INSERT INTO idempotency AS i
+       (route, method, idem_key, fingerprint, state, in_flight_until, expires_at, attempt)
+SELECT r, m, k, f, 'in_flight', now() + fl * interval '1 millisecond',
+       now() + GREATEST(fl, t) * interval '1 millisecond', a
+  FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bytea[], $5::bigint[], $6::bigint[],
+              $7::bigint[]) AS b(r, m, k, f, fl, t, a)
+ ORDER BY r, m, k
+ON CONFLICT (route, method, idem_key) DO UPDATE
+   SET fingerprint = EXCLUDED.fingerprint, state = 'in_flight',
+       in_flight_until = EXCLUDED.in_flight_until, expires_at = EXCLUDED.expires_at,
+       attempt = EXCLUDED.attempt, status = NULL, headers = NULL, body = NULL
+ WHERE i.expires_at <= now()
+RETURNING i.route, i.method, i.idem_key, i.attempt";
+
+/// A batch of answers (single mode): each stored in its attempt's record
+/// if that is still in flight, one statement, one commit. The records are
+/// locked in primary-key order first (the order [`PG_BEGIN_BATCH`] locks
+/// in), then updated by the row versions locked. Only the records
+/// completed come back.
+const PG_COMPLETE_BATCH: &str = "\
+WITH b AS (
+    SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[], $5::int[],
+                         $6::bytea[], $7::bytea[]) AS b(r, m, k, a, s, h, bd)),
+locked AS (
+    SELECT i.ctid AS row FROM idempotency i
+      JOIN b ON i.route = b.r AND i.method = b.m AND i.idem_key = b.k AND i.attempt = b.a
+     WHERE i.state = 'in_flight'
+     ORDER BY i.route, i.method, i.idem_key
+       FOR UPDATE OF i)
+UPDATE idempotency i SET state = 'done', status = b.s, headers = b.h, body = b.bd
+  FROM b
+ WHERE i.ctid = ANY(ARRAY(SELECT row FROM locked))
+   AND i.route = b.r AND i.method = b.m AND i.idem_key = b.k AND i.attempt = b.a
+   AND i.state = 'in_flight'
+RETURNING i.route, i.method, i.idem_key, i.attempt";
+
+/// Answers larger than this (body and encoded headers) are stored by a
+/// statement of their own, not in a batch: a batch of answers then stays
+/// within `MAX_BATCH` times this.
+const BATCHED_ANSWER_BYTES: usize = 64 * 1024;
+
+/// An in-flight record, owned, as a batch carries it.
+pub(super) struct BeginItem {
+    route: String,
+    method: String,
+    key: String,
+    fingerprint: Vec<u8>,
+    attempt: i64,
+    in_flight_ms: i64,
+    ttl_ms: i64,
+}
+
+impl BeginItem {
+    fn of(b: &Begin<'_>) -> Self {
+        Self {
+            route: b.id.route.to_string(),
+            method: b.id.method.to_string(),
+            key: b.id.key.to_string(),
+            fingerprint: b.fingerprint.to_vec(),
+            attempt: b.attempt,
+            in_flight_ms: b.in_flight.as_millis() as i64,
+            ttl_ms: b.ttl.as_millis() as i64,
+        }
+    }
+
+    fn id(&self) -> (&str, &str, &str) {
+        (&self.route, &self.method, &self.key)
+    }
+
+    fn attempt(&self) -> Written<'_> {
+        (&self.route, &self.method, &self.key, self.attempt)
+    }
+}
+
+/// A record's id and attempt, as a batch statement returns them.
+type Written<'a> = (&'a str, &'a str, &'a str, i64);
+
+/// An answer to store, owned, as a batch carries it.
+pub(super) struct CompleteItem {
+    route: String,
+    method: String,
+    key: String,
+    attempt: i64,
+    status: i32,
+    headers: Vec<u8>,
+    body: Bytes,
+}
+
+impl CompleteItem {
+    fn attempt(&self) -> Written<'_> {
+        (&self.route, &self.method, &self.key, self.attempt)
+    }
+}
+
+/// Single mode's group commit of idempotency records: in-flight records
+/// and answers, each answered whether its record was written (a live
+/// record of the key exists; the attempt is gone).
+#[derive(Clone)]
+pub(super) struct IdemBatchers {
+    pub(super) begin: Batcher<BeginItem, bool>,
+    pub(super) complete: Batcher<CompleteItem, bool>,
+}
+
+/// Runs a batch of in-flight records on Postgres.
+pub(super) async fn pg_begin_batch(
+    pool: &PgPool,
+    items: Vec<BeginItem>,
+) -> Result<Vec<bool>, StoreError> {
+    // A record repeated in the batch (concurrent duplicates): its first
+    // item goes into the statement, the others lose to it — whether the
+    // first writes the record or finds a live one, they are duplicates.
+    let mut seen = HashSet::with_capacity(items.len());
+    let sent: Vec<bool> = items.iter().map(|i| seen.insert(i.id())).collect();
+    let mut cols = (
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+        Vec::new(),
+    );
+    for (i, _) in items.iter().zip(&sent).filter(|(_, s)| **s) {
+        cols.0.push(i.route.as_str());
+        cols.1.push(i.method.as_str());
+        cols.2.push(i.key.as_str());
+        cols.3.push(i.fingerprint.as_slice());
+        cols.4.push(i.in_flight_ms);
+        cols.5.push(i.ttl_ms);
+        cols.6.push(i.attempt);
+    }
+    let written: Vec<(String, String, String, i64)> = sqlx::query_as(PG_BEGIN_BATCH)
+        .bind(&cols.0)
+        .bind(&cols.1)
+        .bind(&cols.2)
+        .bind(&cols.3)
+        .bind(&cols.4)
+        .bind(&cols.5)
+        .bind(&cols.6)
+        .fetch_all(pool)
+        .await?;
+    Ok(answered(&items, &sent, &written, BeginItem::attempt))
+}
+
+/// Runs a batch of answers on Postgres.
+pub(super) async fn pg_complete_batch(
+    pool: &PgPool,
+    items: Vec<CompleteItem>,
+) -> Result<Vec<bool>, StoreError> {
+    let mut cols = (
+        Vec::with_capacity(items.len()),
+        Vec::with_capacity(items.len()),
+        Vec::with_capacity(items.len()),
+        Vec::with_capacity(items.len()),
+        Vec::with_capacity(items.len()),
+        Vec::with_capacity(items.len()),
+        Vec::with_capacity(items.len()),
+    );
+    for i in &items {
+        cols.0.push(i.route.as_str());
+        cols.1.push(i.method.as_str());
+        cols.2.push(i.key.as_str());
+        cols.3.push(i.attempt);
+        cols.4.push(i.status);
+        cols.5.push(i.headers.as_slice());
+        cols.6.push(&i.body[..]);
+    }
+    let done: Vec<(String, String, String, i64)> = sqlx::query_as(PG_COMPLETE_BATCH)
+        .bind(&cols.0)
+        .bind(&cols.1)
+        .bind(&cols.2)
+        .bind(&cols.3)
+        .bind(&cols.4)
+        .bind(&cols.5)
+        .bind(&cols.6)
+        .fetch_all(pool)
+        .await?;
+    // Answers for one record may share a batch (a stalled attempt's and
+    // the newer one's): each is judged by its own attempt.
+    let all = vec![true; items.len()];
+    Ok(answered(&items, &all, &done, CompleteItem::attempt))
+}
+
+/// Which items' records came back from a batch statement: those whose
+/// item went into it (`sent`) and whose id and attempt are among the rows
+/// returned.
+fn answered<T>(
+    items: &[T],
+    sent: &[bool],
+    rows: &[(String, String, String, i64)],
+    written: impl Fn(&T) -> Written<'_>,
+) -> Vec<bool> {
+    let rows: HashSet<Written<'_>> = rows
+        .iter()
+        .map(|(r, m, k, a)| (r.as_str(), m.as_str(), k.as_str(), *a))
+        .collect();
+    items
+        .iter()
+        .zip(sent)
+        .map(|(i, sent)| *sent && rows.contains(&written(i)))
+        .collect()
+}
+
+/// Runs a batch of in-flight records on SQLite: one transaction, one
+/// statement per record. A repeat of a record in the batch finds the
+/// record its first item wrote (live) and is not written.
+pub(super) async fn sqlite_begin_batch(
+    pool: &SqlitePool,
+    items: Vec<BeginItem>,
+) -> Result<Vec<bool>, StoreError> {
+    let mut tx = pool.begin().await?;
+    let mut answers = Vec::with_capacity(items.len());
+    for i in &items {
+        let rows: Vec<(i32,)> = sqlx::query_as(SQLITE_BEGIN)
+            .bind(&i.route)
+            .bind(&i.method)
+            .bind(&i.key)
+            .bind(&i.fingerprint)
+            .bind(i.in_flight_ms)
+            .bind(i.ttl_ms)
+            .bind(i.attempt)
+            .fetch_all(&mut *tx)
+            .await?;
+        answers.push(!rows.is_empty());
+    }
+    tx.commit().await?;
+    Ok(answers)
+}
+
+/// Runs a batch of answers on SQLite: one transaction.
+pub(super) async fn sqlite_complete_batch(
+    pool: &SqlitePool,
+    items: Vec<CompleteItem>,
+) -> Result<Vec<bool>, StoreError> {
+    let mut tx = pool.begin().await?;
+    let mut answers = Vec::with_capacity(items.len());
+    for i in &items {
+        let done = sqlx::query(SQLITE_COMPLETE)
+            .bind(&i.route)
+            .bind(&i.method)
+            .bind(&i.key)
+            .bind(i.attempt)
+            .bind(i.status)
+            .bind(&i.headers)
+            .bind(&i.body[..])
+            .fetch_all(&mut *tx)
+            .await?;
+        answers.push(!done.is_empty());
+    }
+    tx.commit().await?;
+    Ok(answers)
+}
+
+const PG_COMPLETE: &str = "\
+UPDATE idempotency SET state = 'done', status = $5, headers = $6, body = $7
+ WHERE route = $1 AND method = $2 AND idem_key = $3 AND attempt = $4 AND state = 'in_flight'";
+
+const SQLITE_COMPLETE: &str = "\
+UPDATE idempotency SET state = 'done', status = ?5, headers = ?6, body = ?7
+ WHERE route = ?1 AND method = ?2 AND idem_key = ?3 AND attempt = ?4 AND state = 'in_flight'
+RETURNING 1";
+
 /// Rows deleted per purge statement: small, so no purge holds locks long.
 pub const PURGE_BATCH: i64 = 500;
 
@@ -139,6 +459,7 @@ type Row = (
     String,
     bool,
     i64,
+    i64,
     Option<i32>,
     Option<Vec<u8>>,
     Option<Vec<u8>>,
@@ -151,6 +472,15 @@ impl FenceStore {
         id: RecordId<'_>,
         fingerprint: &[u8],
     ) -> Result<Found, StoreError> {
+        Ok(self.idem_read(id, fingerprint).await?.found)
+    }
+
+    /// [`FenceStore::idem_lookup`], with how long the record lives.
+    pub async fn idem_read(
+        &self,
+        id: RecordId<'_>,
+        fingerprint: &[u8],
+    ) -> Result<Read, StoreError> {
         let timeout = self.timeout();
         let row: Option<Row> = bounded(timeout, StoreError::Timeout, async {
             Ok(match self {
@@ -173,13 +503,20 @@ impl FenceStore {
             })
         })
         .await?;
-        let Some((fp, state, live, left_ms, status, headers, body)) = row else {
-            return Ok(Found::Absent);
+        let Some((fp, state, live, left_ms, expires_ms, status, headers, body)) = row else {
+            return Ok(Read {
+                found: Found::Absent,
+                expires_in: Duration::ZERO,
+            });
         };
+        let expires_in = Duration::from_millis(expires_ms.max(0) as u64);
         if fp != fingerprint {
-            return Ok(Found::Reused);
+            return Ok(Read {
+                found: Found::Reused,
+                expires_in,
+            });
         }
-        Ok(match state.as_str() {
+        let found = match state.as_str() {
             "in_flight" if live => Found::InFlight {
                 for_ms: left_ms.max(0) as u64,
             },
@@ -196,14 +533,41 @@ impl FenceStore {
             }
             // 'unknown', or in flight past its gateway's time.
             _ => Found::Unknown,
-        })
+        };
+        Ok(Read { found, expires_in })
+    }
+
+    /// Single mode's batchers of idempotency records.
+    fn idem_batchers(&self) -> Option<&IdemBatchers> {
+        match self {
+            FenceStore::Postgres(s) => s.idem_batchers(),
+            FenceStore::Sqlite(s) => Some(s.idem_batchers()),
+        }
+    }
+
+    /// A batcher's error, explained by what the store's connections learned
+    /// (see `PgStore::explain`).
+    fn explain(&self, e: StoreError) -> StoreError {
+        match self {
+            FenceStore::Postgres(s) => s.explain(e),
+            FenceStore::Sqlite(_) => e,
+        }
     }
 
     /// Writes the in-flight record of `begin` before its request is
-    /// forwarded. False when a live record exists already (a concurrent
-    /// duplicate got there first): the caller must not forward.
+    /// forwarded (group-committed in single mode: see the module docs).
+    /// False when a live record exists already (a concurrent duplicate got
+    /// there first): the caller must not forward. True only once the
+    /// record is durable.
     pub async fn idem_begin(&self, begin: &Begin<'_>) -> Result<bool, StoreError> {
         self.check_writer()?;
+        if let Some(b) = self.idem_batchers() {
+            return b
+                .begin
+                .submit(BeginItem::of(begin))
+                .await
+                .map_err(|e| self.explain(e));
+        }
         let timeout = self.timeout();
         let in_flight_ms = begin.in_flight.as_millis() as i64;
         let ttl_ms = begin.ttl.as_millis() as i64;
@@ -241,27 +605,43 @@ impl FenceStore {
     }
 
     /// Stores the upstream's answer in `attempt`'s record: from now on
-    /// duplicates replay it.
+    /// duplicates replay it (group-committed in single mode, but for large
+    /// answers: see the module docs). True once the answer is durable in
+    /// the record; false when the record is no longer `attempt`'s in
+    /// flight (this gateway stalled past its time), and nothing changed.
     pub async fn idem_complete(
         &self,
         id: RecordId<'_>,
         attempt: i64,
         answer: &StoredAnswer,
-    ) -> Result<(), StoreError> {
+    ) -> Result<bool, StoreError> {
         let headers = serde_json::to_vec(&answer.headers)
             .map_err(|e| StoreError::Other(format!("cannot encode an answer's headers: {e}")))?;
-        self.idem_set(
-            id,
-            attempt,
-            "UPDATE idempotency SET state = 'done', status = $5, headers = $6, body = $7 \
-             WHERE route = $1 AND method = $2 AND idem_key = $3 AND attempt = $4 \
-               AND state = 'in_flight'",
-            "UPDATE idempotency SET state = 'done', status = ?5, headers = ?6, body = ?7 \
-             WHERE route = ?1 AND method = ?2 AND idem_key = ?3 AND attempt = ?4 \
-               AND state = 'in_flight'",
-            Some((answer.status as i32, headers, answer.body.to_vec())),
-        )
-        .await
+        if let Some(b) = self.idem_batchers() {
+            if headers.len() + answer.body.len() <= BATCHED_ANSWER_BYTES {
+                self.check_writer()?;
+                let item = CompleteItem {
+                    route: id.route.to_string(),
+                    method: id.method.to_string(),
+                    key: id.key.to_string(),
+                    attempt,
+                    status: answer.status as i32,
+                    headers,
+                    body: answer.body.clone(),
+                };
+                return b.complete.submit(item).await.map_err(|e| self.explain(e));
+            }
+        }
+        let changed = self
+            .idem_set(
+                id,
+                attempt,
+                PG_COMPLETE,
+                SQLITE_COMPLETE,
+                Some((answer.status as i32, headers, answer.body.clone())),
+            )
+            .await?;
+        Ok(changed > 0)
     }
 
     /// The request may have reached the upstream, but no answer is stored:
@@ -275,10 +655,11 @@ impl FenceStore {
                AND state = 'in_flight'",
             "UPDATE idempotency SET state = 'unknown' \
              WHERE route = ?1 AND method = ?2 AND idem_key = ?3 AND attempt = ?4 \
-               AND state = 'in_flight'",
+               AND state = 'in_flight' RETURNING 1",
             None,
         )
         .await
+        .map(drop)
     }
 
     /// Nothing of the request was sent: the key may be used again.
@@ -291,24 +672,27 @@ impl FenceStore {
                AND state = 'in_flight'",
             "DELETE FROM idempotency \
              WHERE route = ?1 AND method = ?2 AND idem_key = ?3 AND attempt = ?4 \
-               AND state = 'in_flight'",
+               AND state = 'in_flight' RETURNING 1",
             None,
         )
         .await
+        .map(drop)
     }
 
+    /// One statement on `attempt`'s record of `id`; answers the rows it
+    /// changed (the SQLite statement returns one row per row changed).
     async fn idem_set(
         &self,
         id: RecordId<'_>,
         attempt: i64,
         pg: &'static str,
         sqlite: &'static str,
-        answer: Option<(i32, Vec<u8>, Vec<u8>)>,
-    ) -> Result<(), StoreError> {
+        answer: Option<(i32, Vec<u8>, Bytes)>,
+    ) -> Result<u64, StoreError> {
         self.check_writer()?;
         let timeout = self.timeout();
         bounded(timeout, StoreError::Timeout, async {
-            match self {
+            Ok(match self {
                 FenceStore::Postgres(s) => {
                     let mut q = sqlx::query(pg)
                         .bind(id.route)
@@ -316,9 +700,9 @@ impl FenceStore {
                         .bind(id.key)
                         .bind(attempt);
                     if let Some((status, headers, body)) = answer {
-                        q = q.bind(status).bind(headers).bind(body);
+                        q = q.bind(status).bind(headers).bind(body.to_vec());
                     }
-                    q.execute(s.pool()).await?;
+                    q.execute(s.pool()).await?.rows_affected()
                 }
                 FenceStore::Sqlite(s) => {
                     // fetch_all: see the module docs of `store::sqlite`.
@@ -328,12 +712,11 @@ impl FenceStore {
                         .bind(id.key)
                         .bind(attempt);
                     if let Some((status, headers, body)) = answer {
-                        q = q.bind(status).bind(headers).bind(body);
+                        q = q.bind(status).bind(headers).bind(body.to_vec());
                     }
-                    q.fetch_all(s.pool()).await?;
+                    q.fetch_all(s.pool()).await?.len() as u64
                 }
-            }
-            Ok(())
+            })
         })
         .await
     }

@@ -36,7 +36,7 @@ use std::time::Duration;
 use crate::config::{StoreBackend, StoreConfig, StoreMode};
 
 pub use admin::{prefix_end, FenceRecord, Page, ResetRecord};
-pub use idempotency::{Begin, Found, RecordId, StoredAnswer, PURGE_BATCH};
+pub use idempotency::{Begin, Found, Read, RecordId, StoredAnswer, PURGE_BATCH};
 pub use postgres::{Entered, KeyLock, PgStore, ReadOnly, OWNER_LEASE};
 pub use readiness::StoreReadiness;
 pub use sqlite::SqliteStore;

@@ -109,7 +109,10 @@ pub struct PgStore {
     pool: PgPool,
     /// Group commit for `record`, in single mode only: shared-mode writes
     /// are decided by `enter`, one statement each on a key-lock connection.
-    batcher: Option<super::batch::Batcher>,
+    batcher: Option<super::batch::Fences>,
+    /// Group commit of Idempotency-Key records, in single mode only (see
+    /// `store::idempotency`).
+    idem: Option<super::idempotency::IdemBatchers>,
     /// `shared` mode: connections that hold the per-key advisory locks for
     /// the life of a forward, one per fenced write in flight.
     key_locks: Option<KeyLockPool>,
@@ -155,14 +158,40 @@ impl PgStore {
         warn_of_durability(&pool, cfg.timeout).await;
         let batcher = single.then(|| {
             let (pool, view) = (pool.clone(), view.clone());
-            super::batch::Batcher::spawn(MAX_BATCH, BATCHES_IN_FLIGHT, cfg.timeout, move |items| {
+            super::batch::Fences::spawn(MAX_BATCH, BATCHES_IN_FLIGHT, cfg.timeout, move |items| {
                 let (pool, view) = (pool.clone(), view.clone());
                 async move { view.learn(record_batch(&pool, items).await) }
             })
         });
+        let idem = single.then(|| {
+            use super::idempotency::{pg_begin_batch, pg_complete_batch, IdemBatchers};
+            let (begin_pool, begin_view) = (pool.clone(), view.clone());
+            let (complete_pool, complete_view) = (pool.clone(), view.clone());
+            IdemBatchers {
+                begin: super::batch::Batcher::spawn(
+                    MAX_BATCH,
+                    BATCHES_IN_FLIGHT,
+                    cfg.timeout,
+                    move |items| {
+                        let (pool, view) = (begin_pool.clone(), begin_view.clone());
+                        async move { view.learn(pg_begin_batch(&pool, items).await) }
+                    },
+                ),
+                complete: super::batch::Batcher::spawn(
+                    MAX_BATCH,
+                    BATCHES_IN_FLIGHT,
+                    cfg.timeout,
+                    move |items| {
+                        let (pool, view) = (complete_pool.clone(), complete_view.clone());
+                        async move { view.learn(pg_complete_batch(&pool, items).await) }
+                    },
+                ),
+            }
+        });
         Ok(Self {
             pool,
             batcher,
+            idem,
             key_locks,
             timeout: cfg.timeout,
             owner,
@@ -189,7 +218,7 @@ impl PgStore {
     /// out because every server it reached was read-only reports that.
     /// Only failures to reach a server are explained: an error the server
     /// itself gave stays what it is.
-    fn explain(&self, e: StoreError) -> StoreError {
+    pub(super) fn explain(&self, e: StoreError) -> StoreError {
         let unreached = matches!(
             e,
             StoreError::Timeout(_)
@@ -208,11 +237,18 @@ impl PgStore {
         }
     }
 
+    /// Single mode: the batchers of Idempotency-Key records.
+    pub(super) fn idem_batchers(&self) -> Option<&super::idempotency::IdemBatchers> {
+        self.idem.as_ref()
+    }
+
     /// One decision, group-committed with concurrent ones (see `batch`).
     pub async fn record(&self, key: &str, token: i64) -> Result<i64, StoreError> {
         self.check_owner()?;
         match &self.batcher {
-            Some(b) => b.record(key, token).await.map_err(|e| self.explain(e)),
+            Some(b) => super::batch::record(b, key, token)
+                .await
+                .map_err(|e| self.explain(e)),
             // Shared mode decides in `enter`, with the key's lock held.
             None => Err(StoreError::Other(
                 "record is for single mode; shared mode decides in enter".into(),
@@ -1021,11 +1057,11 @@ impl Drop for KeyLock {
     }
 }
 
-/// Runs one batch of decisions and answers each key's highest token.
+/// Runs one batch of decisions and answers each item's key's highest token.
 async fn record_batch(
     pool: &PgPool,
     items: Vec<(String, i64)>,
-) -> Result<super::batch::Answers, StoreError> {
+) -> Result<Vec<Option<i64>>, StoreError> {
     let wanted = super::batch::max_per_key(&items);
     let (keys, tokens): (Vec<&str>, Vec<i64>) = items.iter().map(|(k, t)| (k.as_str(), *t)).unzip();
     let rows: Vec<(String, i64)> = sqlx::query_as(RECORD_BATCH)
@@ -1051,5 +1087,5 @@ async fn record_batch(
         .await?;
         answers.extend(fresh);
     }
-    Ok(answers)
+    Ok(super::batch::in_item_order(&items, &answers))
 }

@@ -52,7 +52,9 @@ UPDATE gateway_state SET running = 0, changed_at = ", sqlite_now_ms!(), " WHERE 
 pub struct SqliteStore {
     pool: SqlitePool,
     /// Group commit for `record`: one transaction (one fsync) per batch.
-    batcher: super::batch::Batcher,
+    batcher: super::batch::Fences,
+    /// Group commit of Idempotency-Key records (see `store::idempotency`).
+    idem: super::idempotency::IdemBatchers,
     timeout: Duration,
     /// An exclusive lock on `<file>.lock`, held for the life of the process,
     /// so a second instance cannot write the same file. Dropped with the last
@@ -68,22 +70,42 @@ impl SqliteStore {
         // One batch at a time: SQLite has one writer (and we one connection).
         let batcher = {
             let pool = pool.clone();
-            super::batch::Batcher::spawn(256, 1, cfg.timeout, move |items| {
+            super::batch::Fences::spawn(256, 1, cfg.timeout, move |items| {
                 let pool = pool.clone();
                 async move { record_batch(&pool, items).await }
             })
         };
+        let idem = {
+            use super::idempotency::{sqlite_begin_batch, sqlite_complete_batch, IdemBatchers};
+            let (begin_pool, complete_pool) = (pool.clone(), pool.clone());
+            IdemBatchers {
+                begin: super::batch::Batcher::spawn(256, 1, cfg.timeout, move |items| {
+                    let pool = begin_pool.clone();
+                    async move { sqlite_begin_batch(&pool, items).await }
+                }),
+                complete: super::batch::Batcher::spawn(256, 1, cfg.timeout, move |items| {
+                    let pool = complete_pool.clone();
+                    async move { sqlite_complete_batch(&pool, items).await }
+                }),
+            }
+        };
         Ok(Self {
             pool,
             batcher,
+            idem,
             timeout: cfg.timeout,
             _owner: Arc::new(owner),
         })
     }
 
+    /// The batchers of Idempotency-Key records.
+    pub(super) fn idem_batchers(&self) -> &super::idempotency::IdemBatchers {
+        &self.idem
+    }
+
     /// One decision, group-committed with concurrent ones (see `batch`).
     pub async fn record(&self, key: &str, token: i64) -> Result<i64, StoreError> {
-        self.batcher.record(key, token).await
+        super::batch::record(&self.batcher, key, token).await
     }
 
     /// See `PgStore::begin_run`.
@@ -192,7 +214,7 @@ pub async fn migrate_path(path: &Path) -> Result<(), StoreError> {
 async fn record_batch(
     pool: &SqlitePool,
     items: Vec<(String, i64)>,
-) -> Result<super::batch::Answers, StoreError> {
+) -> Result<Vec<Option<i64>>, StoreError> {
     let wanted = super::batch::max_per_key(&items);
     let mut tx = pool.begin().await?;
     let mut answers = super::batch::Answers::with_capacity(wanted.len());
@@ -214,5 +236,5 @@ async fn record_batch(
         answers.insert(key.to_string(), highest);
     }
     tx.commit().await?;
-    Ok(answers)
+    Ok(super::batch::in_item_order(&items, &answers))
 }

@@ -1003,3 +1003,310 @@ async fn a_late_answer_never_lands_in_a_newer_attempt() {
         store.close().await;
     }
 }
+
+/// Runs `sql` on the store from the test's own connection (a store that
+/// lost records, a table held locked).
+async fn on_store(store: &TestStore, sql: &str) {
+    use sqlx::Connection;
+    if store.url.starts_with("sqlite:") {
+        let mut c = sqlx::SqliteConnection::connect(&store.url).await.unwrap();
+        sqlx::query(sql).execute(&mut c).await.unwrap();
+    } else {
+        let mut c = sqlx::PgConnection::connect(&store.url).await.unwrap();
+        sqlx::query(sql).execute(&mut c).await.unwrap();
+    }
+}
+
+/// A gateway whose records live 2.5 s: a TTL of 1 s, in flight for at
+/// most 0.5 + 2 x 0.5 + 1 s.
+async fn short_lived(store: &TestStore, mode: &str, upstream: &str) -> TestApp {
+    let text = format!(
+        "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+         [store]\nurl = \"{}\"\nmode = \"{mode}\"\ntimeout_ms = 500\n{}",
+        store.url,
+        idem_route(upstream, "idempotency_ttl_s = 1\ntimeout_ms = 500\n")
+    );
+    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
+    TestApp::from_config(config).await.unwrap()
+}
+
+/// Completed records are answered from memory: with every record gone from
+/// the store, a replay still gets its answer and a reuse its 422, without
+/// a store read — but only while the record would live. Once it has
+/// expired (whether the store still holds it, expired, or lost or purged
+/// it), memory does not replay it: the same request is a first use again,
+/// forwarded a second time, as the retention policy says.
+#[tokio::test]
+async fn an_expired_record_is_not_replayed_from_memory() {
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let store = TestStore::new(backend).await;
+        let up = Upstream::start().await;
+        let app = short_lived(&store, "single", &up.url()).await;
+        let started = tokio::time::Instant::now();
+        for key in ["lost", "kept"] {
+            let first = keyed(&app, "/docs/m", "1", Some(key), "A", &[]).await;
+            assert_eq!(first.status(), 200, "{backend:?}");
+        }
+        // The store loses one record; memory knows both.
+        on_store(&store, "DELETE FROM idempotency WHERE idem_key = 'lost'").await;
+        for key in ["lost", "kept"] {
+            let replay = keyed(&app, "/docs/m", "1", Some(key), "A", &[]).await;
+            assert_eq!(
+                replay.headers()["idempotent-replayed"],
+                "true",
+                "{backend:?} {key}"
+            );
+            problem(keyed(&app, "/docs/m", "1", Some(key), "B", &[]).await, 422).await;
+        }
+        assert_eq!(up.applied().len(), 2, "{backend:?}");
+        // Past the records' 2.5 s.
+        tokio::time::sleep_until(started + Duration::from_millis(2900)).await;
+        for key in ["lost", "kept"] {
+            let again = keyed(&app, "/docs/m", "1", Some(key), "A", &[]).await;
+            assert_eq!(again.status(), 200, "{backend:?} {key}");
+            assert!(
+                again.headers().get("idempotent-replayed").is_none(),
+                "{backend:?} {key}: an expired record was replayed"
+            );
+        }
+        assert_eq!(up.applied().len(), 4, "{backend:?}: forwarded again");
+        let metrics = app.metrics().await;
+        assert_eq!(idem_count(&metrics, "replayed"), 2, "{metrics}");
+        assert_eq!(idem_count(&metrics, "reused"), 2, "{metrics}");
+        assert_eq!(idem_count(&metrics, "first"), 4, "{metrics}");
+    }
+}
+
+/// Shared mode: an instance replays what another completed, reading the
+/// store once; from then on memory answers it (the records gone from the
+/// store, both still replay and refuse a reuse). Forwarded once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_instance_replays_what_one_completed() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let a = purging_gateway(&store, "shared", &up.url()).await;
+    let b = purging_gateway(&store, "shared", &up.url()).await;
+    let first = keyed(&a, "/docs/s", "3", Some("shared-1"), "A", &[]).await;
+    assert_eq!(first.status(), 200);
+    let from_store = keyed(&b, "/docs/s", "3", Some("shared-1"), "A", &[]).await;
+    assert_eq!(from_store.headers()["idempotent-replayed"], "true");
+    on_store(&store, "DELETE FROM idempotency").await;
+    for app in [&a, &b] {
+        let replay = keyed(app, "/docs/s", "3", Some("shared-1"), "A", &[]).await;
+        assert_eq!(replay.headers()["idempotent-replayed"], "true");
+        assert_eq!(replay.headers()["x-upstream"], "recorder");
+        problem(
+            keyed(app, "/docs/s", "3", Some("shared-1"), "B", &[]).await,
+            422,
+        )
+        .await;
+    }
+    assert_eq!(up.applied().len(), 1, "forwarded once");
+    assert_eq!(idem_count(&b.metrics().await, "replayed"), 2);
+}
+
+/// A replay memory does not know (here: an answer too large to cache,
+/// 600 KB, stored but read from the store each time) whose token is stale
+/// by now, in single mode; and one on an instance that never saw the
+/// record, in shared mode: the fence refuses the token, and the key's
+/// record answers instead — the write did happen. A stale first use is
+/// still refused and leaves no record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replay_memory_does_not_know_is_served_whatever_the_fence_says() {
+    let big = [("x-test-response-bytes", "600000")];
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let app = TestApp::spawn(&store.url, &idem_route(&up.url(), "")).await;
+    let first = keyed(&app, "/docs/x", "5", Some("big"), "A", &big).await;
+    assert_eq!(first.status(), 200);
+    assert_eq!(first.bytes().await.unwrap().len(), 600_000);
+    assert_eq!(app.put("/docs/x", Some("6"), "newer").await.status(), 200);
+    for _ in 0..2 {
+        let replay = keyed(&app, "/docs/x", "5", Some("big"), "A", &big).await;
+        assert_eq!(replay.status(), 200, "the write with 5 did happen");
+        assert_eq!(replay.headers()["idempotent-replayed"], "true");
+        assert_eq!(replay.bytes().await.unwrap().len(), 600_000);
+    }
+    problem(
+        keyed(&app, "/docs/x", "5", Some("other"), "A", &[]).await,
+        409,
+    )
+    .await;
+    let mut db = Db::open(&store).await;
+    assert_eq!(db.count("other").await, 0, "a refusal leaves no record");
+    assert_eq!(up.applied().len(), 2);
+
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let a = purging_gateway(&store, "shared", &up.url()).await;
+    let b = purging_gateway(&store, "shared", &up.url()).await;
+    assert_eq!(
+        keyed(&a, "/docs/y", "5", Some("five"), "A", &[])
+            .await
+            .status(),
+        200
+    );
+    assert_eq!(a.put("/docs/y", Some("6"), "newer").await.status(), 200);
+    let replay = keyed(&b, "/docs/y", "5", Some("five"), "A", &[]).await;
+    assert_eq!(replay.status(), 200, "the write with 5 did happen");
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    assert_eq!(up.applied().len(), 2);
+}
+
+/// Group commit of records, straight against the store on both backends:
+/// 300 first uses at once over 20 keys, each with its own attempt. Exactly
+/// one per key writes its record (batches hold duplicates of one key, and
+/// the others lose to it); only that attempt's answer is stored, the
+/// losers' answers change nothing; the record replays the winner's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batched_records_admit_one_first_use_per_key() {
+    use fencegate::store::{Begin, FenceStore, Found, RecordId, StoredAnswer};
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let test_store = TestStore::new(backend).await;
+        let config = fencegate::config::Config::from_toml(
+            "t.toml",
+            &crate::support::app::config_text(&test_store.url, ""),
+            Vec::new(),
+        )
+        .unwrap();
+        let store = Arc::new(FenceStore::open(&config.store).await.unwrap());
+        let mut tasks = Vec::new();
+        for i in 0..300i64 {
+            let store = store.clone();
+            tasks.push(tokio::spawn(async move {
+                let key = format!("k{}", i % 20);
+                let id = RecordId {
+                    route: "docs",
+                    method: "POST",
+                    key: &key,
+                };
+                let begin = Begin {
+                    id,
+                    fingerprint: b"fp",
+                    attempt: i,
+                    in_flight: Duration::from_secs(30),
+                    ttl: Duration::from_secs(60),
+                };
+                let won = store.idem_begin(&begin).await.unwrap();
+                let answer = StoredAnswer {
+                    status: 200,
+                    headers: vec![("x-attempt".into(), i.to_string().into_bytes())],
+                    body: bytes::Bytes::from(format!("answer of {i}")),
+                };
+                let stored = store.idem_complete(id, i, &answer).await.unwrap();
+                assert_eq!(stored, won, "{backend:?} attempt {i}");
+                (key, i, won)
+            }));
+        }
+        let mut winners = std::collections::HashMap::new();
+        for t in tasks {
+            let (key, attempt, won) = t.await.unwrap();
+            if won {
+                assert!(
+                    winners.insert(key.clone(), attempt).is_none(),
+                    "{backend:?}: two first uses of {key}"
+                );
+            }
+        }
+        assert_eq!(winners.len(), 20, "{backend:?}: one first use per key");
+        for (key, attempt) in winners {
+            let id = RecordId {
+                route: "docs",
+                method: "POST",
+                key: &key,
+            };
+            match store.idem_lookup(id, b"fp").await.unwrap() {
+                Found::Done(a) => {
+                    assert_eq!(a.body, format!("answer of {attempt}"), "{backend:?}")
+                }
+                other => panic!("{backend:?} {key}: {other:?}"),
+            }
+        }
+        store.close().await;
+    }
+}
+
+/// A batch of in-flight records that times out on the gateway's side and
+/// commits later (Postgres holds the table locked past the store timeout,
+/// not past its statement timeout): the first use was answered 503 and not
+/// forwarded; whatever the late commit leaves (a record the gateway then
+/// forgets, or one in flight, then unknown), retries are never forwarded
+/// more than once. Likewise a batch of answers that commits after its
+/// request was answered: the answer was given, the record becomes `done`
+/// late, and a duplicate after that replays it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn batches_that_commit_late_never_forward_twice() {
+    use sqlx::Connection;
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let app = Arc::new(short_lived(&store, "single", &up.url()).await);
+    let mut holder = sqlx::PgConnection::connect(&store.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+    sqlx::query("LOCK TABLE idempotency IN EXCLUSIVE MODE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let held = tokio::time::Instant::now();
+    let body = problem(
+        keyed(&app, "/docs/late", "1", Some("late-begin"), "A", &[]).await,
+        503,
+    )
+    .await;
+    assert_eq!(body["type"], "urn:fencegate:problem:store-unavailable");
+    assert!(up.requests().is_empty(), "not forwarded");
+    // Released before the server's statement timeout (2 x 500 ms): the
+    // insert commits after the gateway gave up on it.
+    tokio::time::sleep_until(held + Duration::from_millis(800)).await;
+    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+    let mut seen = Vec::new();
+    for _ in 0..10 {
+        let resp = keyed(&app, "/docs/late", "1", Some("late-begin"), "A", &[]).await;
+        seen.push(resp.status().as_u16());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        up.requests().len() <= 1,
+        "forwarded more than once: {seen:?}"
+    );
+    assert!(
+        seen.iter().all(|s| [200, 409].contains(s)),
+        "retries: {seen:?}"
+    );
+
+    // The answer's batch: the upstream holds the request while the table
+    // gets locked, so the answer cannot be stored in time.
+    let first = in_background(
+        &app,
+        "/docs/late",
+        "late-answer",
+        &[("x-test-delay-ms", "200")],
+    );
+    until("the upstream holds it", Duration::from_secs(5), || {
+        up.requests()
+            .iter()
+            .any(|r| r.header("idempotency-key") == Some("late-answer"))
+    })
+    .await;
+    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+    sqlx::query("LOCK TABLE idempotency IN EXCLUSIVE MODE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+    let held = tokio::time::Instant::now();
+    let answered = first.await.unwrap();
+    assert_eq!(answered.status(), 200, "the answer is the truth: given");
+    assert!(
+        held.elapsed() < Duration::from_millis(800),
+        "answered before the store"
+    );
+    tokio::time::sleep_until(held + Duration::from_millis(800)).await;
+    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+    let replay = keyed(&app, "/docs/late", "1", Some("late-answer"), "A", &[]).await;
+    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    let forwarded = up
+        .requests()
+        .iter()
+        .filter(|r| r.header("idempotency-key") == Some("late-answer"))
+        .count();
+    assert_eq!(forwarded, 1, "forwarded once");
+}
