@@ -75,15 +75,25 @@ def seed(base, prefix, n, token):
     lock = threading.Lock()
 
     def work(w):
-        conn = http.client.HTTPConnection(host, int(port), timeout=30)
+        # Each request in one write, head and body together, as wrk and oha
+        # send theirs. http.client writes the body separately, and with
+        # Nagle's algorithm it follows the head only after a delayed ACK;
+        # the benchmark's upstream (nginx `return 200`) answers on the head
+        # alone, so such a write is an early answer, which keeps its key
+        # closed for the route's timeout_ms (as it must), and the raising
+        # scenario would then wait on the seeded keys.
+        sock = socket.create_connection((host, int(port)), timeout=30)
         local = {}
         for i in range(w, n, nworkers):
-            conn.request("PUT", f"/docs/{prefix}{i}", body=b"seed",
-                         headers={"X-Fence-Token": str(token)})
-            r = conn.getresponse()
+            sock.sendall(
+                f"PUT /docs/{prefix}{i} HTTP/1.1\r\nHost: {host_port}\r\n"
+                f"X-Fence-Token: {token}\r\nContent-Length: 4\r\n\r\nseed".encode()
+            )
+            r = http.client.HTTPResponse(sock)
+            r.begin()
             r.read()
             local[r.status] = local.get(r.status, 0) + 1
-        conn.close()
+        sock.close()
         with lock:
             for k, v in local.items():
                 counts[k] = counts.get(k, 0) + v
