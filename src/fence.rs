@@ -185,13 +185,15 @@ impl Fence {
         hold: Duration,
         issued_only: bool,
     ) -> Result<Admission, GatewayError> {
+        // The issued and shared-mode steps are boxed: they are the larger
+        // futures, and inline they would make every decision's future (and
+        // the write's task, which moves it) as large as they are.
         if issued_only {
-            arrival = self.check_issued(key, arrival, token).await?;
+            arrival = Box::pin(self.check_issued(key, arrival, token)).await?;
         }
         if let FenceStore::Postgres(pg) = &self.store {
             if pg.is_shared() {
-                return match self
-                    .check_shared(pg, key, arrival, token, hold, None)
+                return match Box::pin(self.check_shared(pg, key, arrival, token, hold, None))
                     .await
                     .map_err(Shared::into_error)?
                 {

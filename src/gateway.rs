@@ -595,6 +595,22 @@ impl FencedWrite {
         access: Option<Access>,
     ) -> Result<Response, GatewayError> {
         let (answer, answered) = oneshot::channel();
+        self.start(state, peer, access, answer);
+        answered.await.unwrap_or(Err(GatewayError::Internal(
+            "the fenced write task ended without an answer",
+        )))
+    }
+
+    /// Spawns the write's task. Not part of `run`'s future on purpose: the
+    /// task's state would then count in the request's future too, which is
+    /// moved into its box on every request.
+    fn start(
+        self,
+        state: Arc<GatewayState>,
+        peer: Downstream,
+        access: Option<Access>,
+        answer: oneshot::Sender<Ended>,
+    ) {
         let keyed = self.idem.is_some();
         let store_rt = state
             .fence
@@ -613,22 +629,32 @@ impl FencedWrite {
             keyed,
             access,
         };
+        let mut write = self;
+        let Some(key) = write.idem.take() else {
+            let task = async move {
+                let (forwarded, ended) = write.decide_and_forward(&state, peer, &answer).await;
+                books.close(&state, forwarded, &ended);
+                let _ = answer.send(ended);
+            };
+            match outer {
+                Some(rt) => drop(rt.spawn(task)),
+                None => drop(tokio::spawn(task)),
+            }
+            return;
+        };
         let task = async move {
-            let mut write = self;
-            let first = match write.idem.take() {
-                None => None,
-                Some(key) => match write.ask_memory(&state, key).await {
-                    Ok(first) => Some(first),
-                    Err(ended) => {
-                        books.close(&state, false, &ended);
-                        let _ = answer.send(ended);
-                        return;
-                    }
-                },
+            let first = match Box::pin(write.ask_memory(&state, key)).await {
+                Ok(first) => first,
+                Err(ended) => {
+                    books.close(&state, false, &ended);
+                    let _ = answer.send(ended);
+                    return;
+                }
             };
             let rest = async move {
-                let (forwarded, ended) =
-                    write.decide_and_forward(&state, peer, first, &answer).await;
+                let (forwarded, ended) = write
+                    .decide_keyed_and_forward(&state, peer, first, &answer)
+                    .await;
                 books.close(&state, forwarded, &ended);
                 let _ = answer.send(ended);
             };
@@ -641,9 +667,6 @@ impl FencedWrite {
             Some(rt) => drop(rt.spawn(task)),
             None => drop(tokio::spawn(task)),
         }
-        answered.await.unwrap_or(Err(GatewayError::Internal(
-            "the fenced write task ended without an answer",
-        )))
     }
 
     /// Phase: idempotency key, from memory. Reads the body (keyed writes
@@ -696,13 +719,91 @@ impl FencedWrite {
         }
     }
 
-    /// Check the fence, then forward while holding the key's admission.
-    /// Answers whether the write was forwarded, and the result.
+    /// A write without an `Idempotency-Key`: check the fence, then forward
+    /// while holding the key's admission. Answers whether the write was
+    /// forwarded, and the result. Its own future, apart from a keyed
+    /// write's: the write's task holds it, and moves it at its spawn and
+    /// its end, so what the plain path does not need is not in it.
     async fn decide_and_forward(
         mut self,
         state: &GatewayState,
         peer: Downstream,
-        first_use: Option<FirstUse>,
+        answer: &oneshot::Sender<Ended>,
+    ) -> (bool, Ended) {
+        let arrival = match self.arrival.take() {
+            Some(a) => a,
+            None => match state.fence.arrive(&self.key, self.token) {
+                Ok(a) => a,
+                Err(e) => return (false, Err(e)),
+            },
+        };
+        let decided = Instant::now();
+        let issued_only = self.route.token == TokenKind::Issued;
+        let check = state.fence.check(
+            &self.key,
+            arrival,
+            self.token,
+            self.route.timeout,
+            issued_only,
+        );
+        let admission = match check.await {
+            Ok(a) => a,
+            Err(e) => return (false, Err(e)),
+        };
+        state
+            .metrics
+            .decision_time
+            .observe(decided.elapsed().as_secs_f64());
+        if let Err(e) = self.may_start(&admission, answer, None, state.fence.store.timeout()) {
+            return (false, Err(e));
+        }
+        let result = forward(state, &self.route, self.req, peer, Some(admission)).await;
+        (true, result)
+    }
+
+    /// Whether an admitted write may still start its forward: not when its
+    /// client left while it waited (nobody would see the answer; the token
+    /// stays recorded, which only ever makes older holders stale sooner),
+    /// and not when this instance stalled so long that the write's
+    /// in-flight marker (shared mode) or its idempotency record
+    /// (`record_until`) would end before its exchange could. Nothing was
+    /// sent in either case; the key opens again.
+    fn may_start(
+        &self,
+        admission: &Admission,
+        answer: &oneshot::Sender<Ended>,
+        record_until: Option<Instant>,
+        store_timeout: Duration,
+    ) -> Result<(), GatewayError> {
+        if answer.is_closed() {
+            return Err(ClientError::ClientGone.into());
+        }
+        let left = |end: Instant| end.saturating_duration_since(Instant::now());
+        if let Some(end) = admission.must_end_by {
+            if left(end) < self.route.timeout {
+                return Err(StoreError::Late.into());
+            }
+        }
+        if let Some(until) = record_until {
+            // The exchange and the storing of its answer must be over while
+            // the record is in flight. Past it, duplicates hear "outcome
+            // unknown", and once it expired one may take the key over and
+            // be forwarded.
+            if left(until) < self.route.timeout + store_timeout {
+                return Err(StoreError::Late.into());
+            }
+        }
+        Ok(())
+    }
+
+    /// A first use of an `Idempotency-Key`: check the fence and write the
+    /// key's record, forward, and store the answer before returning it.
+    /// Answers whether the write was forwarded, and the result.
+    async fn decide_keyed_and_forward(
+        mut self,
+        state: &GatewayState,
+        peer: Downstream,
+        first: FirstUse,
         answer: &oneshot::Sender<Ended>,
     ) -> (bool, Ended) {
         // Owned handles, so that the record's id does not borrow `self`,
@@ -711,182 +812,117 @@ impl FencedWrite {
         let route = self.route.clone();
         let route_name = route.name.as_str();
         let method = self.req.method().clone();
-        let id_of = |first| record_of(route_name, &method, first);
+        let id = || RecordId {
+            route: route_name,
+            method: method.as_str(),
+            key: &first.key,
+        };
         // While this instance holds fenced writes back after a crash (the
         // quarantine), a first use waits before its record is written; a
         // replay must not wait with it, so then the store is asked first.
-        if let Some((id, fingerprint)) = id_of(&first_use) {
-            if state.fence.holding_back() {
-                match recorded(state, id, &fingerprint).await {
-                    Ok(None) => {}
-                    Ok(Some(ended)) => return (false, ended),
-                    Err(e) => return (false, Err(e)),
-                }
+        if state.fence.holding_back() {
+            match Box::pin(recorded(state, id(), &first.fingerprint)).await {
+                Ok(None) => {}
+                Ok(Some(ended)) => return (false, ended),
+                Err(e) => return (false, Err(e)),
             }
         }
         let arrival = match self.arrival.take() {
             Some(a) => a,
             None => match state.fence.arrive(&self.key, self.token) {
                 Ok(a) => a,
-                Err(e) => return (false, unless_recorded(state, id_of(&first_use), e).await),
+                Err(e) => {
+                    let record = (id(), first.fingerprint);
+                    return (false, Box::pin(unless_recorded(state, record, e)).await);
+                }
             },
         };
         let decided = Instant::now();
         let issued_only = self.route.token == TokenKind::Issued;
         let store_timeout = state.fence.store.timeout();
-        let attempt: i64 = match first_use {
-            Some(_) => rand::random(),
-            None => 0,
-        };
-        // A first use's record: written once the fence admits the write,
-        // in one transaction with it where the store allows it (see
+        let attempt: i64 = rand::random();
+        // The record: written once the fence admits the write, in one
+        // transaction with it where the store allows it (see
         // `Fence::check_keyed`). Its insert is also the lookup: a live
         // record of the key (a duplicate, or a replay memory did not know)
         // is found only then, and read.
-        let (admission, record_times) = match &first_use {
-            None => {
-                let check = state.fence.check(
-                    &self.key,
-                    arrival,
-                    self.token,
-                    self.route.timeout,
-                    issued_only,
-                );
-                match check.await {
-                    Ok(a) => (a, None),
-                    Err(e) => return (false, Err(e)),
-                }
-            }
-            Some(first) => {
-                let begin = Begin {
-                    id: RecordId {
-                        route: route_name,
-                        method: method.as_str(),
-                        key: &first.key,
-                    },
-                    fingerprint: &first.fingerprint,
-                    attempt,
-                    in_flight: idempotency::in_flight(self.route.timeout, store_timeout),
-                    ttl: first.settings.ttl,
-                };
-                // Before the record's statement starts: with the record's
-                // lifetime, a local lower bound of its expiry.
-                let begun = Instant::now();
-                let lives =
-                    Duration::from_millis(begin.in_flight.max(begin.ttl).as_millis() as u64);
-                let check = state.fence.check_keyed(
-                    &self.key,
-                    arrival,
-                    self.token,
-                    self.route.timeout,
-                    issued_only,
-                    &begin,
-                );
-                match check.await {
-                    Ok(Keyed::Admitted {
-                        admission,
-                        record_until,
-                    }) => (
-                        admission,
-                        Some((record_until, idempotency::cached_until(begun, lives))),
+        let begin = Begin {
+            id: id(),
+            fingerprint: &first.fingerprint,
+            attempt,
+            in_flight: idempotency::in_flight(self.route.timeout, store_timeout),
+            ttl: first.settings.ttl,
+        };
+        // Before the record's statement starts: with the record's
+        // lifetime, a local lower bound of its expiry.
+        let begun = Instant::now();
+        let lives = Duration::from_millis(begin.in_flight.max(begin.ttl).as_millis() as u64);
+        let check = Box::pin(state.fence.check_keyed(
+            &self.key,
+            arrival,
+            self.token,
+            self.route.timeout,
+            issued_only,
+            &begin,
+        ));
+        let (admission, record_until, expires) = match check.await {
+            Ok(Keyed::Admitted {
+                admission,
+                record_until,
+            }) => (
+                admission,
+                record_until,
+                idempotency::cached_until(begun, lives),
+            ),
+            // A live record of the key: tell what it says.
+            Ok(Keyed::Duplicate) => {
+                return match Box::pin(recorded(state, begin.id, &first.fingerprint)).await {
+                    Ok(Some(ended)) => (false, ended),
+                    Ok(None) => (
+                        false,
+                        Err(StoreError::Other("an idempotency record vanished".into()).into()),
                     ),
-                    // A live record of the key: tell what it says.
-                    Ok(Keyed::Duplicate) => {
-                        return match recorded(state, begin.id, &first.fingerprint).await {
-                            Ok(Some(ended)) => (false, ended),
-                            Ok(None) => (
-                                false,
-                                Err(StoreError::Other("an idempotency record vanished".into())
-                                    .into()),
-                            ),
-                            Err(e) => (false, Err(e)),
-                        };
-                    }
-                    Ok(Keyed::Refused(e)) => {
-                        let id = Some((begin.id, first.fingerprint));
-                        return (false, unless_recorded(state, id, e).await);
-                    }
-                    Err(e) => {
-                        // Nothing was forwarded; the record may have been
-                        // written all the same (see `check_keyed`).
-                        forget_later(state, begin.id, attempt);
-                        return (false, Err(e));
-                    }
-                }
+                    Err(e) => (false, Err(e)),
+                };
+            }
+            Ok(Keyed::Refused(e)) => {
+                let record = (begin.id, first.fingerprint);
+                return (false, Box::pin(unless_recorded(state, record, e)).await);
+            }
+            Err(e) => {
+                // Nothing was forwarded; the record may have been written
+                // all the same (see `check_keyed`).
+                forget_later(state, begin.id, attempt);
+                return (false, Err(e));
             }
         };
         state
             .metrics
             .decision_time
             .observe(decided.elapsed().as_secs_f64());
-        let forget = |first: &Option<FirstUse>| {
-            if let Some(first) = first {
-                let id = RecordId {
-                    route: route_name,
-                    method: method.as_str(),
-                    key: &first.key,
-                };
-                forget_later(state, id, attempt);
-            }
-        };
-        if answer.is_closed() {
-            // The client left while we waited: nobody would see the answer,
-            // so do not start a write on its behalf. The token stays
-            // recorded, which only ever makes older holders stale sooner;
-            // the key's record goes (nothing was sent).
-            forget(&first_use);
-            return (false, Err(ClientError::ClientGone.into()));
+        if let Err(e) = self.may_start(&admission, answer, Some(record_until), store_timeout) {
+            // Nothing was sent: the key's record goes.
+            forget_later(state, id(), attempt);
+            return (false, Err(e));
         }
-        if let Some(end) = admission.must_end_by {
-            // Shared mode, after a long stall between the decision and now
-            // (a paused process): other instances would consider this write
-            // over before its exchange could run its course, so it must not
-            // start. Nothing was sent; the key opens again.
-            if end.saturating_duration_since(Instant::now()) < self.route.timeout {
-                forget(&first_use);
-                return (false, Err(StoreError::Late.into()));
-            }
-        }
-        if let Some((until, _)) = record_times {
-            // Likewise for the key's record: the exchange and the storing of
-            // its answer must be over while the record is in flight. Past
-            // it, duplicates hear "outcome unknown", and once it expired
-            // one may take the key over and be forwarded.
-            if until.saturating_duration_since(Instant::now()) < self.route.timeout + store_timeout
-            {
-                forget(&first_use);
-                return (false, Err(StoreError::Late.into()));
-            }
-        }
-        let Some(first) = first_use else {
-            let result = forward(state, &self.route, self.req, peer, Some(admission)).await;
-            return (true, result);
-        };
-        let Some((_, expires)) = record_times else {
-            // Every first use above came with its record's times; never
-            // forward one without its record.
-            forget(&Some(first));
-            return (
-                false,
-                Err(GatewayError::Internal("a first use without its record")),
-            );
-        };
         // Phase: forward, then store the answer before returning it.
         let result = forward(state, &self.route, self.req, peer, Some(admission)).await;
-        let id = RecordId {
-            route: route_name,
-            method: method.as_str(),
-            key: &first.key,
-        };
         let end = FirstEnd {
-            id,
+            id: id(),
             attempt,
             fingerprint: first.fingerprint,
             expires,
         };
         (
             true,
-            idempotency_answer(state, &self.route, end, &first.settings, result).await,
+            Box::pin(idempotency_answer(
+                state,
+                &self.route,
+                end,
+                &first.settings,
+                result,
+            ))
+            .await,
         )
     }
 
@@ -897,22 +933,6 @@ impl FencedWrite {
             key,
         }
     }
-}
-
-/// A first use's record: its id and fingerprint.
-fn record_of<'a>(
-    route: &'a str,
-    method: &'a Method,
-    first: &'a Option<FirstUse>,
-) -> Option<(RecordId<'a>, [u8; 32])> {
-    first.as_ref().map(|f| {
-        let id = RecordId {
-            route,
-            method: method.as_str(),
-            key: &f.key,
-        };
-        (id, f.fingerprint)
-    })
 }
 
 /// What the store's record `id` says to a request of `fingerprint`, when
@@ -946,21 +966,18 @@ async fn recorded(
     })
 }
 
-/// A write refused before its record (`record`: its id and fingerprint,
-/// when it has an idempotency key) was written: the refusal stands only if
-/// the key has no live record. A record of an earlier request answers
-/// instead — a replay's token is stale once a newer one was recorded, and
-/// a replay is served all the same (the write did happen); a duplicate in
-/// flight is 409 in progress. When the store cannot be read, its error:
-/// the gateway cannot tell which it is.
+/// A keyed write refused before its record (its id and fingerprint) was
+/// written: the refusal stands only if the key has no live record. A
+/// record of an earlier request answers instead — a replay's token is
+/// stale once a newer one was recorded, and a replay is served all the
+/// same (the write did happen); a duplicate in flight is 409 in progress.
+/// When the store cannot be read, its error: the gateway cannot tell which
+/// it is.
 async fn unless_recorded(
     state: &GatewayState,
-    record: Option<(RecordId<'_>, [u8; 32])>,
+    (id, fingerprint): (RecordId<'_>, [u8; 32]),
     refusal: GatewayError,
 ) -> Ended {
-    let Some((id, fingerprint)) = record else {
-        return Err(refusal);
-    };
     match recorded(state, id, &fingerprint).await {
         Ok(None) => Err(refusal),
         Ok(Some(ended)) => ended,

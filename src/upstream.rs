@@ -352,7 +352,10 @@ impl UpstreamClient {
         loop {
             let (mut conn, reused) = match self.take_idle(&upstream.pool_key) {
                 Some(c) => (c, true),
-                None => (connect(upstream).await?, false),
+                // Boxed: connecting (TCP, TLS) is the rare case, and its
+                // state would otherwise make every request's future, moved
+                // into its task and out of it, kilobytes larger.
+                None => (Box::pin(connect(upstream)).await?, false),
             };
             if let Some((at, on_cut)) = &cut {
                 conn.cutoff.arm(*at, on_cut.clone());
