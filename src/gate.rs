@@ -65,11 +65,13 @@
 //! evicts the idle slots least recently arrived at, a bounded number of
 //! steps per release.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
+use std::hash::RandomState;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use hashbrown::hash_map::{Entry, EntryRef};
 use tokio::sync::oneshot;
 
 /// The per-key admission state of one process.
@@ -93,7 +95,11 @@ pub struct Gate {
 
 #[derive(Default)]
 struct Slots {
-    map: HashMap<Arc<str>, Slot>,
+    /// hashbrown's map for its `entry_ref`: a key memory holds is found,
+    /// and its `Arc` cloned, in one lookup and without allocating. Hashed
+    /// with std's SipHash: keys come from clients, and a hostile client
+    /// must not be able to make them collide.
+    map: hashbrown::HashMap<Arc<str>, Slot, RandomState>,
     /// Slots with a live ticket or permit (the rest are cached idle).
     active: usize,
     /// Every key of `map`, once, in the order the eviction clock visits
@@ -118,14 +124,15 @@ impl Slots {
             let Some(key) = self.clock.pop_front() else {
                 return;
             };
-            let Some(slot) = self.map.get_mut(&key) else {
+            let Entry::Occupied(mut entry) = self.map.entry(key) else {
                 continue;
             };
+            let slot = entry.get_mut();
             if slot.used || !slot.evictable(now) {
                 slot.used = false;
-                self.clock.push_back(key);
+                self.clock.push_back(Arc::clone(entry.key()));
             } else {
-                self.map.remove(&key);
+                entry.remove();
             }
         }
     }
@@ -174,8 +181,10 @@ struct Slot {
 
 impl Slot {
     /// Whether `durable` is exactly the store's highest token right now.
-    fn settled(&self, now: Instant) -> bool {
-        self.recording == 0 && self.unsettled_until.is_none_or(|u| u <= now)
+    /// The clock is read only for a key that has an unknown outcome behind
+    /// it, which few have.
+    fn settled(&self) -> bool {
+        self.recording == 0 && self.unsettled_until.is_none_or(|u| u <= Instant::now())
     }
 
     fn evictable(&self, now: Instant) -> bool {
@@ -280,32 +289,36 @@ impl Gate {
     /// before recording the token: see the module docs for why the ticket
     /// must come first.
     pub fn arrive(self: &Arc<Self>, key: &str, token: i64) -> Result<Arrival, Stale> {
-        let mut slots = self.lock();
-        if let Some(slot) = slots.map.get(key) {
-            if let Some(highest) = slot.durable.filter(|d| token < *d) {
-                // Refused without a reference: nothing to release.
-                return Err(Stale { highest });
+        let generation = self.generation();
+        let mut guard = self.lock();
+        let slots = &mut *guard;
+        let (key, slot) = match slots.map.entry_ref(key) {
+            EntryRef::Occupied(entry) => {
+                if let Some(highest) = entry.get().durable.filter(|d| token < *d) {
+                    // Refused without a reference: nothing to release.
+                    return Err(Stale { highest });
+                }
+                let key = Arc::clone(entry.key());
+                let slot = entry.into_mut();
+                // A key seen again earns its second chance.
+                slot.used = true;
+                (key, slot)
             }
-        }
-        // A key seen again earns its second chance; a new one has none yet,
-        // so a stream of one-off keys does not push out keys in use.
-        let (key, seen) = match slots.map.get_key_value(key) {
-            Some((k, _)) => (k.clone(), true),
-            None => {
-                let key: Arc<str> = Arc::from(key);
+            EntryRef::Vacant(entry) => {
+                // A new key has none yet, so a stream of one-off keys does
+                // not push out keys in use.
+                let entry = entry.insert_entry(Slot::default());
+                let key = Arc::clone(entry.key());
                 slots.clock.push_back(Arc::clone(&key));
-                (key, false)
+                (key, entry.into_mut())
             }
         };
-        let slot = slots.map.entry(key.clone()).or_default();
         slot.refs += 1;
-        slot.used = seen;
         let resets = slot.resets;
-        let generation = self.generation();
         let recorded = self.exact
             && slot.durable == Some(token)
             && slot.durable_generation == generation
-            && slot.settled(Instant::now());
+            && slot.settled();
         if !recorded {
             slot.recording += 1;
         }
