@@ -5,7 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::support::app::{docs_route, problem, TestApp};
+use crate::support::app::{content_type, docs_route, problem, TestApp};
 use crate::support::db::{Backend, TestStore};
 use crate::support::pki::{Ca, HttpsUpstream};
 use crate::support::process::GatewayProcess;
@@ -228,8 +228,7 @@ async fn keys_are_forgotten_after_their_ttl() {
         store.url,
         idem_route(&up.url(), "idempotency_ttl_s = 1\ntimeout_ms = 500\n")
     );
-    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-    let app = TestApp::from_config(config).await.unwrap();
+    let app = TestApp::from_text(&text).await;
     let started = tokio::time::Instant::now();
     assert_eq!(
         keyed(&app, "/docs/t", "1", Some("k"), "A", &[])
@@ -263,8 +262,7 @@ async fn one_of_concurrent_duplicates_across_instances_is_forwarded() {
             store.url,
             idem_route(&up.url(), "")
         );
-        let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-        apps.push(Arc::new(TestApp::from_config(config).await.unwrap()));
+        apps.push(Arc::new(TestApp::from_text(&text).await));
     }
     let mut tasks = Vec::new();
     for i in 0..10 {
@@ -281,12 +279,7 @@ async fn one_of_concurrent_duplicates_across_instances_is_forwarded() {
             .await;
             let status = resp.status().as_u16();
             let replayed = resp.headers().contains_key("idempotent-replayed");
-            let kind = resp
-                .headers()
-                .get("content-type")
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("")
-                .to_string();
+            let kind = content_type(&resp);
             let text = resp.text().await.unwrap_or_default();
             (status, replayed, kind, text)
         }));
@@ -763,8 +756,7 @@ async fn purging_gateway(store: &TestStore, mode: &str, upstream: &str) -> TestA
         store.url,
         idem_route(upstream, "")
     );
-    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-    TestApp::from_config(config).await.unwrap()
+    TestApp::from_text(&text).await
 }
 
 /// A running gateway purges expired records by itself, more than one
@@ -1026,8 +1018,7 @@ async fn short_lived(store: &TestStore, mode: &str, upstream: &str) -> TestApp {
         store.url,
         idem_route(upstream, "idempotency_ttl_s = 1\ntimeout_ms = 500\n")
     );
-    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-    TestApp::from_config(config).await.unwrap()
+    TestApp::from_text(&text).await
 }
 
 /// Completed records are answered from memory: with every record gone from

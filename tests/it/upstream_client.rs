@@ -10,7 +10,7 @@ use std::time::Duration;
 use rand::Rng;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::support::app::{config_sections, problem, route, TestApp};
+use crate::support::app::{config_error, config_sections, problem, route, TestApp};
 use crate::support::db::{Backend, TestStore};
 use crate::support::fenced_put;
 use crate::support::pki::{Ca, HttpsUpstream};
@@ -101,9 +101,7 @@ async fn upstream_tls_settings_are_checked_at_load() {
         }
         let text =
             format!("[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{r}");
-        let err = fencegate::config::Config::from_toml("t.toml", &text, Vec::new())
-            .unwrap_err()
-            .to_string();
+        let err = config_error(&text);
         assert!(
             err.contains("routes[0].upstream") && err.contains(why),
             "{why}: {err}"
