@@ -30,6 +30,34 @@ macro_rules! per_store {
 }
 pub(crate) use per_store;
 
+/// The accessors and `Debug` of a test server that keeps the address it
+/// listens on in its field `addr`: the recording upstreams all serve plain
+/// HTTP on one address, and a test names them by it.
+macro_rules! served_at_addr {
+    ($server:ident) => {
+        impl $server {
+            /// The address the server listens on.
+            pub fn addr(&self) -> std::net::SocketAddr {
+                self.addr
+            }
+
+            /// The base URL, `"http://127.0.0.1:PORT"` (no trailing slash).
+            pub fn url(&self) -> String {
+                format!("http://{}", self.addr)
+            }
+        }
+
+        impl std::fmt::Debug for $server {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.debug_struct(stringify!($server))
+                    .field("addr", &self.addr)
+                    .finish()
+            }
+        }
+    };
+}
+pub(crate) use served_at_addr;
+
 /// Sends raw bytes on a new connection and returns what came back first.
 pub async fn raw_request(addr: std::net::SocketAddr, raw: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};

@@ -181,16 +181,6 @@ impl Upstream {
         }
     }
 
-    /// The address the server listens on.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// The base URL, `"http://127.0.0.1:PORT"` (no trailing slash).
-    pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-
     /// All applied writes, in the order they were applied.
     pub fn applied(&self) -> Vec<Applied> {
         self.shared.lock().applied.clone()
@@ -237,13 +227,7 @@ impl Drop for Upstream {
     }
 }
 
-impl std::fmt::Debug for Upstream {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Upstream")
-            .field("addr", &self.addr)
-            .finish()
-    }
-}
+crate::support::served_at_addr!(Upstream);
 
 struct Shared {
     opts: UpstreamOptions,
