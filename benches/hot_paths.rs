@@ -56,13 +56,7 @@ fn key_templating(c: &mut Criterion) {
         b.iter(|| match_and_render(&simple, &simple_key, "/docs/report-2026"))
     });
     g.bench_function("match + render nested, percent-encoded", |b| {
-        b.iter(|| {
-            match_and_render(
-                &nested,
-                &nested_key,
-                "/t/acme/docs/%E2%9C%93-42/a/b/c.txt",
-            )
-        })
+        b.iter(|| match_and_render(&nested, &nested_key, "/t/acme/docs/%E2%9C%93-42/a/b/c.txt"))
     });
     g.bench_function("no match", |b| {
         b.iter(|| simple.matches(black_box("/other/x/y")).unwrap())

@@ -226,7 +226,10 @@ async fn refused_on_standby(standby: &PrivatePg, routes: &str, mode: &str) {
         .err()
         .unwrap_or_else(|| panic!("a {mode} instance started on a standby"));
     let err = err.to_string();
-    assert!(err.contains("is read-only: the server is in recovery"), "{err}");
+    assert!(
+        err.contains("is read-only: the server is in recovery"),
+        "{err}"
+    );
 }
 
 async fn readyz(app: &TestApp) -> (u16, serde_json::Value) {
