@@ -524,7 +524,7 @@ async fn a_short_ttl_never_forwards_a_write_twice() {
 #[tokio::test]
 async fn a_502_after_sending_is_never_forwarded_twice() {
     use crate::support::raw_upstream::{RawUpstream, BEHAVIOUR_HEADER};
-    use tokio::io::AsyncReadExt;
+    use crate::support::read_one_request;
 
     // Reads one request (head and Content-Length body), counts it, then
     // resets the connection (RST) without a byte of answer.
@@ -536,29 +536,8 @@ async fn a_502_after_sending_is_never_forwarded_twice() {
         while let Ok((mut tcp, _)) = listener.accept().await {
             let count = count.clone();
             tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                loop {
-                    let Ok(n) = tcp.read(&mut chunk).await else {
-                        return;
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    buf.extend_from_slice(&chunk[..n]);
-                    let mut headers = [httparse::EMPTY_HEADER; 32];
-                    let mut req = httparse::Request::new(&mut headers);
-                    if let Ok(httparse::Status::Complete(head)) = req.parse(&buf) {
-                        let len: usize = req
-                            .headers
-                            .iter()
-                            .find(|h| h.name.eq_ignore_ascii_case("content-length"))
-                            .and_then(|h| std::str::from_utf8(h.value).ok()?.parse().ok())
-                            .unwrap_or(0);
-                        if buf.len() >= head + len {
-                            break;
-                        }
-                    }
+                if read_one_request(&mut tcp).await.is_none() {
+                    return;
                 }
                 count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 let _ = tcp.set_zero_linger();

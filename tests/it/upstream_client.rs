@@ -8,12 +8,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rand::Rng;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 
 use crate::support::app::{config_error, config_sections, problem, route, TestApp};
 use crate::support::db::{Backend, TestStore};
-use crate::support::fenced_put;
 use crate::support::pki::{Ca, HttpsUpstream};
+use crate::support::{fenced_put, read_one_request};
 
 fn https_route(name: &str, addr: std::net::SocketAddr, ca: Option<&std::path::Path>) -> String {
     let mut r = route(
@@ -125,41 +125,15 @@ async fn closing_upstream() -> (std::net::SocketAddr, Arc<Mutex<HashMap<String, 
             };
             let log = log.clone();
             tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                // One request per connection: read its head and body.
-                let (head_len, id, body_len) = loop {
-                    let Ok(n) = tcp.read(&mut chunk).await else {
-                        return;
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    buf.extend_from_slice(&chunk[..n]);
-                    let mut headers = [httparse::EMPTY_HEADER; 32];
-                    let mut req = httparse::Request::new(&mut headers);
-                    if let Ok(httparse::Status::Complete(len)) = req.parse(&buf) {
-                        let get = |name: &str| {
-                            req.headers
-                                .iter()
-                                .find(|h| h.name.eq_ignore_ascii_case(name))
-                                .map(|h| String::from_utf8_lossy(h.value).into_owned())
-                        };
-                        let body: usize = get("content-length")
-                            .and_then(|v| v.parse().ok())
-                            .unwrap_or(0);
-                        break (len, get("x-test-id").unwrap_or_default(), body);
-                    }
+                // One request per connection.
+                let Some(headers) = read_one_request(&mut tcp).await else {
+                    return;
                 };
-                while buf.len() < head_len + body_len {
-                    let Ok(n) = tcp.read(&mut chunk).await else {
-                        return;
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    buf.extend_from_slice(&chunk[..n]);
-                }
+                let id = headers
+                    .into_iter()
+                    .find(|(name, _)| name == "x-test-id")
+                    .map(|(_, v)| v)
+                    .unwrap_or_default();
                 *log.lock().unwrap().entry(id).or_default() += 1;
                 let _ = tcp
                     .write_all(
