@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::support::app::{content_type, docs_route, problem, TestApp};
-use crate::support::db::{Backend, TestStore};
+use crate::support::db::{Backend, PgHolder, TestStore};
 use crate::support::pki::{Ca, HttpsUpstream};
 use crate::support::process::GatewayProcess;
 use crate::support::upstream::Upstream;
@@ -783,7 +783,6 @@ async fn a_running_gateway_purges_expired_records() {
 /// row goes; the locked ones go once it ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instances_purging_at_once_skip_locked_rows() {
-    use sqlx::Connection;
     let store = TestStore::new(Backend::Postgres).await;
     let up = Upstream::start().await;
     let a = purging_gateway(&store, "shared", &up.url()).await;
@@ -793,12 +792,11 @@ async fn instances_purging_at_once_skip_locked_rows() {
     // 100 ms), and expired while locked; written first, they come first in
     // the batches. Then a few batches' worth of expired rows.
     db.plant("held-", 20, "done", b"x", 2, 2).await;
-    let mut holder = sqlx::PgConnection::connect(&store.url).await.unwrap();
-    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
-    sqlx::query("SELECT 1 FROM idempotency WHERE idem_key LIKE 'held-%' FOR UPDATE")
-        .execute(&mut holder)
-        .await
-        .unwrap();
+    let holder = PgHolder::begin(
+        &store.url,
+        "SELECT 1 FROM idempotency WHERE idem_key LIKE 'held-%' FOR UPDATE",
+    )
+    .await;
     db.plant("live-", 20, "unknown", b"x", -3600, 3600).await;
     tokio::time::sleep(Duration::from_millis(2300)).await;
     db.plant(
@@ -820,7 +818,7 @@ async fn instances_purging_at_once_skip_locked_rows() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(db.count("held-").await, 20, "locked rows are skipped");
-    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+    holder.commit().await;
     while db.count("held-").await > 0 {
         assert!(
             tokio::time::Instant::now() < deadline,
@@ -1206,16 +1204,10 @@ async fn batched_records_admit_one_first_use_per_key() {
 /// late, and a duplicate after that replays it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_that_commit_late_never_forward_twice() {
-    use sqlx::Connection;
     let store = TestStore::new(Backend::Postgres).await;
     let up = Upstream::start().await;
     let app = Arc::new(short_lived(&store, "single", &up.url()).await);
-    let mut holder = sqlx::PgConnection::connect(&store.url).await.unwrap();
-    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
-    sqlx::query("LOCK TABLE idempotency IN EXCLUSIVE MODE")
-        .execute(&mut holder)
-        .await
-        .unwrap();
+    let holder = PgHolder::begin(&store.url, "LOCK TABLE idempotency IN EXCLUSIVE MODE").await;
     let held = tokio::time::Instant::now();
     let body = problem(
         keyed(&app, "/docs/late", "1", Some("late-begin"), "A", &[]).await,
@@ -1227,7 +1219,7 @@ async fn batches_that_commit_late_never_forward_twice() {
     // Released before the server's statement timeout (2 x 500 ms): the
     // insert commits after the gateway gave up on it.
     tokio::time::sleep_until(held + Duration::from_millis(800)).await;
-    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+    holder.commit().await;
     let mut seen = Vec::new();
     for _ in 0..10 {
         let resp = keyed(&app, "/docs/late", "1", Some("late-begin"), "A", &[]).await;
@@ -1257,11 +1249,7 @@ async fn batches_that_commit_late_never_forward_twice() {
             .any(|r| r.header("idempotency-key") == Some("late-answer"))
     })
     .await;
-    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
-    sqlx::query("LOCK TABLE idempotency IN EXCLUSIVE MODE")
-        .execute(&mut holder)
-        .await
-        .unwrap();
+    let holder = PgHolder::begin(&store.url, "LOCK TABLE idempotency IN EXCLUSIVE MODE").await;
     let held = tokio::time::Instant::now();
     let answered = first.await.unwrap();
     assert_eq!(answered.status(), 200, "the answer is the truth: given");
@@ -1270,7 +1258,7 @@ async fn batches_that_commit_late_never_forward_twice() {
         "answered before the store"
     );
     tokio::time::sleep_until(held + Duration::from_millis(800)).await;
-    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+    holder.commit().await;
     let replay = keyed(&app, "/docs/late", "1", Some("late-answer"), "A", &[]).await;
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     let forwarded = up

@@ -456,7 +456,7 @@ async fn a_reset_reaches_every_shared_instance_within_a_second() {
 /// it rather than commit a higher id first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reset_that_commits_after_a_later_one_still_reaches_every_instance() {
-    use sqlx::{Connection, PgConnection};
+    use crate::support::db::PgHolder;
     let store = TestStore::new(Backend::Postgres).await;
     let up = Upstream::start().await;
     let apps = shared_pair(&store, &up).await;
@@ -465,19 +465,16 @@ async fn a_reset_that_commits_after_a_later_one_still_reaches_every_instance() {
         problem(apps[1].put(key, Some("3"), "a").await, 409).await;
     }
 
-    let mut slow = PgConnection::connect(&store.url).await.unwrap();
-    sqlx::query("BEGIN").execute(&mut slow).await.unwrap();
-    sqlx::query("UPDATE fences SET highest_token = 2 WHERE resource_key = 'doc:y'")
-        .execute(&mut slow)
-        .await
-        .unwrap();
-    sqlx::query(
+    let mut slow = PgHolder::begin(
+        &store.url,
+        "UPDATE fences SET highest_token = 2 WHERE resource_key = 'doc:y'",
+    )
+    .await;
+    slow.run(
         "INSERT INTO fence_resets (resource_key, by_client, reason, from_token, to_token) \
          VALUES ('doc:y', 'ops', 'slow', 9223372036854775807, 2)",
     )
-    .execute(&mut slow)
-    .await
-    .unwrap();
+    .await;
 
     let admin = apps[0].admin_url("/fences/doc:z/reset");
     let http = apps[0].http.clone();
@@ -491,7 +488,7 @@ async fn a_reset_that_commits_after_a_later_one_still_reaches_every_instance() {
     });
     // Several watcher polls while the first reset is still open.
     tokio::time::sleep(Duration::from_millis(800)).await;
-    sqlx::query("COMMIT").execute(&mut slow).await.unwrap();
+    slow.commit().await;
     let committed = Instant::now();
     assert_eq!(later.await.unwrap().unwrap(), 200);
     accepted_within_a_second(&apps[1], "/docs/y", committed).await;

@@ -7,10 +7,10 @@
 
 use std::time::{Duration, Instant};
 
-use sqlx::{Connection, PgConnection, SqliteConnection};
+use sqlx::{Connection, PgConnection};
 
 use crate::support::app::{config_sections, docs_route, problem, TestApp, SHARED_STORE};
-use crate::support::db::{Backend, TestStore};
+use crate::support::db::{Backend, PgHolder, SqliteBlocker, TestStore};
 use crate::support::upstream::Upstream;
 
 /// A single-mode gateway with a short store timeout.
@@ -42,19 +42,18 @@ async fn a_timed_out_batch_that_commits_later_is_not_outrun_by_the_cache() {
     assert_eq!(app.put("/docs/x", Some("5"), "five").await.status(), 200);
     assert_eq!(app.put("/docs/x", Some("5"), "cached").await.status(), 200);
 
-    let mut blocker = PgConnection::connect(&store.url).await.unwrap();
-    sqlx::query("BEGIN").execute(&mut blocker).await.unwrap();
-    sqlx::query("SELECT 1 FROM fences WHERE resource_key = 'doc:x' FOR UPDATE")
-        .execute(&mut blocker)
-        .await
-        .unwrap();
+    let blocker = PgHolder::begin(
+        &store.url,
+        "SELECT 1 FROM fences WHERE resource_key = 'doc:x' FOR UPDATE",
+    )
+    .await;
     let seven = app.put("/docs/x", Some("7"), "seven").await;
     problem(seven, 503).await;
     // The gateway gave up after 1 s; the statement is still waiting on the
     // row lock (statement_timeout is twice the store timeout) and commits
     // when it goes.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    sqlx::query("COMMIT").execute(&mut blocker).await.unwrap();
+    blocker.commit().await;
     let deadline = Instant::now() + Duration::from_secs(5);
     while recorded(&app, "doc:x").await != 7 {
         assert!(
@@ -94,18 +93,14 @@ async fn a_sqlite_batch_cut_off_mid_transaction_is_not_outrun_by_the_cache() {
     assert_eq!(app.put("/docs/x", Some("5"), "five").await.status(), 200);
     assert_eq!(app.put("/docs/x", Some("5"), "cached").await.status(), 200);
 
-    let mut blocker = SqliteConnection::connect(&store.url).await.unwrap();
-    sqlx::query("BEGIN IMMEDIATE")
-        .execute(&mut blocker)
-        .await
-        .unwrap();
+    let mut blocker = SqliteBlocker::begin(&store.url, "IMMEDIATE").await;
     let late_commit = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(1200)).await;
         sqlx::query("UPDATE fences SET highest_token = 7 WHERE resource_key = 'doc:x'")
-            .execute(&mut blocker)
+            .execute(blocker.conn())
             .await
             .unwrap();
-        sqlx::query("COMMIT").execute(&mut blocker).await.unwrap();
+        blocker.commit().await;
     });
     problem(app.put("/docs/x", Some("7"), "seven").await, 503).await;
     late_commit.await.unwrap();
