@@ -20,6 +20,18 @@ async fn gateway(store: &TestStore, up: &Upstream, store_timeout_ms: u64) -> Tes
     TestApp::from_text(&text).await
 }
 
+/// A single-mode gateway (store timeout `store_timeout_ms`) on `backend`
+/// whose store and cache both hold token 5 for `doc:x`: the cache has
+/// answered a write of 5 already, so it could admit 5 again on its own.
+async fn cached_at_5(backend: Backend, store_timeout_ms: u64) -> (TestStore, Upstream, TestApp) {
+    let store = TestStore::new(backend).await;
+    let up = Upstream::start().await;
+    let app = gateway(&store, &up, store_timeout_ms).await;
+    assert_eq!(app.put("/docs/x", Some("5"), "five").await.status(), 200);
+    assert_eq!(app.put("/docs/x", Some("5"), "cached").await.status(), 200);
+    (store, up, app)
+}
+
 /// The highest token the store holds for `key`, through the admin API.
 async fn recorded(app: &TestApp, key: &str) -> i64 {
     let resp = app.admin_get(&format!("/fences/{key}")).await;
@@ -36,11 +48,7 @@ async fn recorded(app: &TestApp, key: &str) -> i64 {
 /// fix, the cache's equality fast path forwarded it with 200.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timed_out_batch_that_commits_later_is_not_outrun_by_the_cache() {
-    let store = TestStore::new(Backend::Postgres).await;
-    let up = Upstream::start().await;
-    let app = gateway(&store, &up, 1000).await;
-    assert_eq!(app.put("/docs/x", Some("5"), "five").await.status(), 200);
-    assert_eq!(app.put("/docs/x", Some("5"), "cached").await.status(), 200);
+    let (store, up, app) = cached_at_5(Backend::Postgres, 1000).await;
 
     let blocker = PgHolder::begin(
         &store.url,
@@ -87,11 +95,7 @@ async fn a_timed_out_batch_that_commits_later_is_not_outrun_by_the_cache() {
 /// its cache after a timeout).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sqlite_batch_cut_off_mid_transaction_is_not_outrun_by_the_cache() {
-    let store = TestStore::new(Backend::Sqlite).await;
-    let up = Upstream::start().await;
-    let app = gateway(&store, &up, 800).await;
-    assert_eq!(app.put("/docs/x", Some("5"), "five").await.status(), 200);
-    assert_eq!(app.put("/docs/x", Some("5"), "cached").await.status(), 200);
+    let (store, up, app) = cached_at_5(Backend::Sqlite, 800).await;
 
     let mut blocker = SqliteBlocker::begin(&store.url, "IMMEDIATE").await;
     let late_commit = tokio::spawn(async move {
