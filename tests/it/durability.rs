@@ -18,8 +18,7 @@ async fn survives_restart(b: Backend) {
     assert_eq!(app.put("/docs/a", Some("34"), "B").await.status(), 200);
     app.stop().await;
     let app = TestApp::spawn(&store.url, &docs_route(&up.url())).await;
-    let body = problem(app.put("/docs/a", Some("33"), "A").await, 409).await;
-    assert_eq!(body["highest_token"], 34);
+    app.assert_stale("/docs/a", "33", "A", 34).await;
     assert_eq!(
         app.put("/docs/a", Some("34"), "B again").await.status(),
         200

@@ -313,8 +313,8 @@ async fn replica_promoted_behind_a_proxy_keeps_fences_rising_and_refuses_the_old
     write_as(&app, "/docs/lost", &n, "N after").await;
 
     // O, unaware, writes and renews: refused.
-    let body = problem(app.put("/docs/lost", Some(token(&o)), "O stale").await, 409).await;
-    assert_eq!(body["highest_token"], fence(&n));
+    app.assert_stale("/docs/lost", token(&o), "O stale", fence(&n))
+        .await;
     let renew = post(
         &app.http,
         &app.url(&format!("/_fencegate/locks/{lost}/renew")),

@@ -62,8 +62,7 @@ async fn shared_instances_see_each_others_tokens() {
     let up = Upstream::start().await;
     let apps = gateways(&store, &up, 2).await;
     assert_eq!(apps[0].put("/docs/a", Some("34"), "B").await.status(), 200);
-    let body = problem(apps[1].put("/docs/a", Some("33"), "A").await, 409).await;
-    assert_eq!(body["highest_token"], 34);
+    apps[1].assert_stale("/docs/a", "33", "A", 34).await;
     assert_eq!(apps[1].put("/docs/a", Some("34"), "B2").await.status(), 200);
     assert_eq!(apps[1].put("/docs/a", Some("35"), "C").await.status(), 200);
     problem(apps[0].put("/docs/a", Some("34"), "B3").await, 409).await;

@@ -71,8 +71,7 @@ async fn a_timed_out_batch_that_commits_later_is_not_outrun_by_the_cache() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
-    let body = problem(app.put("/docs/x", Some("5"), "stale").await, 409).await;
-    assert_eq!(body["highest_token"], 7);
+    app.assert_stale("/docs/x", "5", "stale", 7).await;
     let bodies: Vec<_> = up.applied().iter().map(|a| a.body.clone()).collect();
     assert_eq!(
         bodies,

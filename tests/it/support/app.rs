@@ -138,6 +138,16 @@ impl TestApp {
     }
 
     /// `GET /_fencegate/locks/{name}`: the status document (200 asserted).
+    /// A write of `token` on `path` that must be refused as stale: 409,
+    /// naming `highest` as the highest token recorded for its key.
+    pub async fn assert_stale(&self, path: &str, token: &str, body: &str, highest: i64) {
+        let answer = problem(self.put(path, Some(token), body).await, 409).await;
+        assert_eq!(
+            answer["highest_token"], highest,
+            "{token} on {path}: {answer}"
+        );
+    }
+
     pub async fn lock_status(&self, name: &str) -> serde_json::Value {
         let r = self
             .http
