@@ -33,7 +33,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::support::app::{config_text, docs_route, problem, route, TestApp};
+use crate::support::app::{assert_detail_says, config_text, docs_route, problem, route, TestApp};
 use crate::support::fenced_put;
 use crate::support::pg::PrivatePg;
 use crate::support::process::GatewayProcess;
@@ -212,12 +212,6 @@ async fn promote(pg: PrivatePg) -> PrivatePg {
 }
 
 /// `/readyz`: its status and body.
-/// `answer`'s `detail` (a problem's, or /readyz's) mentions `phrase`.
-fn assert_detail_says(answer: &serde_json::Value, phrase: &str) {
-    let detail = answer["detail"].as_str().unwrap_or_default();
-    assert!(detail.contains(phrase), "{answer}");
-}
-
 /// A `mode` instance started on `standby`, still in recovery, refuses to
 /// start, and says why.
 async fn refused_on_standby(standby: &PrivatePg, routes: &str, mode: &str) {

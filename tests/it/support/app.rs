@@ -188,6 +188,12 @@ pub fn content_type(resp: &reqwest::Response) -> String {
         .to_string()
 }
 
+/// `answer`'s `detail` (a problem's, or /readyz's) mentions `phrase`.
+pub fn assert_detail_says(answer: &serde_json::Value, phrase: &str) {
+    let detail = answer["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains(phrase), "{answer}");
+}
+
 /// Reads a problem+json answer, checking the content type and base fields.
 pub async fn problem(resp: reqwest::Response, status: u16) -> serde_json::Value {
     assert_eq!(resp.status().as_u16(), status, "unexpected status");
