@@ -217,6 +217,34 @@ impl Upstream {
     pub fn aborted(&self) -> Vec<Received> {
         self.shared.lock().aborted.clone()
     }
+
+    /// Sends a fenced write to `url` (a gateway in front of this recorder)
+    /// in the background, held here for `delay_ms` (`x-test-delay-ms`), and
+    /// returns once it is in flight here, or after 3 s (the caller checks
+    /// if it must): a write to stop or kill the gateway under. The task
+    /// answers the write's status.
+    pub async fn held_write(
+        &self,
+        url: String,
+        token: &'static str,
+        body: &'static str,
+        delay_ms: u64,
+    ) -> JoinHandle<reqwest::Result<reqwest::StatusCode>> {
+        let write = tokio::spawn(async move {
+            super::fenced_put(&reqwest::Client::new(), url, token, body)
+                .header("x-test-delay-ms", delay_ms.to_string())
+                .send()
+                .await
+                .map(|r| r.status())
+        });
+        for _ in 0..300 {
+            if self.in_flight() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        write
+    }
 }
 
 impl Drop for Upstream {
