@@ -5,7 +5,7 @@ use crate::support::app::{config_sections, docs_route, problem, TestApp, SHARED_
 use crate::support::db::{Backend, TestStore};
 use crate::support::fenced_put;
 use crate::support::holders::{self, Workload};
-use crate::support::upstream::{Upstream, UpstreamOptions};
+use crate::support::upstream::Upstream;
 
 async fn gateways(store: &TestStore, up: &Upstream, n: usize) -> Vec<TestApp> {
     gateways_with(store, up, n, "").await
@@ -30,10 +30,7 @@ async fn gateways_with(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_gateways_keep_per_key_order() {
     let store = TestStore::new(Backend::Postgres).await;
-    let up = Upstream::start_with(UpstreamOptions {
-        write_delay_ms: (0, 8),
-    })
-    .await;
+    let up = Upstream::with_write_delays(0, 8).await;
     let apps = gateways(&store, &up, 3).await;
     let targets = apps.iter().map(|a| a.url("")).collect::<Vec<_>>();
     let out = holders::run_fixed(

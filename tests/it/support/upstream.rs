@@ -147,6 +147,16 @@ impl Upstream {
         Self::start_with(UpstreamOptions::default()).await
     }
 
+    /// Start a recorder that holds every write a random `min..=max` ms
+    /// before applying it, so that concurrent writes overlap and reorder
+    /// at the upstream (see [`UpstreamOptions::write_delay_ms`]).
+    pub async fn with_write_delays(min: u64, max: u64) -> Upstream {
+        Self::start_with(UpstreamOptions {
+            write_delay_ms: (min, max),
+        })
+        .await
+    }
+
     /// Start a recorder with `opts` on `127.0.0.1:0`.
     /// Must be called within a tokio runtime.
     pub async fn start_with(opts: UpstreamOptions) -> Upstream {
