@@ -75,17 +75,33 @@ async fn hold_key(app: &TestApp, path: &str) -> tokio::task::JoinHandle<reqwest:
     task
 }
 
+/// Two instances on a Postgres store with `key_lock_wait_ms = wait_ms`,
+/// the first holding `path`'s key for a slow token 5 (see [`hold_key`]).
+async fn held_by_the_first(
+    path: &str,
+    wait_ms: u64,
+) -> (
+    TestStore,
+    Upstream,
+    Vec<TestApp>,
+    tokio::task::JoinHandle<reqwest::Result<u16>>,
+) {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let wait = format!("key_lock_wait_ms = {wait_ms}");
+    let apps = gateways_with(&store, &up, 2, &wait).await;
+    let slow = hold_key(&apps[0], path).await;
+    (store, up, apps, slow)
+}
+
 /// A client that gives up while its write waits inside `fencegate_enter`
 /// (another instance holds the key for an older token): its write is never
 /// started, and the key's cross-instance lock is not leaked — a newer token
 /// gets through at once instead of waiting out `key_lock_wait_ms`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_gone_while_waiting_in_postgres_leaks_no_lock() {
-    let store = TestStore::new(Backend::Postgres).await;
-    let up = Upstream::start().await;
-    let apps = gateways_with(&store, &up, 2, "key_lock_wait_ms = 3000").await;
     // Instance 0 forwards token 5 slowly, holding the key.
-    let slow = hold_key(&apps[0], "/docs/w").await;
+    let (_store, up, apps, slow) = held_by_the_first("/docs/w", 3000).await;
     // Token 6 on instance 1 waits for it inside Postgres; its client gives up.
     let gave_up = fenced_put(&apps[1].http, apps[1].url("/docs/w"), "6", "six")
         .timeout(std::time::Duration::from_millis(300))
@@ -118,10 +134,7 @@ async fn client_gone_while_waiting_in_postgres_leaks_no_lock() {
 /// is closed rather than pooled, and later writes on the key go through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lock_wait_past_key_lock_wait_is_503_and_leaves_nothing_behind() {
-    let store = TestStore::new(Backend::Postgres).await;
-    let up = Upstream::start().await;
-    let apps = gateways_with(&store, &up, 2, "key_lock_wait_ms = 300").await;
-    let slow = hold_key(&apps[0], "/docs/t").await;
+    let (_store, up, apps, slow) = held_by_the_first("/docs/t", 300).await;
     let resp = apps[1].put("/docs/t", Some("6"), "six").await;
     assert!(resp.headers().contains_key("retry-after"), "{resp:?}");
     // Postgres's lock_timeout: the gateway's own bound on the statement
