@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use crate::support::app::{content_type, docs_route, problem, TestApp};
 use crate::support::db::{Backend, PgHolder, TestStore};
-use crate::support::pki::{Ca, HttpsUpstream};
+use crate::support::pki::HttpsUpstream;
 use crate::support::process::GatewayProcess;
 use crate::support::upstream::Upstream;
 
@@ -379,9 +379,7 @@ async fn a_crash_mid_forward_is_never_forwarded_twice() {
 #[tokio::test]
 async fn idempotent_writes_to_an_https_upstream() {
     let store = TestStore::new(Backend::Sqlite).await;
-    let ca = Ca::new("api CA");
-    let ca_file = ca.write("ca.pem", &ca.pem());
-    let api = HttpsUpstream::start(&ca.server("api")).await;
+    let (api, _ca, ca_file) = HttpsUpstream::with_new_ca("api CA", "api").await;
     let route = format!(
         "{}upstream_ca_file = \"{}\"\n",
         idem_route(&format!("https://{}", api.addr), ""),

@@ -31,9 +31,7 @@ fn https_route(name: &str, addr: std::net::SocketAddr, ca: Option<&std::path::Pa
 #[tokio::test]
 async fn https_upstreams_are_verified_with_sni_and_hostname_checks() {
     let store = TestStore::new(Backend::Sqlite).await;
-    let ca = Ca::new("upstream CA");
-    let ca_file = ca.write("ca.pem", &ca.pem());
-    let good = HttpsUpstream::start(&ca.server("upstream")).await;
+    let (good, ca, ca_file) = HttpsUpstream::with_new_ca("upstream CA", "upstream").await;
     let misnamed = HttpsUpstream::start(&ca.issue_for("other", vec!["other.example".into()])).await;
     let routes = format!(
         "{}{}{}",
@@ -231,9 +229,7 @@ async fn a_request_is_never_sent_twice_when_pooled_connections_die() {
 #[tokio::test]
 async fn https_connections_are_kept_alive() {
     let store = TestStore::new(Backend::Sqlite).await;
-    let ca = Ca::new("upstream CA");
-    let ca_file = ca.write("ca.pem", &ca.pem());
-    let up = HttpsUpstream::start(&ca.server("upstream")).await;
+    let (up, _ca, ca_file) = HttpsUpstream::with_new_ca("upstream CA", "upstream").await;
     // One worker: every request of the test's one client connection is
     // served by the same upstream pool.
     let text = config_sections(
