@@ -42,6 +42,8 @@
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=bench/lib.sh
+. "$REPO/bench/lib.sh"
 export PATH="$PATH:/usr/sbin:/sbin"
 for tool in perf nginx wrk python3; do
     command -v "$tool" >/dev/null 2>&1 || { echo "profile.sh: $tool is not installed" >&2; exit 1; }
@@ -116,19 +118,8 @@ url = "$STORE_URL"
 mode = "$MODE"
 [locks]
 enabled = false
-[[routes]]
-name = "documents"
-path = "/docs/{id}"
-upstream = "http://127.0.0.1:$P_UP"
-key = "doc:{id}"
-
-[[routes]]
-name = "keyed"
-path = "/keyed/{id}"
-upstream = "http://127.0.0.1:$P_UP"
-key = "doc:{id}"
-idempotency = "required"
 EOF
+fg_routes "$P_UP" >> "$W/fencegate.toml"
 
 nginx -p "$W/up" -c "$W/up/nginx.conf" -g 'daemon off;' & PIDS+=($!); NGX_UP=$!
 nginx -p "$W/px" -c "$W/px/nginx.conf" -g 'daemon off;' & PIDS+=($!); NGX_PX=$!
@@ -184,6 +175,28 @@ print(f"{sys.argv[2]:<10} {ok / secs:>10,.0f} {fg:>18.1f} {pg:>18.1f}{note}")
 EOF
 }
 
+# fencegate profiled for 8 s under wrk (whose load must last 12 s: it
+# starts 2 s before), reported as the kernel/user split and the top `$1`
+# user-space symbols.
+profile_fg() { # number of symbols, wrk arguments
+    local top=$1 load
+    shift
+    wrk "$@" > /dev/null &
+    load=$!
+    sleep 2
+    perf record -q -e cpu-clock -F 2000 -g -p "$FG" -o "$W/perf.data" -- sleep 8 2>/dev/null
+    wait "$load"
+    set +o pipefail   # head closes the pipes early
+    perf report -i "$W/perf.data" --no-children --sort dso --stdio -g none 2>/dev/null \
+        | grep '%' | head -5
+    echo
+    echo "top user-space symbols (self time)"
+    perf report -i "$W/perf.data" --no-children --sort sym --stdio -g none 2>/dev/null \
+        | grep '%' | grep -v '\[k\]' | head -"$top" | cut -c1-150
+    echo
+    echo "raw outputs: $W (perf report -i $W/perf.data)"
+}
+
 if [ "$SCENARIO" = keyed ]; then
     python3 "$REPO/bench/util.py" seed "http://127.0.0.1:$P_FG" h 10000 1 >&2
     stored=$(python3 - "$P_FG" <<'EOF'
@@ -214,21 +227,8 @@ if [ "$SCENARIO" = raise ]; then
     done
     echo
     echo "perf record -e cpu-clock -g on fencegate, 8 s under wrk -t2 -c64 raise"
-    wrk -t2 -c64 -d12s -s "$REPO/bench/fenced.lua" "http://127.0.0.1:$P_FG" \
-        -- raise 10000 rp- 2 > /dev/null &
-    WRK=$!
-    sleep 2
-    perf record -q -e cpu-clock -F 2000 -g -p "$FG" -o "$W/perf.data" -- sleep 8 2>/dev/null
-    wait "$WRK"
-    set +o pipefail   # head closes the pipes early
-    perf report -i "$W/perf.data" --no-children --sort dso --stdio -g none 2>/dev/null \
-        | grep '%' | head -5
-    echo
-    echo "top user-space symbols (self time)"
-    perf report -i "$W/perf.data" --no-children --sort sym --stdio -g none 2>/dev/null \
-        | grep '%' | grep -v '\[k\]' | head -30 | cut -c1-150
-    echo
-    echo "raw outputs: $W (perf report -i $W/perf.data)"
+    profile_fg 30 -t2 -c64 -d12s -s "$REPO/bench/fenced.lua" "http://127.0.0.1:$P_FG" \
+        -- raise 10000 rp- 2
     exit 0
 fi
 
@@ -253,17 +253,4 @@ done
 
 echo
 echo "perf record -e cpu-clock -g on fencegate, 8 s under wrk -t1 -c64"
-wrk -t1 -c64 -d12s "http://127.0.0.1:$P_FG/docs/k1" > /dev/null &
-WRK=$!
-sleep 2
-perf record -q -e cpu-clock -F 2000 -g -p "$FG" -o "$W/perf.data" -- sleep 8 2>/dev/null
-wait "$WRK"
-set +o pipefail   # head closes the pipes early
-perf report -i "$W/perf.data" --no-children --sort dso --stdio -g none 2>/dev/null \
-    | grep '%' | head -5
-echo
-echo "top user-space symbols (self time)"
-perf report -i "$W/perf.data" --no-children --sort sym --stdio -g none 2>/dev/null \
-    | grep '%' | grep -v '\[k\]' | head -25 | cut -c1-150
-echo
-echo "raw outputs: $W (perf report -i $W/perf.data)"
+profile_fg 25 -t1 -c64 -d12s "http://127.0.0.1:$P_FG/docs/k1"

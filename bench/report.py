@@ -285,16 +285,21 @@ def table_lines(res):
     return lines
 
 
+def target_rows(res):
+    """The ratios (each to reach its target) and then the latencies (each to
+    stay within it), as (row, value shown, bound, result): the markdown and
+    the terminal tables list the same rows."""
+    for rows, bound in ((res["ratios"], ">="), (res.get("latency", []), "<=")):
+        for r in rows:
+            v = "n/a" if r["value"] is None else f"{r['value']:.2f}"
+            yield r, v, bound, "met" if r["met"] else "NOT met"
+
+
 def ratio_lines(res):
     lines = ["| ratio | value | target | | meaning |", "| --- | ---: | ---: | --- | --- |"]
-    for r in res["ratios"]:
-        v = "n/a" if r["value"] is None else f"{r['value']:.2f}"
-        lines.append(f"| {r['name']} | {v} | ≥ {r['target']:.1f} | "
-                     f"{'met' if r['met'] else 'NOT met'} | {r['meaning']} |")
-    for r in res.get("latency", []):
-        v = "n/a" if r["value"] is None else f"{r['value']:.2f}"
-        lines.append(f"| {r['name']} | {v} | ≤ {r['target']:.1f} | "
-                     f"{'met' if r['met'] else 'NOT met'} | {r['meaning']} |")
+    for r, v, bound, result in target_rows(res):
+        sign = {">=": "≥", "<=": "≤"}[bound]
+        lines.append(f"| {r['name']} | {v} | {sign} {r['target']:.1f} | {result} | {r['meaning']} |")
     m = res["memory"]
     lines.append(f"| RSS after {m['forwarded']:,} keys | {m['rss_mib']:.1f} MiB | "
                  f"≤ {RSS_TARGET_MIB} MiB | {'met' if m['met'] else 'NOT met'} | "
@@ -316,14 +321,9 @@ def plain(res):
                    f"{'; '.join(s['notes'])}")
     out.append("")
     out.append(f"{'ratio':<8} {'value':>8} {'target':>10}  result")
-    for r in res["ratios"]:
-        v = "n/a" if r["value"] is None else f"{r['value']:.2f}"
-        out.append(f"{r['name']:<8} {v:>8} {'>= ' + format(r['target'], '.1f'):>10}  "
-                   f"{'met' if r['met'] else 'NOT met'}   ({r['meaning']})")
-    for r in res.get("latency", []):
-        v = "n/a" if r["value"] is None else f"{r['value']:.2f}"
-        out.append(f"{r['name']:<8} {v:>8} {'<= ' + format(r['target'], '.1f'):>10}  "
-                   f"{'met' if r['met'] else 'NOT met'}   ({r['meaning']})")
+    for r, v, bound, result in target_rows(res):
+        out.append(f"{r['name']:<8} {v:>8} {bound + ' ' + format(r['target'], '.1f'):>10}  "
+                   f"{result}   ({r['meaning']})")
     m = res["memory"]
     out.append(f"{'RSS':<8} {m['rss_mib']:>5.1f}MiB {'<= ' + str(RSS_TARGET_MIB) + 'MiB':>10}  "
                f"{'met' if m['met'] else 'NOT met'}   (after {m['forwarded']:,} forwarded PUTs to new "

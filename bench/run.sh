@@ -48,6 +48,8 @@ NKEYS=10000
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BENCH="$REPO/bench"
+# shellcheck source=bench/lib.sh
+. "$BENCH/lib.sh"
 cd "$REPO"
 
 export PGHOST="${PGHOST:-127.0.0.1}" PGPORT="${PGPORT:-5432}" PGUSER="${PGUSER:-postgres}"
@@ -261,20 +263,8 @@ key_lock_connections = 64
 [locks]
 enabled = false
 
-[[routes]]
-name = "documents"
-path = "/docs/{id}"
-upstream = "http://127.0.0.1:$P_UP"
-key = "doc:{id}"
-
-# (h) and (i): the same resources, with an Idempotency-Key on every write.
-[[routes]]
-name = "keyed"
-path = "/keyed/{id}"
-upstream = "http://127.0.0.1:$P_UP"
-key = "doc:{id}"
-idempotency = "required"
 EOF
+    fg_routes "$P_UP" >> "$1"
 }
 
 FG_PID=""

@@ -313,13 +313,7 @@ impl LockClient {
     pub async fn acquire(&self, name: &str, ttl: Duration, wait: Duration) -> Result<Grant, Error> {
         let body = json!({"ttl_ms": millis(ttl), "wait_ms": millis(wait)});
         let timeout = self.timeout.saturating_add(wait);
-        let answer = self
-            .call(Method::POST, name, "", Some(body), timeout)
-            .await?;
-        match answer.status {
-            StatusCode::CREATED | StatusCode::OK => answer.parse("grant"),
-            _ => Err(answer.into_error()),
-        }
+        self.post_for_grant(name, "", body, timeout).await
     }
 
     /// Renews the lease `lease` on `name` for `ttl` from now. The fence stays
@@ -336,11 +330,22 @@ impl LockClient {
         timeout: Duration,
     ) -> Result<Grant, Error> {
         let body = json!({"lease": lease, "ttl_ms": millis(ttl)});
+        self.post_for_grant(name, "/renew", body, timeout).await
+    }
+
+    /// An acquire or a renewal: both answer a grant, 201 or 200.
+    async fn post_for_grant(
+        &self,
+        name: &str,
+        suffix: &str,
+        body: Value,
+        timeout: Duration,
+    ) -> Result<Grant, Error> {
         let answer = self
-            .call(Method::POST, name, "/renew", Some(body), timeout)
+            .call(Method::POST, name, suffix, Some(body), timeout)
             .await?;
         match answer.status {
-            StatusCode::OK | StatusCode::CREATED => answer.parse("grant"),
+            StatusCode::CREATED | StatusCode::OK => answer.parse("grant"),
             _ => Err(answer.into_error()),
         }
     }

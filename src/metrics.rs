@@ -486,6 +486,14 @@ impl Metrics {
 mod tests {
     use super::*;
 
+    /// `m`'s exposition holds every one of `lines`; a failure shows it whole.
+    fn assert_rendered(m: &Metrics, lines: &[&str]) {
+        let text = m.render();
+        for line in lines {
+            assert!(text.contains(line), "missing {line} in\n{text}");
+        }
+    }
+
     #[test]
     fn outcomes_index_their_counters() {
         for (i, o) in Outcome::ALL.iter().enumerate() {
@@ -517,9 +525,10 @@ mod tests {
         assert_eq!(c.decisions.get("forwarded"), Some(&1));
         assert_eq!(c.decisions.get("late"), None, "never happened");
         assert_eq!(c.upstream_errors.get("unreachable"), Some(&1));
-        assert!(m
-            .render()
-            .contains("fencegate_decisions_total{route=\"docs\",outcome=\"stale\"} 2"));
+        assert_rendered(
+            &m,
+            &["fencegate_decisions_total{route=\"docs\",outcome=\"stale\"} 2"],
+        );
     }
 
     #[test]
@@ -529,14 +538,14 @@ mod tests {
         r.decision(Outcome::MissingToken);
         r.upstream_error(UpstreamFailure::Timeout);
         m.store_error(StoreOp::Ping);
-        let text = m.render();
-        for line in [
-            "fencegate_decisions_total{route=\"docs\",outcome=\"missing_token\"} 1",
-            "fencegate_upstream_errors_total{route=\"docs\",kind=\"timeout\"} 1",
-            "fencegate_store_errors_total{op=\"ping\"} 1",
-        ] {
-            assert!(text.contains(line), "missing {line} in\n{text}");
-        }
+        assert_rendered(
+            &m,
+            &[
+                "fencegate_decisions_total{route=\"docs\",outcome=\"missing_token\"} 1",
+                "fencegate_upstream_errors_total{route=\"docs\",kind=\"timeout\"} 1",
+                "fencegate_store_errors_total{op=\"ping\"} 1",
+            ],
+        );
     }
 }
 

@@ -470,6 +470,11 @@ mod tests {
         PathPattern::parse(p).unwrap().matches(path).unwrap()
     }
 
+    /// What a pattern with one parameter, `name`, captures on a match.
+    fn one(name: &str, value: &str) -> Option<Captures> {
+        Some(vec![(name.into(), value.into())])
+    }
+
     fn render(
         k: &KeyTemplate,
         captures: &Captures,
@@ -492,10 +497,7 @@ mod tests {
 
     #[test]
     fn literals_match_decoded_and_optionally_in_any_case() {
-        assert_eq!(
-            m("/docs/{id}", "/%64ocs/7"),
-            Some(vec![("id".into(), "7".into())])
-        );
+        assert_eq!(m("/docs/{id}", "/%64ocs/7"), one("id", "7"));
         assert_eq!(m("/docs/{id}", "/DOCS/7"), None);
         let p = PathPattern::parse("/docs/{id}").unwrap().ignoring_case();
         assert!(p.matches("/DoCs/7").unwrap().is_some());
@@ -589,17 +591,11 @@ mod tests {
 
     #[test]
     fn params_and_rest() {
-        assert_eq!(
-            m("/docs/{id}", "/docs/7"),
-            Some(vec![("id".into(), "7".into())])
-        );
+        assert_eq!(m("/docs/{id}", "/docs/7"), one("id", "7"));
         assert_eq!(m("/docs/{id}", "/docs/"), None);
         assert_eq!(m("/docs/{id}", "/docs/7/x"), None);
         assert_eq!(m("/docs/{id}", "/docs"), None);
-        assert_eq!(
-            m("/f/{*rest}", "/f/a/b/c"),
-            Some(vec![("rest".into(), "a/b/c".into())])
-        );
+        assert_eq!(m("/f/{*rest}", "/f/a/b/c"), one("rest", "a/b/c"));
         assert_eq!(m("/f/{*rest}", "/f/"), None);
         assert_eq!(m("/", "/"), Some(vec![]));
         assert_eq!(m("/a", "/a/"), None);
@@ -607,10 +603,7 @@ mod tests {
 
     #[test]
     fn captures_are_decoded() {
-        assert_eq!(
-            m("/docs/{id}", "/docs/%61%2Fb"),
-            Some(vec![("id".into(), "a/b".into())])
-        );
+        assert_eq!(m("/docs/{id}", "/docs/%61%2Fb"), one("id", "a/b"));
         let p = PathPattern::parse("/docs/{id}").unwrap();
         assert_eq!(p.matches("/docs/%2e%2E"), Err(PathError::DotSegment));
         assert_eq!(p.matches("/docs/%ff"), Err(PathError::NotUtf8));

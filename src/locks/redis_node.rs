@@ -388,15 +388,11 @@ impl Node {
             return Ok(live);
         }
         let client = self.0.target.locate().await?;
-        let config = AsyncConnectionConfig::new()
-            .set_connection_timeout(self.0.timeout)
-            .set_response_timeout(self.0.timeout);
         // Boxed, so that the future of every Redis call does not nest the
         // deep type of connecting (the integration tests' futures reach the
         // compiler's query depth limit then). Only connection attempts pay
         // for the allocation.
-        let mut conn =
-            Box::pin(client.get_multiplexed_async_connection_with_config(&config)).await?;
+        let mut conn = Box::pin(connect_within(&client, self.0.timeout)).await?;
         check_master(&mut conn).await?;
         let live = Live {
             conn,
@@ -590,12 +586,7 @@ pub(crate) fn spawn_subscriber(
             reconnects.borrow_and_update();
             let connect = async {
                 let client = node.0.target.locate().await?;
-                let config = AsyncConnectionConfig::new()
-                    .set_connection_timeout(bound)
-                    .set_response_timeout(bound);
-                let mut probe = client
-                    .get_multiplexed_async_connection_with_config(&config)
-                    .await?;
+                let mut probe = connect_within(&client, bound).await?;
                 check_master(&mut probe).await?;
                 let mut pubsub = client.get_async_pubsub().await?;
                 pubsub.subscribe(RELEASED_CHANNEL).await?;
@@ -673,6 +664,21 @@ pub(crate) fn spawn_sentinel_watch(node: &Node) -> Vec<AbortOnDrop> {
         .collect()
 }
 
+/// A new connection to `client`'s server, where connecting and every answer
+/// are bounded by `bound`: no call on it can hang on a server that went
+/// silent.
+async fn connect_within(
+    client: &redis::Client,
+    bound: Duration,
+) -> RedisResult<MultiplexedConnection> {
+    let config = AsyncConnectionConfig::new()
+        .set_connection_timeout(bound)
+        .set_response_timeout(bound);
+    client
+        .get_multiplexed_async_connection_with_config(&config)
+        .await
+}
+
 /// The loop of one Sentinel's listener (see [`spawn_sentinel_watch`]).
 async fn watch_sentinel(node: Node, index: usize) {
     let Target::Sentinel {
@@ -700,12 +706,7 @@ async fn watch_sentinel(node: Node, index: usize) {
                 backoff = BACKOFF_MIN;
                 // A switch while nobody listened: what it names now.
                 let named = async {
-                    let config = AsyncConnectionConfig::new()
-                        .set_connection_timeout(bound)
-                        .set_response_timeout(bound);
-                    let mut c = client
-                        .get_multiplexed_async_connection_with_config(&config)
-                        .await?;
+                    let mut c = connect_within(client, bound).await?;
                     redis::cmd("SENTINEL")
                         .arg("GET-MASTER-ADDR-BY-NAME")
                         .arg(master_name)

@@ -58,7 +58,7 @@ use bytes::Bytes;
 use sqlx::{PgPool, SqlitePool};
 
 use super::batch::Batcher;
-use super::sql::sqlite_now_ms;
+use super::sql::{on_backend, sqlite_now_ms};
 use super::{bounded, FenceStore, StoreError};
 
 /// Which record: a route, a method, a client's key.
@@ -273,6 +273,15 @@ pub(super) struct IdemBatchers {
     pub(super) complete: Batcher<CompleteItem, bool>,
 }
 
+/// `$query` with one array bound per column, the column `$col` of every row
+/// of `$rows` (evaluated once a column): the batch statements `unnest` the
+/// arrays back into the batch's rows, one statement for the whole batch.
+macro_rules! bind_columns {
+    ($query:expr, $rows:expr, $($col:expr),+ $(,)?) => {
+        $query$(.bind($rows.map($col).collect::<Vec<_>>()))+
+    };
+}
+
 /// Runs a batch of in-flight records on Postgres.
 pub(super) async fn pg_begin_batch(
     pool: &PgPool,
@@ -283,34 +292,20 @@ pub(super) async fn pg_begin_batch(
     // first writes the record or finds a live one, they are duplicates.
     let mut seen = HashSet::with_capacity(items.len());
     let sent: Vec<bool> = items.iter().map(|i| seen.insert(i.id())).collect();
-    let mut cols = (
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-        Vec::new(),
-    );
-    for (i, _) in items.iter().zip(&sent).filter(|(_, s)| **s) {
-        cols.0.push(i.route.as_str());
-        cols.1.push(i.method.as_str());
-        cols.2.push(i.key.as_str());
-        cols.3.push(i.fingerprint.as_slice());
-        cols.4.push(i.in_flight_ms);
-        cols.5.push(i.ttl_ms);
-        cols.6.push(i.attempt);
-    }
-    let written: Vec<(String, String, String, i64)> = sqlx::query_as(PG_BEGIN_BATCH)
-        .bind(&cols.0)
-        .bind(&cols.1)
-        .bind(&cols.2)
-        .bind(&cols.3)
-        .bind(&cols.4)
-        .bind(&cols.5)
-        .bind(&cols.6)
-        .fetch_all(pool)
-        .await?;
+    let rows = || items.iter().zip(&sent).filter(|(_, s)| **s).map(|(i, _)| i);
+    let written: Vec<(String, String, String, i64)> = bind_columns!(
+        sqlx::query_as(PG_BEGIN_BATCH),
+        rows(),
+        |i| i.route.as_str(),
+        |i| i.method.as_str(),
+        |i| i.key.as_str(),
+        |i| i.fingerprint.as_slice(),
+        |i| i.in_flight_ms,
+        |i| i.ttl_ms,
+        |i| i.attempt,
+    )
+    .fetch_all(pool)
+    .await?;
     Ok(answered(&items, &sent, &written, BeginItem::attempt))
 }
 
@@ -319,34 +314,19 @@ pub(super) async fn pg_complete_batch(
     pool: &PgPool,
     items: Vec<CompleteItem>,
 ) -> Result<Vec<bool>, StoreError> {
-    let mut cols = (
-        Vec::with_capacity(items.len()),
-        Vec::with_capacity(items.len()),
-        Vec::with_capacity(items.len()),
-        Vec::with_capacity(items.len()),
-        Vec::with_capacity(items.len()),
-        Vec::with_capacity(items.len()),
-        Vec::with_capacity(items.len()),
-    );
-    for i in &items {
-        cols.0.push(i.route.as_str());
-        cols.1.push(i.method.as_str());
-        cols.2.push(i.key.as_str());
-        cols.3.push(i.attempt);
-        cols.4.push(i.status);
-        cols.5.push(i.headers.as_slice());
-        cols.6.push(&i.body[..]);
-    }
-    let done: Vec<(String, String, String, i64)> = sqlx::query_as(PG_COMPLETE_BATCH)
-        .bind(&cols.0)
-        .bind(&cols.1)
-        .bind(&cols.2)
-        .bind(&cols.3)
-        .bind(&cols.4)
-        .bind(&cols.5)
-        .bind(&cols.6)
-        .fetch_all(pool)
-        .await?;
+    let done: Vec<(String, String, String, i64)> = bind_columns!(
+        sqlx::query_as(PG_COMPLETE_BATCH),
+        items.iter(),
+        |i| i.route.as_str(),
+        |i| i.method.as_str(),
+        |i| i.key.as_str(),
+        |i| i.attempt,
+        |i| i.status,
+        |i| i.headers.as_slice(),
+        |i| &i.body[..],
+    )
+    .fetch_all(pool)
+    .await?;
     // Answers for one record may share a batch (a stalled attempt's and
     // the newer one's): each is judged by its own attempt.
     let all = vec![true; items.len()];
@@ -483,24 +463,18 @@ impl FenceStore {
     ) -> Result<Read, StoreError> {
         let timeout = self.timeout();
         let row: Option<Row> = bounded(timeout, StoreError::Timeout, async {
-            Ok(match self {
-                FenceStore::Postgres(s) => {
-                    sqlx::query_as(PG_LOOKUP)
+            Ok(on_backend!(
+                self,
+                (PG_LOOKUP, SQLITE_LOOKUP),
+                |pool, sql| {
+                    sqlx::query_as(sql)
                         .bind(id.route)
                         .bind(id.method)
                         .bind(id.key)
-                        .fetch_optional(s.pool())
+                        .fetch_optional(pool)
                         .await?
                 }
-                FenceStore::Sqlite(s) => {
-                    sqlx::query_as(SQLITE_LOOKUP)
-                        .bind(id.route)
-                        .bind(id.method)
-                        .bind(id.key)
-                        .fetch_optional(s.pool())
-                        .await?
-                }
-            })
+            ))
         })
         .await?;
         let Some((fp, state, live, left_ms, expires_ms, status, headers, body)) = row else {
@@ -573,32 +547,18 @@ impl FenceStore {
         let ttl_ms = begin.ttl.as_millis() as i64;
         let id = begin.id;
         bounded(timeout, StoreError::Timeout, async {
-            let rows: Vec<(i32,)> = match self {
-                FenceStore::Postgres(s) => {
-                    sqlx::query_as(PG_BEGIN)
-                        .bind(id.route)
-                        .bind(id.method)
-                        .bind(id.key)
-                        .bind(begin.fingerprint)
-                        .bind(in_flight_ms)
-                        .bind(ttl_ms)
-                        .bind(begin.attempt)
-                        .fetch_all(s.pool())
-                        .await?
-                }
-                FenceStore::Sqlite(s) => {
-                    sqlx::query_as(SQLITE_BEGIN)
-                        .bind(id.route)
-                        .bind(id.method)
-                        .bind(id.key)
-                        .bind(begin.fingerprint)
-                        .bind(in_flight_ms)
-                        .bind(ttl_ms)
-                        .bind(begin.attempt)
-                        .fetch_all(s.pool())
-                        .await?
-                }
-            };
+            let rows: Vec<(i32,)> = on_backend!(self, (PG_BEGIN, SQLITE_BEGIN), |pool, sql| {
+                sqlx::query_as(sql)
+                    .bind(id.route)
+                    .bind(id.method)
+                    .bind(id.key)
+                    .bind(begin.fingerprint)
+                    .bind(in_flight_ms)
+                    .bind(ttl_ms)
+                    .bind(begin.attempt)
+                    .fetch_all(pool)
+                    .await?
+            });
             Ok(!rows.is_empty())
         })
         .await
@@ -692,9 +652,11 @@ impl FenceStore {
         self.check_writer()?;
         let timeout = self.timeout();
         bounded(timeout, StoreError::Timeout, async {
-            Ok(match self {
-                FenceStore::Postgres(s) => {
-                    let mut q = sqlx::query(pg)
+            Ok(on_backend!(
+                self,
+                ((pg, false), (sqlite, true)),
+                |pool, (sql, lite)| {
+                    let mut q = sqlx::query(sql)
                         .bind(id.route)
                         .bind(id.method)
                         .bind(id.key)
@@ -702,21 +664,14 @@ impl FenceStore {
                     if let Some((status, headers, body)) = answer {
                         q = q.bind(status).bind(headers).bind(body.to_vec());
                     }
-                    q.execute(s.pool()).await?.rows_affected()
-                }
-                FenceStore::Sqlite(s) => {
-                    // fetch_all: see the module docs of `store::sqlite`.
-                    let mut q = sqlx::query(sqlite)
-                        .bind(id.route)
-                        .bind(id.method)
-                        .bind(id.key)
-                        .bind(attempt);
-                    if let Some((status, headers, body)) = answer {
-                        q = q.bind(status).bind(headers).bind(body.to_vec());
+                    if lite {
+                        // fetch_all: see the module docs of `store::sqlite`.
+                        q.fetch_all(pool).await?.len() as u64
+                    } else {
+                        q.execute(pool).await?.rows_affected()
                     }
-                    q.fetch_all(s.pool()).await?.len() as u64
                 }
-            })
+            ))
         })
         .await
     }

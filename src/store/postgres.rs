@@ -156,36 +156,24 @@ impl PgStore {
             None
         };
         warn_of_durability(&pool, cfg.timeout).await;
-        let batcher = single.then(|| {
-            let (pool, view) = (pool.clone(), view.clone());
-            super::batch::Fences::spawn(MAX_BATCH, BATCHES_IN_FLIGHT, cfg.timeout, move |items| {
+        // Every batcher runs its batches on the pool, and each outcome tells
+        // the view whether the server still takes writes.
+        macro_rules! batcher {
+            ($batcher:ty, $run:path) => {{
                 let (pool, view) = (pool.clone(), view.clone());
-                async move { view.learn(record_batch(&pool, items).await) }
-            })
-        });
+                <$batcher>::spawn(MAX_BATCH, BATCHES_IN_FLIGHT, cfg.timeout, move |items| {
+                    let (pool, view) = (pool.clone(), view.clone());
+                    async move { view.learn($run(&pool, items).await) }
+                })
+            }};
+        }
+        let batcher = single.then(|| batcher!(super::batch::Fences, record_batch));
         let idem = single.then(|| {
+            use super::batch::Batcher;
             use super::idempotency::{pg_begin_batch, pg_complete_batch, IdemBatchers};
-            let (begin_pool, begin_view) = (pool.clone(), view.clone());
-            let (complete_pool, complete_view) = (pool.clone(), view.clone());
             IdemBatchers {
-                begin: super::batch::Batcher::spawn(
-                    MAX_BATCH,
-                    BATCHES_IN_FLIGHT,
-                    cfg.timeout,
-                    move |items| {
-                        let (pool, view) = (begin_pool.clone(), begin_view.clone());
-                        async move { view.learn(pg_begin_batch(&pool, items).await) }
-                    },
-                ),
-                complete: super::batch::Batcher::spawn(
-                    MAX_BATCH,
-                    BATCHES_IN_FLIGHT,
-                    cfg.timeout,
-                    move |items| {
-                        let (pool, view) = (complete_pool.clone(), complete_view.clone());
-                        async move { view.learn(pg_complete_batch(&pool, items).await) }
-                    },
-                ),
+                begin: batcher!(Batcher<_, _>, pg_begin_batch),
+                complete: batcher!(Batcher<_, _>, pg_complete_batch),
             }
         });
         Ok(Self {

@@ -357,8 +357,7 @@ async fn memory_fast_paths_need_no_store() {
     let app = TestApp::spawn(&store.url, &docs_route(&up.url())).await;
     assert_eq!(app.put("/docs/a", Some("5"), "first").await.status(), 200);
     let blocker = SqliteBlocker::begin(&store.url, "EXCLUSIVE").await;
-    let body = problem(app.put("/docs/a", Some("4"), "stale").await, 409).await;
-    assert_eq!(body["highest_token"], 5);
+    app.assert_stale("/docs/a", "4", "stale", 5).await;
     assert_eq!(app.put("/docs/a", Some("5"), "again").await.status(), 200);
     problem(app.put("/docs/a", Some("6"), "new").await, 503).await;
     blocker.release().await;

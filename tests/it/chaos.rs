@@ -12,7 +12,7 @@ use crate::support::db::{Backend, TestStore};
 use crate::support::holders::{self, Workload};
 use crate::support::pg::PrivatePg;
 use crate::support::process::GatewayProcess;
-use crate::support::upstream::{Upstream, UpstreamOptions};
+use crate::support::upstream::Upstream;
 
 fn shared_config(store_url: &str, upstream: &str) -> String {
     // A short route timeout: it bounds how long a key stays closed after an
@@ -31,10 +31,7 @@ fn shared_config(store_url: &str, upstream: &str) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn pauses_kills_and_restarts_keep_per_key_order() {
     let store = TestStore::new(Backend::Postgres).await;
-    let up = Upstream::start_with(UpstreamOptions {
-        write_delay_ms: (0, 10),
-    })
-    .await;
+    let up = Upstream::with_write_delays(0, 10).await;
     let config = shared_config(&store.url, &up.url());
     let procs: Vec<GatewayProcess> = {
         let config = config.clone();
@@ -122,10 +119,7 @@ async fn pauses_kills_and_restarts_keep_per_key_order() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn postgres_crashes_under_load_keep_per_key_order() {
     let pg = Arc::new(tokio::task::spawn_blocking(PrivatePg::start).await.unwrap());
-    let up = Upstream::start_with(UpstreamOptions {
-        write_delay_ms: (0, 10),
-    })
-    .await;
+    let up = Upstream::with_write_delays(0, 10).await;
     let config = shared_config(&pg.url(), &up.url());
     let mut apps = Vec::new();
     for _ in 0..2 {

@@ -130,21 +130,19 @@ async fn migrate_command_creates_the_schema() {
         // Twice is fine.
         let (code, _, err) = run(&["migrate", "--database-url", &store.url]);
         assert_eq!(code, 0, "{err}");
+        // The same query on each backend's own connection type.
+        macro_rules! fence_rows {
+            ($connection:ty) => {{
+                let mut c = <$connection>::connect(&store.url).await.unwrap();
+                sqlx::query_scalar("SELECT count(*) FROM fences")
+                    .fetch_one(&mut c)
+                    .await
+                    .unwrap()
+            }};
+        }
         let n: i64 = match b {
-            Backend::Sqlite => {
-                let mut c = sqlx::SqliteConnection::connect(&store.url).await.unwrap();
-                sqlx::query_scalar("SELECT count(*) FROM fences")
-                    .fetch_one(&mut c)
-                    .await
-                    .unwrap()
-            }
-            Backend::Postgres => {
-                let mut c = sqlx::PgConnection::connect(&store.url).await.unwrap();
-                sqlx::query_scalar("SELECT count(*) FROM fences")
-                    .fetch_one(&mut c)
-                    .await
-                    .unwrap()
-            }
+            Backend::Sqlite => fence_rows!(sqlx::SqliteConnection),
+            Backend::Postgres => fence_rows!(sqlx::PgConnection),
         };
         assert_eq!(n, 0);
     }

@@ -112,24 +112,14 @@ async fn the_dashboard_shows_live_data_looks_up_fences_and_shows_refusals() {
             browser.text(&format!("{refusal} td.key")).await
         })
         .await;
-    assert_eq!(
-        browser.text(&format!("{refusal} td.key")).await.as_deref(),
-        Some("doc:report")
-    );
-    assert_eq!(
-        browser
-            .text(&format!("{refusal} td.presented"))
-            .await
-            .as_deref(),
-        Some("33")
-    );
-    assert_eq!(
-        browser
-            .text(&format!("{refusal} td.highest"))
-            .await
-            .as_deref(),
-        Some("34")
-    );
+    for (cell, shown) in [
+        ("key", "doc:report"),
+        ("presented", "33"),
+        ("highest", "34"),
+    ] {
+        let text = browser.text(&format!("{refusal} td.{cell}")).await;
+        assert_eq!(text.as_deref(), Some(shown), "the refusal's {cell}");
+    }
     browser
         .wait_for("1 stale write on route docs", PATIENCE, || async {
             let t = browser.text(&format!("{row} td.stale")).await?;

@@ -18,8 +18,7 @@ async fn survives_restart(b: Backend) {
     assert_eq!(app.put("/docs/a", Some("34"), "B").await.status(), 200);
     app.stop().await;
     let app = TestApp::spawn(&store.url, &docs_route(&up.url())).await;
-    let body = problem(app.put("/docs/a", Some("33"), "A").await, 409).await;
-    assert_eq!(body["highest_token"], 34);
+    app.assert_stale("/docs/a", "33", "A", 34).await;
     assert_eq!(
         app.put("/docs/a", Some("34"), "B again").await.status(),
         200
@@ -100,19 +99,7 @@ async fn restart_after_crash_waits_for_in_flight_writes(b: Backend) {
     routes.push_str("timeout_ms = 1500\n");
     let config = config_text(&store.url, &routes);
     let mut gw = GatewayProcess::start(&config);
-    let url = gw.url("/docs/q");
-    let slow = tokio::spawn(async move {
-        fenced_put(&reqwest::Client::new(), url, "5", "old")
-            .header("x-test-delay-ms", "1000")
-            .send()
-            .await
-    });
-    for _ in 0..300 {
-        if up.in_flight() == 1 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    let slow = up.held_write(gw.url("/docs/q"), "5", "old", 1000).await;
     assert_eq!(
         up.in_flight(),
         1,

@@ -33,7 +33,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::support::app::{config_text, docs_route, problem, route, TestApp};
+use crate::support::app::{assert_detail_says, config_text, docs_route, problem, route, TestApp};
 use crate::support::fenced_put;
 use crate::support::pg::PrivatePg;
 use crate::support::process::GatewayProcess;
@@ -212,6 +212,20 @@ async fn promote(pg: PrivatePg) -> PrivatePg {
 }
 
 /// `/readyz`: its status and body.
+/// A `mode` instance started on `standby`, still in recovery, refuses to
+/// start, and says why.
+async fn refused_on_standby(standby: &PrivatePg, routes: &str, mode: &str) {
+    let refused = TestApp::try_spawn(&standby.url(), routes).await;
+    let err = refused
+        .err()
+        .unwrap_or_else(|| panic!("a {mode} instance started on a standby"));
+    let err = err.to_string();
+    assert!(
+        err.contains("is read-only: the server is in recovery"),
+        "{err}"
+    );
+}
+
 async fn readyz(app: &TestApp) -> (u16, serde_json::Value) {
     let r = app.admin_get("/readyz").await;
     let status = r.status().as_u16();
@@ -434,6 +448,16 @@ fn check_run(up: &Upstream, sent: &[Sent], down: Instant, promoting: Instant, sh
     );
 }
 
+/// Fenced writes through `app` (in `mode`) are accepted again within
+/// [`RECOVERY_BOUND`] of a promotion that just ended.
+async fn recovers_in_bound(app: &TestApp, path: &str, token: &str, mode: &str) {
+    let promoted = Instant::now();
+    let recovered = until_accepted(app, path, token, Duration::from_secs(30)).await;
+    let took = recovered - promoted;
+    eprintln!("{mode} mode: fenced writes recovered {took:?} after the promotion");
+    assert!(took <= RECOVERY_BOUND, "recovered after {took:?}");
+}
+
 /// Retries `put` until it answers 200; returns when that was.
 async fn until_accepted(app: &TestApp, path: &str, token: &str, limit: Duration) -> Instant {
     let deadline = Instant::now() + limit;
@@ -485,12 +509,19 @@ async fn still_enforced(fresh: &TestApp, acked: &BTreeMap<String, i64>) {
 
 const KEYS: &[&str] = &["l0", "l1", "l2"];
 
+/// What both failover tests start from: a synchronous pair, a switch that
+/// leads to its primary for now (the gateway's store address), and an
+/// upstream.
+async fn failover_rig() -> (PrivatePg, PrivatePg, Switch, Upstream) {
+    let (primary, standby) = synchronous_pair().await;
+    let switch = Switch::start(primary.addr()).await;
+    (primary, standby, switch, Upstream::start().await)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn single_mode_fails_over_to_a_synchronous_standby() {
     let test_started = Instant::now();
-    let (primary, standby) = synchronous_pair().await;
-    let switch = Switch::start(primary.addr()).await;
-    let up = Upstream::start().await;
+    let (primary, standby, switch, up) = failover_rig().await;
     let routes = docs_route(&up.url());
     let app = TestApp::spawn(&switch.url(), &routes).await;
 
@@ -547,24 +578,10 @@ async fn single_mode_fails_over_to_a_synchronous_standby() {
     .await;
     let store = unready_for(status, &ready, "in recovery");
     assert_eq!(store["writer_lock"]["held"], false, "{ready}");
-    assert!(
-        ready["detail"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("read-only"),
-        "{ready}"
-    );
+    assert_detail_says(&ready, "read-only");
     problem(app.put("/docs/m", Some("8"), "on the standby").await, 503).await;
     // An instance started on the standby itself refuses to start.
-    let refused = TestApp::try_spawn(&standby.url(), &routes).await;
-    let err = refused
-        .err()
-        .expect("a single instance started on a standby");
-    assert!(
-        err.to_string()
-            .contains("is read-only: the server is in recovery"),
-        "{err}"
-    );
+    refused_on_standby(&standby, &routes, "single").await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     // Seconds of retries later, the lock is still not taken on the standby:
     // there it would exclude nobody writing a primary.
@@ -576,11 +593,7 @@ async fn single_mode_fails_over_to_a_synchronous_standby() {
 
     let promoting = Instant::now();
     let standby = promote(standby).await;
-    let promoted = Instant::now();
-    let recovered = until_accepted(&app, "/docs/m", "8", Duration::from_secs(30)).await;
-    let took = recovered - promoted;
-    eprintln!("single mode: fenced writes recovered {took:?} after the promotion");
-    assert!(took <= RECOVERY_BOUND, "recovered after {took:?}");
+    recovers_in_bound(&app, "/docs/m", "8", "single").await;
     tokio::time::sleep(Duration::from_secs(1)).await;
     let sent = load.finish().await;
 
@@ -631,9 +644,7 @@ async fn single_mode_fails_over_to_a_synchronous_standby() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shared_mode_fails_over_to_a_synchronous_standby() {
     let test_started = Instant::now();
-    let (primary, standby) = synchronous_pair().await;
-    let switch = Switch::start(primary.addr()).await;
-    let up = Upstream::start().await;
+    let (primary, standby, switch, up) = failover_rig().await;
     // A route timeout long enough for a write to be in flight through the
     // whole failover.
     let routes = format!(
@@ -700,32 +711,14 @@ async fn shared_mode_fails_over_to_a_synchronous_standby() {
     // An instance started on the standby itself refuses to start: its
     // connections are refused on connect, before migrations could find
     // nothing to do there.
-    let refused = TestApp::try_spawn(&standby.url(), &routes).await;
-    let err = refused
-        .err()
-        .expect("a shared instance started on a standby");
-    assert!(
-        err.to_string()
-            .contains("is read-only: the server is in recovery"),
-        "{err}"
-    );
+    refused_on_standby(&standby, &routes, "shared").await;
     let r = b.put("/docs/new", Some("1"), "on the standby").await;
     let body = problem(r, 503).await;
-    assert!(
-        body["detail"]
-            .as_str()
-            .unwrap_or_default()
-            .contains("read-only"),
-        "{body}"
-    );
+    assert_detail_says(&body, "read-only");
 
     let promoting = Instant::now();
     let standby = promote(standby).await;
-    let promoted = Instant::now();
-    let recovered = until_accepted(&b, "/docs/new", "1", Duration::from_secs(30)).await;
-    let took = recovered - promoted;
-    eprintln!("shared mode: fenced writes recovered {took:?} after the promotion");
-    assert!(took <= RECOVERY_BOUND, "recovered after {took:?}");
+    recovers_in_bound(&b, "/docs/new", "1", "shared").await;
 
     // The slow write's marker came through the failover: b's higher token
     // waits until the write can no longer be in flight, although a's key

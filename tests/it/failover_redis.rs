@@ -92,6 +92,21 @@ async fn grant_after_failover(app: &TestApp, name: &str, ttl_ms: u64) -> Value {
     }
 }
 
+/// The holder `h` releases `name` (after a failover) and the waiter `w`,
+/// in line since before it, is granted the lock, with a higher fence.
+async fn handed_over(
+    app: &TestApp,
+    name: &str,
+    h: &Value,
+    w: tokio::task::JoinHandle<reqwest::Response>,
+) -> Value {
+    release_after_failover(app, name, h["lease"].as_str().unwrap()).await;
+    let answer = tokio::time::timeout(RECOVERY, w).await.expect("W answered");
+    let wg = granted(answer.unwrap()).await;
+    assert!(fence(&wg) > fence(h), "{} then {}", fence(h), fence(&wg));
+    wg
+}
+
 /// Releases, trying again while the gateway answers 503.
 async fn release_after_failover(app: &TestApp, name: &str, lease: &str) {
     let url = app.url(&format!("/_fencegate/locks/{name}/release"));
@@ -115,6 +130,14 @@ fn fence(grant: &Value) -> i64 {
 
 fn token(grant: &Value) -> &str {
     grant["token"].as_str().expect("a token")
+}
+
+/// A write to `path` under `grant`'s token, which the gateway must forward:
+/// the tests check the holder's writes go through before they check the
+/// stale ones are refused.
+async fn write_as(app: &TestApp, path: &str, grant: &Value, body: &str) {
+    let status = app.put(path, Some(token(grant)), body).await.status();
+    assert_eq!(status, 200, "{body} on {path}");
 }
 
 /// Starts a blocking acquire of `name` in the background and returns once
@@ -255,12 +278,7 @@ async fn replica_promoted_behind_a_proxy_keeps_fences_rising_and_refuses_the_old
     let o = granted(acquire(&app, lost, 60_000, 0).await).await;
     fences.push(fence(&o));
     assert_eq!(fences, vec![1, 2, 3]);
-    assert_eq!(
-        app.put("/docs/lost", Some(token(&o)), "O before")
-            .await
-            .status(),
-        200
-    );
+    write_as(&app, "/docs/lost", &o, "O before").await;
     // W waits for `kept`, on the old master.
     let w = waiter_on(&app, &master, kept, 30_000).await;
 
@@ -292,16 +310,11 @@ async fn replica_promoted_behind_a_proxy_keeps_fences_rising_and_refuses_the_old
     fences.push(fence(&n));
     let counter: i64 = command(&replica.url(), redis::cmd("GET").arg(fence_key(lost)));
     assert_eq!(counter, fence(&n), "the new master's counter was raised");
-    assert_eq!(
-        app.put("/docs/lost", Some(token(&n)), "N after")
-            .await
-            .status(),
-        200
-    );
+    write_as(&app, "/docs/lost", &n, "N after").await;
 
     // O, unaware, writes and renews: refused.
-    let body = problem(app.put("/docs/lost", Some(token(&o)), "O stale").await, 409).await;
-    assert_eq!(body["highest_token"], fence(&n));
+    app.assert_stale("/docs/lost", token(&o), "O stale", fence(&n))
+        .await;
     let renew = post(
         &app.http,
         &app.url(&format!("/_fencegate/locks/{lost}/renew")),
@@ -318,15 +331,7 @@ async fn replica_promoted_behind_a_proxy_keeps_fences_rising_and_refuses_the_old
     wait_subscribers(&replica, 1).await;
     // H's lease survived (it was replicated); H releases it, and W, which
     // waited through the failover, gets it with a higher fence.
-    release_after_failover(&app, kept, h["lease"].as_str().unwrap()).await;
-    let wg = granted(
-        tokio::time::timeout(RECOVERY, w)
-            .await
-            .expect("W answered")
-            .unwrap(),
-    )
-    .await;
-    assert!(fence(&wg) > fence(&h), "{} then {}", fence(&h), fence(&wg));
+    handed_over(&app, kept, &h, w).await;
     assert_eq!(ready(&app).await, 200);
     app.stop().await;
 }
@@ -463,12 +468,7 @@ async fn sentinel_discovery_follows_the_master_through_a_failover() {
     let (mut group, _store, up, app) = on_sentinels().await;
 
     let h = granted(acquire(&app, "doc:s", 60_000, 0).await).await;
-    assert_eq!(
-        app.put("/docs/s", Some(token(&h)), "H before")
-            .await
-            .status(),
-        200
-    );
+    write_as(&app, "/docs/s", &h, "H before").await;
     wait_subscribers(&group.first, 1).await;
     group.first.wait_replicated(1);
     let w = waiter_on(&app, &group.first, "doc:s", 60_000).await;
@@ -489,21 +489,8 @@ async fn sentinel_discovery_follows_the_master_through_a_failover() {
     wait_ready(&app).await;
 
     // H releases; W, in line since before the failover, gets the lock.
-    release_after_failover(&app, "doc:s", h["lease"].as_str().unwrap()).await;
-    let wg = granted(
-        tokio::time::timeout(RECOVERY, w)
-            .await
-            .expect("W answered")
-            .unwrap(),
-    )
-    .await;
-    assert!(fence(&wg) > fence(&h), "{} then {}", fence(&h), fence(&wg));
-    assert_eq!(
-        app.put("/docs/s", Some(token(&wg)), "W after")
-            .await
-            .status(),
-        200
-    );
+    let wg = handed_over(&app, "doc:s", &h, w).await;
+    write_as(&app, "/docs/s", &wg, "W after").await;
     problem(app.put("/docs/s", Some(token(&h)), "H stale").await, 409).await;
     assert_eq!(applied_bodies(&up, "/docs/s"), vec!["H before", "W after"]);
     app.stop().await;
@@ -589,24 +576,14 @@ async fn redlock_nodes_losing_their_data_never_lower_a_fence() {
     let name = "doc:rl";
 
     let h = granted(acquire(&app, name, 60_000, 0).await).await;
-    assert_eq!(
-        app.put("/docs/rl", Some(token(&h)), "H before")
-            .await
-            .status(),
-        200
-    );
+    write_as(&app, "/docs/rl", &h, "H before").await;
     assert!(nodes.iter().all(|n| n.exists(&lock_key(name))));
 
     nodes[0].flushall();
     tokio::task::block_in_place(|| nodes[1].start_again());
     let n = grant_after_failover(&app, name, 60_000).await;
     assert!(fence(&n) > fence(&h), "{} then {}", fence(&h), fence(&n));
-    assert_eq!(
-        app.put("/docs/rl", Some(token(&n)), "N after")
-            .await
-            .status(),
-        200
-    );
+    write_as(&app, "/docs/rl", &n, "N after").await;
     problem(app.put("/docs/rl", Some(token(&h)), "H stale").await, 409).await;
     assert_eq!(applied_bodies(&up, "/docs/rl"), vec!["H before", "N after"]);
 

@@ -73,21 +73,22 @@ async fn hop_by_hop_headers_are_removed_and_forwarding_headers_set() {
     assert_eq!(r.body_len, 5);
 }
 
+/// A fenced write (token 1) of `n` copies of `chunk` on `path`, sent
+/// chunked: the gateway learns the body's length only at its end.
+async fn put_chunked(app: &TestApp, path: &str, n: usize, chunk: Vec<u8>) -> reqwest::Response {
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = (0..n).map(|_| Ok(chunk.clone())).collect();
+    let body = reqwest::Body::wrap_stream(futures_util::stream::iter(chunks));
+    fenced_put(&app.http, app.url(path), "1", body)
+        .send()
+        .await
+        .unwrap()
+}
+
 #[tokio::test]
 async fn bodies_stream_both_ways() {
     let (_s, up, app) = setup().await;
     // 8 MiB up, chunked (unknown length), through the gateway.
-    let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
-        (0..128).map(|_| Ok(vec![7u8; 64 * 1024])).collect();
-    let resp = fenced_put(
-        &app.http,
-        app.url("/docs/big"),
-        "1",
-        reqwest::Body::wrap_stream(futures_util::stream::iter(chunks)),
-    )
-    .send()
-    .await
-    .unwrap();
+    let resp = put_chunked(&app, "/docs/big", 128, vec![7u8; 64 * 1024]).await;
     assert_eq!(resp.status(), 200);
     assert_eq!(up.applied()[0].body.len(), 8 * 1024 * 1024);
     // 32 MiB down, larger than the request limit: responses are not limited.
@@ -118,16 +119,7 @@ async fn oversized_bodies_are_413() {
     let resp = app.put("/docs/a", Some("1"), &"x".repeat(1001)).await;
     problem(resp, 413).await;
     // Chunked and too large: cut off on the bytes actually read.
-    let chunks: Vec<Result<Vec<u8>, std::io::Error>> = (0..4).map(|_| Ok(vec![1u8; 600])).collect();
-    let resp = fenced_put(
-        &app.http,
-        app.url("/docs/b"),
-        "1",
-        reqwest::Body::wrap_stream(futures_util::stream::iter(chunks)),
-    )
-    .send()
-    .await
-    .unwrap();
+    let resp = put_chunked(&app, "/docs/b", 4, vec![1u8; 600]).await;
     problem(resp, 413).await;
     assert!(up.applied().is_empty(), "no oversized write was applied");
     // At the limit is fine.

@@ -5,9 +5,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use crate::support::app::{docs_route, problem, TestApp};
-use crate::support::db::{Backend, TestStore};
-use crate::support::pki::{Ca, HttpsUpstream};
+use crate::support::app::{content_type, docs_route, problem, TestApp};
+use crate::support::db::{Backend, PgHolder, TestStore};
+use crate::support::pki::HttpsUpstream;
 use crate::support::process::GatewayProcess;
 use crate::support::upstream::Upstream;
 
@@ -228,8 +228,7 @@ async fn keys_are_forgotten_after_their_ttl() {
         store.url,
         idem_route(&up.url(), "idempotency_ttl_s = 1\ntimeout_ms = 500\n")
     );
-    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-    let app = TestApp::from_config(config).await.unwrap();
+    let app = TestApp::from_text(&text).await;
     let started = tokio::time::Instant::now();
     assert_eq!(
         keyed(&app, "/docs/t", "1", Some("k"), "A", &[])
@@ -263,8 +262,7 @@ async fn one_of_concurrent_duplicates_across_instances_is_forwarded() {
             store.url,
             idem_route(&up.url(), "")
         );
-        let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-        apps.push(Arc::new(TestApp::from_config(config).await.unwrap()));
+        apps.push(Arc::new(TestApp::from_text(&text).await));
     }
     let mut tasks = Vec::new();
     for i in 0..10 {
@@ -281,12 +279,7 @@ async fn one_of_concurrent_duplicates_across_instances_is_forwarded() {
             .await;
             let status = resp.status().as_u16();
             let replayed = resp.headers().contains_key("idempotent-replayed");
-            let kind = resp
-                .headers()
-                .get("content-type")
-                .and_then(|v| v.to_str().ok())
-                .unwrap_or("")
-                .to_string();
+            let kind = content_type(&resp);
             let text = resp.text().await.unwrap_or_default();
             (status, replayed, kind, text)
         }));
@@ -386,9 +379,7 @@ async fn a_crash_mid_forward_is_never_forwarded_twice() {
 #[tokio::test]
 async fn idempotent_writes_to_an_https_upstream() {
     let store = TestStore::new(Backend::Sqlite).await;
-    let ca = Ca::new("api CA");
-    let ca_file = ca.write("ca.pem", &ca.pem());
-    let api = HttpsUpstream::start(&ca.server("api")).await;
+    let (api, _ca, ca_file) = HttpsUpstream::with_new_ca("api CA", "api").await;
     let route = format!(
         "{}upstream_ca_file = \"{}\"\n",
         idem_route(&format!("https://{}", api.addr), ""),
@@ -531,7 +522,7 @@ async fn a_short_ttl_never_forwards_a_write_twice() {
 #[tokio::test]
 async fn a_502_after_sending_is_never_forwarded_twice() {
     use crate::support::raw_upstream::{RawUpstream, BEHAVIOUR_HEADER};
-    use tokio::io::AsyncReadExt;
+    use crate::support::read_one_request;
 
     // Reads one request (head and Content-Length body), counts it, then
     // resets the connection (RST) without a byte of answer.
@@ -543,29 +534,8 @@ async fn a_502_after_sending_is_never_forwarded_twice() {
         while let Ok((mut tcp, _)) = listener.accept().await {
             let count = count.clone();
             tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                loop {
-                    let Ok(n) = tcp.read(&mut chunk).await else {
-                        return;
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    buf.extend_from_slice(&chunk[..n]);
-                    let mut headers = [httparse::EMPTY_HEADER; 32];
-                    let mut req = httparse::Request::new(&mut headers);
-                    if let Ok(httparse::Status::Complete(head)) = req.parse(&buf) {
-                        let len: usize = req
-                            .headers
-                            .iter()
-                            .find(|h| h.name.eq_ignore_ascii_case("content-length"))
-                            .and_then(|h| std::str::from_utf8(h.value).ok()?.parse().ok())
-                            .unwrap_or(0);
-                        if buf.len() >= head + len {
-                            break;
-                        }
-                    }
+                if read_one_request(&mut tcp).await.is_none() {
+                    return;
                 }
                 count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                 let _ = tcp.set_zero_linger();
@@ -763,8 +733,7 @@ async fn purging_gateway(store: &TestStore, mode: &str, upstream: &str) -> TestA
         store.url,
         idem_route(upstream, "")
     );
-    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-    TestApp::from_config(config).await.unwrap()
+    TestApp::from_text(&text).await
 }
 
 /// A running gateway purges expired records by itself, more than one
@@ -812,7 +781,6 @@ async fn a_running_gateway_purges_expired_records() {
 /// row goes; the locked ones go once it ends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instances_purging_at_once_skip_locked_rows() {
-    use sqlx::Connection;
     let store = TestStore::new(Backend::Postgres).await;
     let up = Upstream::start().await;
     let a = purging_gateway(&store, "shared", &up.url()).await;
@@ -822,12 +790,11 @@ async fn instances_purging_at_once_skip_locked_rows() {
     // 100 ms), and expired while locked; written first, they come first in
     // the batches. Then a few batches' worth of expired rows.
     db.plant("held-", 20, "done", b"x", 2, 2).await;
-    let mut holder = sqlx::PgConnection::connect(&store.url).await.unwrap();
-    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
-    sqlx::query("SELECT 1 FROM idempotency WHERE idem_key LIKE 'held-%' FOR UPDATE")
-        .execute(&mut holder)
-        .await
-        .unwrap();
+    let holder = PgHolder::begin(
+        &store.url,
+        "SELECT 1 FROM idempotency WHERE idem_key LIKE 'held-%' FOR UPDATE",
+    )
+    .await;
     db.plant("live-", 20, "unknown", b"x", -3600, 3600).await;
     tokio::time::sleep(Duration::from_millis(2300)).await;
     db.plant(
@@ -849,7 +816,7 @@ async fn instances_purging_at_once_skip_locked_rows() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(db.count("held-").await, 20, "locked rows are skipped");
-    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+    holder.commit().await;
     while db.count("held-").await > 0 {
         assert!(
             tokio::time::Instant::now() < deadline,
@@ -1026,8 +993,7 @@ async fn short_lived(store: &TestStore, mode: &str, upstream: &str) -> TestApp {
         store.url,
         idem_route(upstream, "idempotency_ttl_s = 1\ntimeout_ms = 500\n")
     );
-    let config = fencegate::config::Config::from_toml("t.toml", &text, Vec::new()).unwrap();
-    TestApp::from_config(config).await.unwrap()
+    TestApp::from_text(&text).await
 }
 
 /// Completed records are answered from memory: with every record gone from
@@ -1236,16 +1202,10 @@ async fn batched_records_admit_one_first_use_per_key() {
 /// late, and a duplicate after that replays it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn batches_that_commit_late_never_forward_twice() {
-    use sqlx::Connection;
     let store = TestStore::new(Backend::Postgres).await;
     let up = Upstream::start().await;
     let app = Arc::new(short_lived(&store, "single", &up.url()).await);
-    let mut holder = sqlx::PgConnection::connect(&store.url).await.unwrap();
-    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
-    sqlx::query("LOCK TABLE idempotency IN EXCLUSIVE MODE")
-        .execute(&mut holder)
-        .await
-        .unwrap();
+    let holder = PgHolder::begin(&store.url, "LOCK TABLE idempotency IN EXCLUSIVE MODE").await;
     let held = tokio::time::Instant::now();
     let body = problem(
         keyed(&app, "/docs/late", "1", Some("late-begin"), "A", &[]).await,
@@ -1257,7 +1217,7 @@ async fn batches_that_commit_late_never_forward_twice() {
     // Released before the server's statement timeout (2 x 500 ms): the
     // insert commits after the gateway gave up on it.
     tokio::time::sleep_until(held + Duration::from_millis(800)).await;
-    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+    holder.commit().await;
     let mut seen = Vec::new();
     for _ in 0..10 {
         let resp = keyed(&app, "/docs/late", "1", Some("late-begin"), "A", &[]).await;
@@ -1287,11 +1247,7 @@ async fn batches_that_commit_late_never_forward_twice() {
             .any(|r| r.header("idempotency-key") == Some("late-answer"))
     })
     .await;
-    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
-    sqlx::query("LOCK TABLE idempotency IN EXCLUSIVE MODE")
-        .execute(&mut holder)
-        .await
-        .unwrap();
+    let holder = PgHolder::begin(&store.url, "LOCK TABLE idempotency IN EXCLUSIVE MODE").await;
     let held = tokio::time::Instant::now();
     let answered = first.await.unwrap();
     assert_eq!(answered.status(), 200, "the answer is the truth: given");
@@ -1300,7 +1256,7 @@ async fn batches_that_commit_late_never_forward_twice() {
         "answered before the store"
     );
     tokio::time::sleep_until(held + Duration::from_millis(800)).await;
-    sqlx::query("COMMIT").execute(&mut holder).await.unwrap();
+    holder.commit().await;
     let replay = keyed(&app, "/docs/late", "1", Some("late-answer"), "A", &[]).await;
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     let forwarded = up

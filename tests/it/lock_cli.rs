@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 
 use crate::support::app::{docs_route, TestApp};
-use crate::support::cli::{cli, closed_port, process_exists, process_running, CannedServer, Cli};
+use crate::support::cli::{
+    cli, closed_port, process_exists, process_running, CannedServer, Cli, Done,
+};
 use crate::support::db::{Backend, TestStore};
 use crate::support::pki::{self, Ca};
 use crate::support::upstream::Upstream;
@@ -44,6 +46,14 @@ impl Setup {
     async fn status(&self, name: &str) -> Value {
         self.app.lock_status(name).await
     }
+}
+
+/// `fencegate lock run NAME --gateway GATEWAY REST` to its end, without
+/// extra environment: REST holds the options, `--` and the command.
+async fn lock_run(gateway: &str, name: &str, rest: &[&str]) -> Done {
+    let mut args = vec!["lock", "run", name, "--gateway", gateway];
+    args.extend_from_slice(rest);
+    cli(&args, &[]).await
 }
 
 /// One holder runs; a second gives up after its wait (75) without running
@@ -221,11 +231,7 @@ async fn signals_are_passed_on_and_the_exit_code_is_the_commands() {
 async fn each_exit_code() {
     let s = Setup::new(Backend::Postgres, "").await;
     let gateway = s.gateway();
-    let done = cli(
-        &["lock", "run", "x:ok", "--gateway", &gateway, "--", "true"],
-        &[],
-    )
-    .await;
+    let done = lock_run(&gateway, "x:ok", &["--", "true"]).await;
     assert_eq!(done.code, 0, "{done:?}");
     let done = cli(
         &["lock", "run", "x:3", "--", "bash", "-c", "exit 3"],
@@ -234,53 +240,19 @@ async fn each_exit_code() {
     .await;
     assert_eq!(done.code, 3, "{done:?}");
     assert_eq!(s.status("x:3").await["held"], false, "released after");
-    let done = cli(
-        &[
-            "lock",
-            "run",
-            "x:missing",
-            "--gateway",
-            &gateway,
-            "--",
-            "/nonexistent/command",
-        ],
-        &[],
-    )
-    .await;
+    let done = lock_run(&gateway, "x:missing", &["--", "/nonexistent/command"]).await;
     assert_eq!(done.code, 127, "{done:?}");
     assert_eq!(s.status("x:missing").await["held"], false);
-    let done = cli(
-        &[
-            "lock",
-            "run",
-            "x:ttl",
-            "--gateway",
-            &gateway,
-            "--ttl-ms",
-            "5",
-            "--",
-            "true",
-        ],
-        &[],
-    )
-    .await;
+    let done = lock_run(&gateway, "x:ttl", &["--ttl-ms", "5", "--", "true"]).await;
     assert_eq!(done.code, 64, "{done:?}");
     assert!(done.stderr.contains("ttl_ms"), "{done:?}");
 
     let nowhere = format!("http://127.0.0.1:{}", closed_port());
-    let done = cli(
-        &["lock", "run", "x", "--gateway", &nowhere, "--", "true"],
-        &[],
-    )
-    .await;
+    let done = lock_run(&nowhere, "x", &["--", "true"]).await;
     assert_eq!(done.code, 69, "{done:?}");
 
     let canned = CannedServer::start(|auth| if auth.is_some() { 403 } else { 401 }).await;
-    let done = cli(
-        &["lock", "run", "x", "--gateway", &canned.url(), "--", "true"],
-        &[],
-    )
-    .await;
+    let done = lock_run(&canned.url(), "x", &["--", "true"]).await;
     assert_eq!(done.code, 77, "{done:?}");
     assert!(done.stderr.contains("not authenticated"), "{done:?}");
     let done = cli(
@@ -387,17 +359,10 @@ async fn a_command_that_cannot_run_and_a_signal_while_waiting() {
     let dir = tempfile::tempdir().unwrap();
     let not_executable = dir.path().join("job.sh");
     std::fs::write(&not_executable, "#!/bin/sh\necho ran\n").unwrap();
-    let done = cli(
-        &[
-            "lock",
-            "run",
-            "code:126",
-            "--gateway",
-            &gateway,
-            "--",
-            not_executable.to_str().unwrap(),
-        ],
-        &[],
+    let done = lock_run(
+        &gateway,
+        "code:126",
+        &["--", not_executable.to_str().unwrap()],
     )
     .await;
     assert_eq!(done.code, 126, "{done:?}");
@@ -654,13 +619,10 @@ async fn https_with_a_ca_of_its_own() {
     let gateway = format!("https://127.0.0.1:{}", app.addr.port());
     let ca_path = ca_file.to_str().unwrap();
 
-    let done = cli(
+    let done = lock_run(
+        &gateway,
+        "tls:a",
         &[
-            "lock",
-            "run",
-            "tls:a",
-            "--gateway",
-            &gateway,
             "--cacert",
             ca_path,
             "--",
@@ -668,7 +630,6 @@ async fn https_with_a_ca_of_its_own() {
             "-c",
             "echo fence=$FENCEGATE_FENCE",
         ],
-        &[],
     )
     .await;
     assert_eq!(done.code, 0, "{done:?}");

@@ -13,7 +13,7 @@ use std::path::Path;
 
 use serde_json::{json, Value};
 
-use crate::support::app::{docs_route, route, TestApp};
+use crate::support::app::{content_type, docs_route, route, TestApp};
 use crate::support::db::{Backend, TestStore};
 use crate::support::upstream::Upstream;
 use crate::trust::auth_section;
@@ -178,12 +178,7 @@ impl Api<'_> {
                 "{what}: no {header} header"
             );
         }
-        let content_type = resp
-            .headers()
-            .get("content-type")
-            .and_then(|v| v.to_str().ok())
-            .unwrap_or_default()
-            .to_string();
+        let content_type = content_type(&resp);
         let text = resp.text().await.expect("a body");
         let Some(content) = answer["content"].as_object() else {
             assert!(

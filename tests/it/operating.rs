@@ -17,6 +17,23 @@ fn config(store: &TestStore, extra: &str) -> String {
     config_sections("", &store.url, "", extra)
 }
 
+/// Rewrites `gw`'s config file to `text`, sends SIGHUP, and waits until
+/// the log says `outcome` (reloaded, or why not).
+async fn reload(gw: &GatewayProcess, text: &str, outcome: &str) {
+    gw.rewrite_config(text);
+    gw.signal(libc::SIGHUP);
+    wait_for_log(gw, outcome).await;
+}
+
+/// A fenced write (token 1) on `path` through `gw`: its status.
+async fn put_status(gw: &GatewayProcess, path: &str, body: &'static str) -> u16 {
+    let resp = fenced_put(&reqwest::Client::new(), gw.url(path), "1", body)
+        .send()
+        .await
+        .unwrap();
+    resp.status().as_u16()
+}
+
 async fn wait_for_log(gw: &GatewayProcess, needle: &str) {
     for _ in 0..100 {
         if gw.log().contains(needle) {
@@ -131,15 +148,12 @@ async fn sighup_changes_routes_under_load_without_a_failed_request() {
         docs_route(&up.url()),
         route("more", "/more/{id}", &up.url(), "more:{id}")
     );
-    gw.rewrite_config(&config(&store, &more));
-    gw.signal(libc::SIGHUP);
-    wait_for_log(&gw, "config reloaded").await;
-    let http = reqwest::Client::new();
-    let resp = fenced_put(&http, gw.url("/more/x"), "1", "x")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 200, "the new route serves");
+    reload(&gw, &config(&store, &more), "config reloaded").await;
+    assert_eq!(
+        put_status(&gw, "/more/x", "x").await,
+        200,
+        "the new route serves"
+    );
     tokio::time::sleep(Duration::from_millis(300)).await;
     stop.store(true, Ordering::Relaxed);
     for t in load {
@@ -170,9 +184,7 @@ async fn a_bad_reload_keeps_serving() {
         "{}[[routes]]\nname = \"docs\"\npath = \"nope\"\nupstream = \"ftp://x\"\nkey = \"k\"\n",
         docs_route(&up.url())
     );
-    gw.rewrite_config(&config(&store, &bad));
-    gw.signal(libc::SIGHUP);
-    wait_for_log(&gw, "config not reloaded").await;
+    reload(&gw, &config(&store, &bad), "config not reloaded").await;
     let log = gw.log();
     for problem in [
         "duplicate route name",
@@ -188,20 +200,16 @@ async fn a_bad_reload_keeps_serving() {
         docs_route(&up.url()),
         route("more", "/more/{id}", &up.url(), "more:{id}")
     );
-    gw.rewrite_config(&moved);
-    gw.signal(libc::SIGHUP);
-    wait_for_log(&gw, "server.listen: changed, and only a restart applies it").await;
-    let http = reqwest::Client::new();
-    let put = fenced_put(&http, gw.url("/docs/a"), "1", "x")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(put.status(), 200, "the old config keeps serving");
-    let more = fenced_put(&http, gw.url("/more/a"), "1", "")
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(more.status(), 404, "nothing of a refused reload applies");
+    reload(
+        &gw,
+        &moved,
+        "server.listen: changed, and only a restart applies it",
+    )
+    .await;
+    let put = put_status(&gw, "/docs/a", "x").await;
+    assert_eq!(put, 200, "the old config keeps serving");
+    let more = put_status(&gw, "/more/a", "").await;
+    assert_eq!(more, 404, "nothing of a refused reload applies");
     let metrics = gw.metrics().await;
     assert!(
         metrics.contains("fencegate_config_reloads_total{result=\"error\"} 2"),

@@ -20,7 +20,7 @@ use crate::support::app::{docs_route, TestApp};
 use crate::support::db::{Backend, TestStore};
 use crate::support::fenced_put;
 use crate::support::per_store;
-use crate::support::upstream::{Upstream, UpstreamOptions};
+use crate::support::upstream::Upstream;
 
 per_store!(#[tokio::test(flavor = "multi_thread", worker_threads = 4)] lock_holders_never_overlap => lock_holders_never_overlap_sqlite, lock_holders_never_overlap_postgres);
 
@@ -33,10 +33,7 @@ async fn lock_holders_never_overlap(b: Backend) {
     const ROUNDS: usize = 12;
     const DOCS: usize = 3;
     let store = TestStore::new(b).await;
-    let up = Upstream::start_with(UpstreamOptions {
-        write_delay_ms: (0, 8),
-    })
-    .await;
+    let up = Upstream::with_write_delays(0, 8).await;
     let app = Arc::new(TestApp::spawn(&store.url, &docs_route(&up.url())).await);
     let counters: Arc<Vec<AtomicI64>> = Arc::new((0..DOCS).map(|_| AtomicI64::new(0)).collect());
     // body → token, for every write the gateway acknowledged with 200.

@@ -63,8 +63,7 @@ async fn postgres_outage_fails_closed_and_recovers() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
-    let body = problem(app.put("/docs/a", Some("11"), "stale").await, 409).await;
-    assert_eq!(body["highest_token"], 12);
+    app.assert_stale("/docs/a", "11", "stale", 12).await;
     let ready = app.admin_get("/readyz").await;
     assert_eq!(ready.status(), 200);
 }

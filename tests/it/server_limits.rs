@@ -7,7 +7,6 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::support::app::{config_sections, config_text, docs_route, TestApp};
 use crate::support::db::{Backend, TestStore};
-use crate::support::fenced_put;
 use crate::support::process::GatewayProcess;
 use crate::support::upstream::Upstream;
 
@@ -74,20 +73,7 @@ async fn sigterm_lets_in_flight_writes_finish_and_exits_0() {
     let store = TestStore::new(Backend::Sqlite).await;
     let up = Upstream::start().await;
     let mut gw = GatewayProcess::start(&config_text(&store.url, &docs_route(&up.url())));
-    let url = gw.url("/docs/s");
-    let slow = tokio::spawn(async move {
-        fenced_put(&reqwest::Client::new(), url, "1", "slow")
-            .header("x-test-delay-ms", "700")
-            .send()
-            .await
-            .map(|r| r.status())
-    });
-    for _ in 0..200 {
-        if up.in_flight() == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    let slow = up.held_write(gw.url("/docs/s"), "1", "slow", 700).await;
     gw.signal(libc::SIGTERM);
     let status = slow.await.unwrap().expect("in-flight write answered");
     assert_eq!(status, 200);

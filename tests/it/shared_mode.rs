@@ -5,7 +5,7 @@ use crate::support::app::{config_sections, docs_route, problem, TestApp, SHARED_
 use crate::support::db::{Backend, TestStore};
 use crate::support::fenced_put;
 use crate::support::holders::{self, Workload};
-use crate::support::upstream::{Upstream, UpstreamOptions};
+use crate::support::upstream::Upstream;
 
 async fn gateways(store: &TestStore, up: &Upstream, n: usize) -> Vec<TestApp> {
     gateways_with(store, up, n, "").await
@@ -30,10 +30,7 @@ async fn gateways_with(
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn three_gateways_keep_per_key_order() {
     let store = TestStore::new(Backend::Postgres).await;
-    let up = Upstream::start_with(UpstreamOptions {
-        write_delay_ms: (0, 8),
-    })
-    .await;
+    let up = Upstream::with_write_delays(0, 8).await;
     let apps = gateways(&store, &up, 3).await;
     let targets = apps.iter().map(|a| a.url("")).collect::<Vec<_>>();
     let out = holders::run_fixed(
@@ -62,8 +59,7 @@ async fn shared_instances_see_each_others_tokens() {
     let up = Upstream::start().await;
     let apps = gateways(&store, &up, 2).await;
     assert_eq!(apps[0].put("/docs/a", Some("34"), "B").await.status(), 200);
-    let body = problem(apps[1].put("/docs/a", Some("33"), "A").await, 409).await;
-    assert_eq!(body["highest_token"], 34);
+    apps[1].assert_stale("/docs/a", "33", "A", 34).await;
     assert_eq!(apps[1].put("/docs/a", Some("34"), "B2").await.status(), 200);
     assert_eq!(apps[1].put("/docs/a", Some("35"), "C").await.status(), 200);
     problem(apps[0].put("/docs/a", Some("34"), "B3").await, 409).await;
@@ -79,17 +75,33 @@ async fn hold_key(app: &TestApp, path: &str) -> tokio::task::JoinHandle<reqwest:
     task
 }
 
+/// Two instances on a Postgres store with `key_lock_wait_ms = wait_ms`,
+/// the first holding `path`'s key for a slow token 5 (see [`hold_key`]).
+async fn held_by_the_first(
+    path: &str,
+    wait_ms: u64,
+) -> (
+    TestStore,
+    Upstream,
+    Vec<TestApp>,
+    tokio::task::JoinHandle<reqwest::Result<u16>>,
+) {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let wait = format!("key_lock_wait_ms = {wait_ms}");
+    let apps = gateways_with(&store, &up, 2, &wait).await;
+    let slow = hold_key(&apps[0], path).await;
+    (store, up, apps, slow)
+}
+
 /// A client that gives up while its write waits inside `fencegate_enter`
 /// (another instance holds the key for an older token): its write is never
 /// started, and the key's cross-instance lock is not leaked — a newer token
 /// gets through at once instead of waiting out `key_lock_wait_ms`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_gone_while_waiting_in_postgres_leaks_no_lock() {
-    let store = TestStore::new(Backend::Postgres).await;
-    let up = Upstream::start().await;
-    let apps = gateways_with(&store, &up, 2, "key_lock_wait_ms = 3000").await;
     // Instance 0 forwards token 5 slowly, holding the key.
-    let slow = hold_key(&apps[0], "/docs/w").await;
+    let (_store, up, apps, slow) = held_by_the_first("/docs/w", 3000).await;
     // Token 6 on instance 1 waits for it inside Postgres; its client gives up.
     let gave_up = fenced_put(&apps[1].http, apps[1].url("/docs/w"), "6", "six")
         .timeout(std::time::Duration::from_millis(300))
@@ -122,10 +134,7 @@ async fn client_gone_while_waiting_in_postgres_leaks_no_lock() {
 /// is closed rather than pooled, and later writes on the key go through.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lock_wait_past_key_lock_wait_is_503_and_leaves_nothing_behind() {
-    let store = TestStore::new(Backend::Postgres).await;
-    let up = Upstream::start().await;
-    let apps = gateways_with(&store, &up, 2, "key_lock_wait_ms = 300").await;
-    let slow = hold_key(&apps[0], "/docs/t").await;
+    let (_store, up, apps, slow) = held_by_the_first("/docs/t", 300).await;
     let resp = apps[1].put("/docs/t", Some("6"), "six").await;
     assert!(resp.headers().contains_key("retry-after"), "{resp:?}");
     // Postgres's lock_timeout: the gateway's own bound on the statement

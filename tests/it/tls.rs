@@ -4,7 +4,7 @@
 
 use std::time::Duration;
 
-use crate::support::app::{config_sections, docs_route, TestApp};
+use crate::support::app::{config_error, config_sections, docs_route, TestApp};
 use crate::support::db::{Backend, TestStore};
 use crate::support::fenced_put;
 use crate::support::pki::{self, Ca};
@@ -198,9 +198,7 @@ async fn unusable_tls_files_are_config_problems() {
             "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}",
             pki::tls_section(&cert, &key, None)
         );
-        let err = fencegate::config::Config::from_toml("t.toml", &text, Vec::new())
-            .unwrap_err()
-            .to_string();
+        let err = config_error(&text);
         assert!(
             err.contains("server.tls") && err.contains(why),
             "{why}: {err}"
@@ -210,9 +208,7 @@ async fn unusable_tls_files_are_config_problems() {
         "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{}client_auth = \"required\"\n",
         pki::tls_section(&cert, &key, None)
     );
-    let err = fencegate::config::Config::from_toml("t.toml", &text, Vec::new())
-        .unwrap_err()
-        .to_string();
+    let err = config_error(&text);
     assert!(err.contains("server.tls.client_auth"), "{err}");
 }
 

@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use sha2::Digest;
 
-use crate::support::app::{config_sections, docs_route, problem, route, TestApp, SHARED_STORE};
+use crate::support::app::{
+    assert_detail_says, config_sections, docs_route, problem, route, TestApp, SHARED_STORE,
+};
 use crate::support::db::{Backend, TestStore};
 use crate::support::redis::{require_shared_redis, PrivateRedis};
 use crate::support::upstream::Upstream;
@@ -34,6 +36,22 @@ pub(crate) fn auth_section() -> String {
 async fn read(app: &TestApp, path: &str) -> Value {
     let resp = call(app, "GET", path, None, None).await;
     resp.json().await.expect("a JSON answer")
+}
+
+/// An admin reset of `key`'s highest token to `to` by the client `ops`.
+async fn ops_reset(app: &TestApp, key: &str, to: i64, reason: &str) -> reqwest::Response {
+    let body = json!({"highest_token": to, "reason": reason});
+    let path = format!("/fences/{key}/reset");
+    call(app, "POST", &path, Some("key-ops"), Some(body)).await
+}
+
+/// Listing `listing` with a `limit` out of bounds (0, 5000), or with any
+/// of `more` as its query, is 400.
+async fn bad_queries_are_400(app: &TestApp, listing: &str, more: &[&str]) {
+    for query in ["limit=0", "limit=5000"].iter().chain(more) {
+        let path = format!("{listing}?{query}");
+        problem(call(app, "GET", &path, None, None).await, 400).await;
+    }
 }
 
 async fn call(
@@ -131,10 +149,7 @@ async fn the_lock_api_needs_a_known_client_within_its_globs() {
             403,
         )
         .await;
-        assert!(other["detail"]
-            .as_str()
-            .unwrap()
-            .contains("not acquired by client 'ops'"));
+        assert_detail_says(&other, "not acquired by client 'ops'");
         // billing on a name outside its globs: 403 before any lease is
         // looked at.
         let outside = format!("/_fencegate/locks/ops:deploy/{action}");
@@ -194,18 +209,7 @@ async fn admin_actions_need_an_admin_key() {
             problem(call(&app, "POST", path, key, body.clone()).await, code).await;
         }
     }
-    assert_eq!(
-        call(
-            &app,
-            "POST",
-            "/fences/doc:1/reset",
-            Some("key-ops"),
-            Some(reset.clone())
-        )
-        .await
-        .status(),
-        200
-    );
+    assert_eq!(ops_reset(&app, "doc:1", 3, "test").await.status(), 200);
     let no_admin = format!(
         "[[auth.clients]]\nname = \"billing\"\napi_key_sha256 = \"{}\"\nlocks = [\"*\"]\n",
         sha("key-billing")
@@ -223,10 +227,7 @@ async fn admin_actions_need_an_admin_key() {
         403,
     )
     .await;
-    assert!(body["detail"]
-        .as_str()
-        .unwrap()
-        .contains("admin actions are disabled"));
+    assert_detail_says(&body, "admin actions are disabled");
     // Reads stay open.
     assert_eq!(call(&app, "GET", "/fences", None, None).await.status(), 200);
 }
@@ -320,14 +321,7 @@ async fn poisoned_key_is_recovered_by_a_reset(locks: &str, backend: Backend) {
         "{locks}: {body}"
     );
 
-    let resp = call(
-        &app,
-        "POST",
-        "/fences/doc:victim/reset",
-        Some("key-ops"),
-        Some(json!({"highest_token": 5, "reason": "forged token from a test"})),
-    )
-    .await;
+    let resp = ops_reset(&app, "doc:victim", 5, "forged token from a test").await;
     assert_eq!(resp.status(), 200);
     let record: Value = resp.json().await.unwrap();
     assert_eq!(record["highest_token"], 5);
@@ -433,14 +427,7 @@ async fn a_reset_reaches_every_shared_instance_within_a_second() {
     // Instance 1 learns the forged token (and caches it).
     problem(apps[1].put("/docs/x", Some("3"), "a").await, 409).await;
     problem(apps[1].put("/docs/x", Some("3"), "b").await, 409).await;
-    let reset = call(
-        &apps[0],
-        "POST",
-        "/fences/doc:x/reset",
-        Some("key-ops"),
-        Some(json!({"highest_token": 2, "reason": "test"})),
-    )
-    .await;
+    let reset = ops_reset(&apps[0], "doc:x", 2, "test").await;
     assert_eq!(reset.status(), 200);
     accepted_within_a_second(&apps[1], "/docs/x", Instant::now()).await;
     let bodies: Vec<_> = up.applied().iter().map(|a| a.body.clone()).collect();
@@ -456,7 +443,7 @@ async fn a_reset_reaches_every_shared_instance_within_a_second() {
 /// it rather than commit a higher id first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reset_that_commits_after_a_later_one_still_reaches_every_instance() {
-    use sqlx::{Connection, PgConnection};
+    use crate::support::db::PgHolder;
     let store = TestStore::new(Backend::Postgres).await;
     let up = Upstream::start().await;
     let apps = shared_pair(&store, &up).await;
@@ -465,19 +452,16 @@ async fn a_reset_that_commits_after_a_later_one_still_reaches_every_instance() {
         problem(apps[1].put(key, Some("3"), "a").await, 409).await;
     }
 
-    let mut slow = PgConnection::connect(&store.url).await.unwrap();
-    sqlx::query("BEGIN").execute(&mut slow).await.unwrap();
-    sqlx::query("UPDATE fences SET highest_token = 2 WHERE resource_key = 'doc:y'")
-        .execute(&mut slow)
-        .await
-        .unwrap();
-    sqlx::query(
+    let mut slow = PgHolder::begin(
+        &store.url,
+        "UPDATE fences SET highest_token = 2 WHERE resource_key = 'doc:y'",
+    )
+    .await;
+    slow.run(
         "INSERT INTO fence_resets (resource_key, by_client, reason, from_token, to_token) \
          VALUES ('doc:y', 'ops', 'slow', 9223372036854775807, 2)",
     )
-    .execute(&mut slow)
-    .await
-    .unwrap();
+    .await;
 
     let admin = apps[0].admin_url("/fences/doc:z/reset");
     let http = apps[0].http.clone();
@@ -491,7 +475,7 @@ async fn a_reset_that_commits_after_a_later_one_still_reaches_every_instance() {
     });
     // Several watcher polls while the first reset is still open.
     tokio::time::sleep(Duration::from_millis(800)).await;
-    sqlx::query("COMMIT").execute(&mut slow).await.unwrap();
+    slow.commit().await;
     let committed = Instant::now();
     assert_eq!(later.await.unwrap().unwrap(), 200);
     accepted_within_a_second(&apps[1], "/docs/y", committed).await;
@@ -623,14 +607,7 @@ async fn listings_page_through_more_keys_than_one_page() {
         }
         assert_eq!(pages, 3);
         assert_eq!(got, want, "{backend:?}: every key once, in order");
-        for bad in [
-            "/fences?limit=0",
-            "/fences?limit=5000",
-            "/fences?limit=x",
-            "/fences?colour=red",
-        ] {
-            problem(call(&app, "GET", bad, None, None).await, 400).await;
-        }
+        bad_queries_are_400(&app, "/fences", &["limit=x", "colour=red"]).await;
         // Locks: names a fence was issued for, with their status.
         for n in ["lk:a", "lk:b", "lk:c"] {
             assert_eq!(acquire(&app, n, None).await.status(), 201);
@@ -694,14 +671,7 @@ async fn lock_listings_on_redis_and_redlock_and_their_bad_parameters() {
         let rest: Value = read(&app, &format!("/locks?prefix={prefix}&after={next}")).await;
         assert_eq!(rest["locks"][0]["name"], format!("{prefix}c"), "{locks}");
         assert_eq!(rest["next"], Value::Null);
-        for bad in [
-            "/locks?limit=0",
-            "/locks?limit=5000",
-            "/locks?limit=-1",
-            "/locks?owner=me",
-        ] {
-            problem(call(&app, "GET", bad, None, None).await, 400).await;
-        }
+        bad_queries_are_400(&app, "/locks", &["limit=-1", "owner=me"]).await;
     }
 }
 

@@ -7,10 +7,10 @@
 
 use std::time::{Duration, Instant};
 
-use sqlx::{Connection, PgConnection, SqliteConnection};
+use sqlx::{Connection, PgConnection};
 
 use crate::support::app::{config_sections, docs_route, problem, TestApp, SHARED_STORE};
-use crate::support::db::{Backend, TestStore};
+use crate::support::db::{Backend, PgHolder, SqliteBlocker, TestStore};
 use crate::support::upstream::Upstream;
 
 /// A single-mode gateway with a short store timeout.
@@ -18,6 +18,18 @@ async fn gateway(store: &TestStore, up: &Upstream, store_timeout_ms: u64) -> Tes
     let store_lines = format!("timeout_ms = {store_timeout_ms}\n");
     let text = config_sections("", &store.url, &store_lines, &docs_route(&up.url()));
     TestApp::from_text(&text).await
+}
+
+/// A single-mode gateway (store timeout `store_timeout_ms`) on `backend`
+/// whose store and cache both hold token 5 for `doc:x`: the cache has
+/// answered a write of 5 already, so it could admit 5 again on its own.
+async fn cached_at_5(backend: Backend, store_timeout_ms: u64) -> (TestStore, Upstream, TestApp) {
+    let store = TestStore::new(backend).await;
+    let up = Upstream::start().await;
+    let app = gateway(&store, &up, store_timeout_ms).await;
+    assert_eq!(app.put("/docs/x", Some("5"), "five").await.status(), 200);
+    assert_eq!(app.put("/docs/x", Some("5"), "cached").await.status(), 200);
+    (store, up, app)
 }
 
 /// The highest token the store holds for `key`, through the admin API.
@@ -36,25 +48,20 @@ async fn recorded(app: &TestApp, key: &str) -> i64 {
 /// fix, the cache's equality fast path forwarded it with 200.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_timed_out_batch_that_commits_later_is_not_outrun_by_the_cache() {
-    let store = TestStore::new(Backend::Postgres).await;
-    let up = Upstream::start().await;
-    let app = gateway(&store, &up, 1000).await;
-    assert_eq!(app.put("/docs/x", Some("5"), "five").await.status(), 200);
-    assert_eq!(app.put("/docs/x", Some("5"), "cached").await.status(), 200);
+    let (store, up, app) = cached_at_5(Backend::Postgres, 1000).await;
 
-    let mut blocker = PgConnection::connect(&store.url).await.unwrap();
-    sqlx::query("BEGIN").execute(&mut blocker).await.unwrap();
-    sqlx::query("SELECT 1 FROM fences WHERE resource_key = 'doc:x' FOR UPDATE")
-        .execute(&mut blocker)
-        .await
-        .unwrap();
+    let blocker = PgHolder::begin(
+        &store.url,
+        "SELECT 1 FROM fences WHERE resource_key = 'doc:x' FOR UPDATE",
+    )
+    .await;
     let seven = app.put("/docs/x", Some("7"), "seven").await;
     problem(seven, 503).await;
     // The gateway gave up after 1 s; the statement is still waiting on the
     // row lock (statement_timeout is twice the store timeout) and commits
     // when it goes.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    sqlx::query("COMMIT").execute(&mut blocker).await.unwrap();
+    blocker.commit().await;
     let deadline = Instant::now() + Duration::from_secs(5);
     while recorded(&app, "doc:x").await != 7 {
         assert!(
@@ -64,8 +71,7 @@ async fn a_timed_out_batch_that_commits_later_is_not_outrun_by_the_cache() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 
-    let body = problem(app.put("/docs/x", Some("5"), "stale").await, 409).await;
-    assert_eq!(body["highest_token"], 7);
+    app.assert_stale("/docs/x", "5", "stale", 7).await;
     let bodies: Vec<_> = up.applied().iter().map(|a| a.body.clone()).collect();
     assert_eq!(
         bodies,
@@ -88,24 +94,16 @@ async fn a_timed_out_batch_that_commits_later_is_not_outrun_by_the_cache() {
 /// its cache after a timeout).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sqlite_batch_cut_off_mid_transaction_is_not_outrun_by_the_cache() {
-    let store = TestStore::new(Backend::Sqlite).await;
-    let up = Upstream::start().await;
-    let app = gateway(&store, &up, 800).await;
-    assert_eq!(app.put("/docs/x", Some("5"), "five").await.status(), 200);
-    assert_eq!(app.put("/docs/x", Some("5"), "cached").await.status(), 200);
+    let (store, up, app) = cached_at_5(Backend::Sqlite, 800).await;
 
-    let mut blocker = SqliteConnection::connect(&store.url).await.unwrap();
-    sqlx::query("BEGIN IMMEDIATE")
-        .execute(&mut blocker)
-        .await
-        .unwrap();
+    let mut blocker = SqliteBlocker::begin(&store.url, "IMMEDIATE").await;
     let late_commit = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_millis(1200)).await;
         sqlx::query("UPDATE fences SET highest_token = 7 WHERE resource_key = 'doc:x'")
-            .execute(&mut blocker)
+            .execute(blocker.conn())
             .await
             .unwrap();
-        sqlx::query("COMMIT").execute(&mut blocker).await.unwrap();
+        blocker.commit().await;
     });
     problem(app.put("/docs/x", Some("7"), "seven").await, 503).await;
     late_commit.await.unwrap();

@@ -8,12 +8,12 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rand::Rng;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::io::AsyncWriteExt;
 
-use crate::support::app::{config_sections, problem, route, TestApp};
+use crate::support::app::{config_error, config_sections, problem, route, TestApp};
 use crate::support::db::{Backend, TestStore};
-use crate::support::fenced_put;
 use crate::support::pki::{Ca, HttpsUpstream};
+use crate::support::{fenced_put, read_one_request};
 
 fn https_route(name: &str, addr: std::net::SocketAddr, ca: Option<&std::path::Path>) -> String {
     let mut r = route(
@@ -31,9 +31,7 @@ fn https_route(name: &str, addr: std::net::SocketAddr, ca: Option<&std::path::Pa
 #[tokio::test]
 async fn https_upstreams_are_verified_with_sni_and_hostname_checks() {
     let store = TestStore::new(Backend::Sqlite).await;
-    let ca = Ca::new("upstream CA");
-    let ca_file = ca.write("ca.pem", &ca.pem());
-    let good = HttpsUpstream::start(&ca.server("upstream")).await;
+    let (good, ca, ca_file) = HttpsUpstream::with_new_ca("upstream CA", "upstream").await;
     let misnamed = HttpsUpstream::start(&ca.issue_for("other", vec!["other.example".into()])).await;
     let routes = format!(
         "{}{}{}",
@@ -101,9 +99,7 @@ async fn upstream_tls_settings_are_checked_at_load() {
         }
         let text =
             format!("[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n{r}");
-        let err = fencegate::config::Config::from_toml("t.toml", &text, Vec::new())
-            .unwrap_err()
-            .to_string();
+        let err = config_error(&text);
         assert!(
             err.contains("routes[0].upstream") && err.contains(why),
             "{why}: {err}"
@@ -127,41 +123,15 @@ async fn closing_upstream() -> (std::net::SocketAddr, Arc<Mutex<HashMap<String, 
             };
             let log = log.clone();
             tokio::spawn(async move {
-                let mut buf = Vec::new();
-                let mut chunk = [0u8; 4096];
-                // One request per connection: read its head and body.
-                let (head_len, id, body_len) = loop {
-                    let Ok(n) = tcp.read(&mut chunk).await else {
-                        return;
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    buf.extend_from_slice(&chunk[..n]);
-                    let mut headers = [httparse::EMPTY_HEADER; 32];
-                    let mut req = httparse::Request::new(&mut headers);
-                    if let Ok(httparse::Status::Complete(len)) = req.parse(&buf) {
-                        let get = |name: &str| {
-                            req.headers
-                                .iter()
-                                .find(|h| h.name.eq_ignore_ascii_case(name))
-                                .map(|h| String::from_utf8_lossy(h.value).into_owned())
-                        };
-                        let body: usize = get("content-length")
-                            .and_then(|v| v.parse().ok())
-                            .unwrap_or(0);
-                        break (len, get("x-test-id").unwrap_or_default(), body);
-                    }
+                // One request per connection.
+                let Some(headers) = read_one_request(&mut tcp).await else {
+                    return;
                 };
-                while buf.len() < head_len + body_len {
-                    let Ok(n) = tcp.read(&mut chunk).await else {
-                        return;
-                    };
-                    if n == 0 {
-                        return;
-                    }
-                    buf.extend_from_slice(&chunk[..n]);
-                }
+                let id = headers
+                    .into_iter()
+                    .find(|(name, _)| name == "x-test-id")
+                    .map(|(_, v)| v)
+                    .unwrap_or_default();
                 *log.lock().unwrap().entry(id).or_default() += 1;
                 let _ = tcp
                     .write_all(
@@ -259,9 +229,7 @@ async fn a_request_is_never_sent_twice_when_pooled_connections_die() {
 #[tokio::test]
 async fn https_connections_are_kept_alive() {
     let store = TestStore::new(Backend::Sqlite).await;
-    let ca = Ca::new("upstream CA");
-    let ca_file = ca.write("ca.pem", &ca.pem());
-    let up = HttpsUpstream::start(&ca.server("upstream")).await;
+    let (up, _ca, ca_file) = HttpsUpstream::with_new_ca("upstream CA", "upstream").await;
     // One worker: every request of the test's one client connection is
     // served by the same upstream pool.
     let text = config_sections(

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use tokio::io::AsyncWriteExt;
 
 use crate::support::fenced_put;
-use crate::support::upstream::{pattern_bytes, Upstream, UpstreamOptions};
+use crate::support::upstream::{pattern_bytes, Upstream};
 
 fn client() -> reqwest::Client {
     reqwest::Client::builder()
@@ -275,10 +275,7 @@ async fn test_headers_steer_status_delay_and_streaming() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn many_concurrent_clients_with_random_delays() {
-    let up = Upstream::start_with(UpstreamOptions {
-        write_delay_ms: (1, 20),
-    })
-    .await;
+    let up = Upstream::with_write_delays(1, 20).await;
     let c = client();
     let mut tasks = Vec::new();
     for i in 0..50 {

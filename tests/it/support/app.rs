@@ -46,6 +46,14 @@ pub fn parse_config(text: &str) -> Config {
         .unwrap_or_else(|e| panic!("test config is invalid:\n{e}\n---\n{text}"))
 }
 
+/// Why a test's config text is refused; it must be invalid.
+pub fn config_error(text: &str) -> String {
+    match Config::from_toml("test.toml", text, Vec::new()) {
+        Ok(_) => panic!("test config was accepted:\n{text}"),
+        Err(e) => e.to_string(),
+    }
+}
+
 pub struct TestApp {
     pub addr: SocketAddr,
     pub admin: SocketAddr,
@@ -130,6 +138,16 @@ impl TestApp {
     }
 
     /// `GET /_fencegate/locks/{name}`: the status document (200 asserted).
+    /// A write of `token` on `path` that must be refused as stale: 409,
+    /// naming `highest` as the highest token recorded for its key.
+    pub async fn assert_stale(&self, path: &str, token: &str, body: &str, highest: i64) {
+        let answer = problem(self.put(path, Some(token), body).await, 409).await;
+        assert_eq!(
+            answer["highest_token"], highest,
+            "{token} on {path}: {answer}"
+        );
+    }
+
     pub async fn lock_status(&self, name: &str) -> serde_json::Value {
         let r = self
             .http
@@ -160,16 +178,26 @@ impl Drop for TestApp {
     }
 }
 
-/// Reads a problem+json answer, checking the content type and base fields.
-pub async fn problem(resp: reqwest::Response, status: u16) -> serde_json::Value {
-    assert_eq!(resp.status().as_u16(), status, "unexpected status");
-    let ct = resp
-        .headers()
+/// The answer's `Content-Type`, empty when it has none (or one that is not
+/// text): tests compare it whole, so an absent header reads as a mismatch.
+pub fn content_type(resp: &reqwest::Response) -> String {
+    resp.headers()
         .get("content-type")
         .and_then(|v| v.to_str().ok())
         .unwrap_or_default()
-        .to_string();
-    assert_eq!(ct, "application/problem+json");
+        .to_string()
+}
+
+/// `answer`'s `detail` (a problem's, or /readyz's) mentions `phrase`.
+pub fn assert_detail_says(answer: &serde_json::Value, phrase: &str) {
+    let detail = answer["detail"].as_str().unwrap_or_default();
+    assert!(detail.contains(phrase), "{answer}");
+}
+
+/// Reads a problem+json answer, checking the content type and base fields.
+pub async fn problem(resp: reqwest::Response, status: u16) -> serde_json::Value {
+    assert_eq!(resp.status().as_u16(), status, "unexpected status");
+    assert_eq!(content_type(&resp), "application/problem+json");
     let body: serde_json::Value = resp.json().await.expect("problem body is JSON");
     assert_eq!(body["status"], status);
     for field in ["type", "title", "detail"] {

@@ -120,6 +120,34 @@ impl Drop for TestStore {
     }
 }
 
+/// A transaction of another connection on a Postgres store that has run a
+/// statement (a row or table lock, a write) and holds what it took until
+/// [`commit`]: the gateway's statements on the same rows wait for it, and
+/// see its writes only then.
+///
+/// [`commit`]: PgHolder::commit
+pub struct PgHolder(PgConnection);
+
+impl PgHolder {
+    pub async fn begin(url: &str, statement: &str) -> Self {
+        let mut conn = PgConnection::connect(url).await.unwrap();
+        sqlx::query("BEGIN").execute(&mut conn).await.unwrap();
+        let mut holder = Self(conn);
+        holder.run(statement).await;
+        holder
+    }
+
+    /// Runs one more statement within the transaction.
+    pub async fn run(&mut self, statement: &str) {
+        sqlx::query(statement).execute(&mut self.0).await.unwrap();
+    }
+
+    /// Commits the transaction, and closes the connection.
+    pub async fn commit(mut self) {
+        sqlx::query("COMMIT").execute(&mut self.0).await.unwrap();
+    }
+}
+
 /// A transaction of another connection on a SQLite store, holding its write
 /// lock (`IMMEDIATE`) or all its locks (`EXCLUSIVE`) until [`release`]: the
 /// store is then as good as down for the gateway.

@@ -30,6 +30,34 @@ macro_rules! per_store {
 }
 pub(crate) use per_store;
 
+/// The accessors and `Debug` of a test server that keeps the address it
+/// listens on in its field `addr`: the recording upstreams all serve plain
+/// HTTP on one address, and a test names them by it.
+macro_rules! served_at_addr {
+    ($server:ident) => {
+        impl $server {
+            /// The address the server listens on.
+            pub fn addr(&self) -> std::net::SocketAddr {
+                self.addr
+            }
+
+            /// The base URL, `"http://127.0.0.1:PORT"` (no trailing slash).
+            pub fn url(&self) -> String {
+                format!("http://{}", self.addr)
+            }
+        }
+
+        impl std::fmt::Debug for $server {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.debug_struct(stringify!($server))
+                    .field("addr", &self.addr)
+                    .finish()
+            }
+        }
+    };
+}
+pub(crate) use served_at_addr;
+
 /// Sends raw bytes on a new connection and returns what came back first.
 pub async fn raw_request(addr: std::net::SocketAddr, raw: &str) -> String {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -38,6 +66,43 @@ pub async fn raw_request(addr: std::net::SocketAddr, raw: &str) -> String {
     let mut buf = vec![0u8; 8192];
     let n = s.read(&mut buf).await.unwrap_or(0);
     String::from_utf8_lossy(&buf[..n]).into_owned()
+}
+
+/// Reads one whole request off `tcp` (its head, and a body of its
+/// `Content-Length`), for the tests' hand-made upstreams, which must say
+/// exactly when a connection ends: its headers as (lowercase name, value),
+/// or `None` when the peer closed or broke the connection first.
+pub async fn read_one_request(tcp: &mut tokio::net::TcpStream) -> Option<Vec<(String, String)>> {
+    use tokio::io::AsyncReadExt;
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let (end, headers) = loop {
+        let n = tcp.read(&mut chunk).await.ok().filter(|n| *n > 0)?;
+        buf.extend_from_slice(&chunk[..n]);
+        let mut headers = [httparse::EMPTY_HEADER; 32];
+        let mut req = httparse::Request::new(&mut headers);
+        if let Ok(httparse::Status::Complete(head)) = req.parse(&buf) {
+            let headers: Vec<(String, String)> = req
+                .headers
+                .iter()
+                .map(|h| {
+                    let value = String::from_utf8_lossy(h.value).into_owned();
+                    (h.name.to_ascii_lowercase(), value)
+                })
+                .collect();
+            let body: usize = headers
+                .iter()
+                .find(|(name, _)| name == "content-length")
+                .and_then(|(_, v)| v.parse().ok())
+                .unwrap_or(0);
+            break (head + body, headers);
+        }
+    };
+    while buf.len() < end {
+        let n = tcp.read(&mut chunk).await.ok().filter(|n| *n > 0)?;
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    Some(headers)
 }
 
 /// A fenced write about to be sent: `PUT url` with `X-Fence-Token: token`

@@ -83,34 +83,7 @@ impl PrivatePg {
 
     /// A server with `settings` (name, value) added to its postgresql.conf.
     pub fn start_with(settings: &[(&str, &str)]) -> PrivatePg {
-        let bin = pg_bin();
-        let dir = postgres_dir();
-        let data = dir.path().join("data");
-        let out = as_postgres(
-            &bin,
-            "initdb",
-            &[
-                "-D",
-                data.to_str().unwrap(),
-                "-U",
-                "postgres",
-                "--auth=trust",
-                "-E",
-                "UTF8",
-                "--no-sync",
-            ],
-        );
-        assert!(
-            out.status.success(),
-            "initdb failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let pg = PrivatePg {
-            port: free_port(),
-            data,
-            bin,
-            _dir: dir,
-        };
+        let pg = Self::new_data(pg_bin(), "initdb", &["--auth=trust", "-E", "UTF8"]);
         pg.configure(settings);
         pg.start_again();
         pg
@@ -120,45 +93,50 @@ impl PrivatePg {
     /// started, with `settings` added (later lines win over the primary's,
     /// which the base backup copied).
     pub fn standby_of(primary: &PrivatePg, name: &str, settings: &[(&str, &str)]) -> PrivatePg {
-        let dir = postgres_dir();
-        let data = dir.path().join("data");
         let port = primary.port.to_string();
-        let out = as_postgres(
-            &primary.bin,
+        let pg = Self::new_data(
+            primary.bin.clone(),
             "pg_basebackup",
             &[
                 "-h",
                 "127.0.0.1",
                 "-p",
                 &port,
-                "-U",
-                "postgres",
-                "-D",
-                data.to_str().unwrap(),
                 "-R",
                 "-X",
                 "stream",
                 "-c",
                 "fast",
-                "--no-sync",
             ],
         );
-        assert!(
-            out.status.success(),
-            "pg_basebackup failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let pg = PrivatePg {
-            port: free_port(),
-            data,
-            bin: primary.bin.clone(),
-            _dir: dir,
-        };
         let mut all = vec![("cluster_name", name)];
         all.extend_from_slice(settings);
         pg.configure(&all);
         pg.start_again();
         pg
+    }
+
+    /// A server not started yet, on a free port, whose data directory `tool`
+    /// (initdb or pg_basebackup, which take the same options for these)
+    /// made with `args`: owned by the `postgres` user, not synced to disk
+    /// (the tests crash servers, not machines).
+    fn new_data(bin: PathBuf, tool: &str, args: &[&str]) -> PrivatePg {
+        let dir = postgres_dir();
+        let data = dir.path().join("data");
+        let mut all = vec!["-D", data.to_str().unwrap(), "-U", "postgres", "--no-sync"];
+        all.extend_from_slice(args);
+        let out = as_postgres(&bin, tool, &all);
+        assert!(
+            out.status.success(),
+            "{tool} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        PrivatePg {
+            port: free_port(),
+            data,
+            bin,
+            _dir: dir,
+        }
     }
 
     /// Appends settings to postgresql.conf (read at the next start, or
@@ -186,18 +164,7 @@ impl PrivatePg {
     /// `pg_ctl promote`: the standby becomes a primary; returns once it
     /// takes writes.
     pub fn promote(&self) {
-        let out = as_postgres(
-            &self.bin,
-            "pg_ctl",
-            &[
-                "-D",
-                self.data.to_str().unwrap(),
-                "-w",
-                "-t",
-                "30",
-                "promote",
-            ],
-        );
+        let out = self.pg_ctl(&["-w", "-t", "30", "promote"]);
         assert!(
             out.status.success(),
             "pg_ctl promote failed: {}{}",
@@ -214,22 +181,16 @@ impl PrivatePg {
             self.data.display()
         );
         let log = self.data.join("server.log");
-        let out = as_postgres(
-            &self.bin,
-            "pg_ctl",
-            &[
-                "-D",
-                self.data.to_str().unwrap(),
-                "-l",
-                log.to_str().unwrap(),
-                "-o",
-                &opts,
-                "-w",
-                "-t",
-                "30",
-                "start",
-            ],
-        );
+        let out = self.pg_ctl(&[
+            "-l",
+            log.to_str().unwrap(),
+            "-o",
+            &opts,
+            "-w",
+            "-t",
+            "30",
+            "start",
+        ]);
         assert!(
             out.status.success(),
             "pg_ctl start failed: {}{}",
@@ -248,18 +209,14 @@ impl PrivatePg {
 
     /// A crash: `pg_ctl stop -m immediate`.
     pub fn stop_immediate(&self) {
-        let _ = as_postgres(
-            &self.bin,
-            "pg_ctl",
-            &[
-                "-D",
-                self.data.to_str().unwrap(),
-                "-m",
-                "immediate",
-                "-w",
-                "stop",
-            ],
-        );
+        let _ = self.pg_ctl(&["-m", "immediate", "-w", "stop"]);
+    }
+
+    /// `pg_ctl` with `args` on this server's data directory.
+    fn pg_ctl(&self, args: &[&str]) -> std::process::Output {
+        let mut all = vec!["-D", self.data.to_str().unwrap()];
+        all.extend_from_slice(args);
+        as_postgres(&self.bin, "pg_ctl", &all)
     }
 }
 

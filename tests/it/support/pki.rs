@@ -189,6 +189,16 @@ impl Drop for HttpsUpstream {
 }
 
 impl HttpsUpstream {
+    /// Serves HTTPS with a certificate for `cn` (and 127.0.0.1, localhost)
+    /// from a new CA named `ca_name`; with that CA, and its certificate
+    /// written to a file (for a route's `upstream_ca_file`: it lives as long
+    /// as the CA).
+    pub async fn with_new_ca(ca_name: &str, cn: &str) -> (HttpsUpstream, Ca, PathBuf) {
+        let ca = Ca::new(ca_name);
+        let ca_file = ca.write("ca.pem", &ca.pem());
+        (HttpsUpstream::start(&ca.server(cn)).await, ca, ca_file)
+    }
+
     /// Serves HTTPS on 127.0.0.1:0 with `server` (a certificate and key).
     pub async fn start(server: &Issued) -> HttpsUpstream {
         use rustls::pki_types::pem::PemObject;

@@ -192,16 +192,6 @@ impl RawUpstream {
         RawUpstream { addr, shared }
     }
 
-    /// The address the server listens on.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// The base URL, `"http://127.0.0.1:PORT"` (no trailing slash).
-    pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
-    }
-
     /// Every write received, in order of arrival.
     pub fn writes(&self) -> Vec<WriteRecord> {
         self.shared.state().writes.clone()
@@ -300,13 +290,7 @@ impl Drop for RawUpstream {
     }
 }
 
-impl std::fmt::Debug for RawUpstream {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("RawUpstream")
-            .field("addr", &self.addr)
-            .finish()
-    }
-}
+crate::support::served_at_addr!(RawUpstream);
 
 struct Shared {
     state: Mutex<State>,

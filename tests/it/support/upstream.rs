@@ -147,6 +147,16 @@ impl Upstream {
         Self::start_with(UpstreamOptions::default()).await
     }
 
+    /// Start a recorder that holds every write a random `min..=max` ms
+    /// before applying it, so that concurrent writes overlap and reorder
+    /// at the upstream (see [`UpstreamOptions::write_delay_ms`]).
+    pub async fn with_write_delays(min: u64, max: u64) -> Upstream {
+        Self::start_with(UpstreamOptions {
+            write_delay_ms: (min, max),
+        })
+        .await
+    }
+
     /// Start a recorder with `opts` on `127.0.0.1:0`.
     /// Must be called within a tokio runtime.
     pub async fn start_with(opts: UpstreamOptions) -> Upstream {
@@ -179,16 +189,6 @@ impl Upstream {
             shared,
             server,
         }
-    }
-
-    /// The address the server listens on.
-    pub fn addr(&self) -> SocketAddr {
-        self.addr
-    }
-
-    /// The base URL, `"http://127.0.0.1:PORT"` (no trailing slash).
-    pub fn url(&self) -> String {
-        format!("http://{}", self.addr)
     }
 
     /// All applied writes, in the order they were applied.
@@ -227,6 +227,34 @@ impl Upstream {
     pub fn aborted(&self) -> Vec<Received> {
         self.shared.lock().aborted.clone()
     }
+
+    /// Sends a fenced write to `url` (a gateway in front of this recorder)
+    /// in the background, held here for `delay_ms` (`x-test-delay-ms`), and
+    /// returns once it is in flight here, or after 3 s (the caller checks
+    /// if it must): a write to stop or kill the gateway under. The task
+    /// answers the write's status.
+    pub async fn held_write(
+        &self,
+        url: String,
+        token: &'static str,
+        body: &'static str,
+        delay_ms: u64,
+    ) -> JoinHandle<reqwest::Result<reqwest::StatusCode>> {
+        let write = tokio::spawn(async move {
+            super::fenced_put(&reqwest::Client::new(), url, token, body)
+                .header("x-test-delay-ms", delay_ms.to_string())
+                .send()
+                .await
+                .map(|r| r.status())
+        });
+        for _ in 0..300 {
+            if self.in_flight() == 1 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        write
+    }
 }
 
 impl Drop for Upstream {
@@ -237,13 +265,7 @@ impl Drop for Upstream {
     }
 }
 
-impl std::fmt::Debug for Upstream {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Upstream")
-            .field("addr", &self.addr)
-            .finish()
-    }
-}
+crate::support::served_at_addr!(Upstream);
 
 struct Shared {
     opts: UpstreamOptions,
