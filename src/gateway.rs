@@ -578,6 +578,17 @@ impl Books {
     }
 }
 
+/// Spawns a fenced write's task on `rt`, or on this worker's runtime.
+fn spawn_on(
+    rt: Option<tokio::runtime::Handle>,
+    task: impl std::future::Future<Output = ()> + Send + 'static,
+) {
+    match rt {
+        Some(rt) => drop(rt.spawn(task)),
+        None => drop(tokio::spawn(task)),
+    }
+}
+
 impl FencedWrite {
     /// Phases: check fence, forward, respond — detached from the client: once
     /// a write has started its way to the upstream it must not be cut off
@@ -611,38 +622,29 @@ impl FencedWrite {
         access: Option<Access>,
         answer: oneshot::Sender<Ended>,
     ) {
-        let keyed = self.idem.is_some();
+        // Where the store's part runs: in shared mode on the store's
+        // runtime (the decision uses its connections directly); a keyed
+        // write gets there after its memory step, which runs here.
         let store_rt = state
             .fence
             .talks_to_store()
             .then(|| state.store_runtime.clone());
-        // Where the store's part runs: shared mode runs it on the store's
-        // runtime; a keyed write gets there after its memory step.
-        let (outer, hop) = match store_rt {
-            Some(rt) if keyed => (None, Some(rt)),
-            Some(rt) => (Some(rt), None),
-            None => (None, None),
-        };
         let books = Books {
             route: self.route.clone(),
             method: self.req.method().clone(),
-            keyed,
+            keyed: self.idem.is_some(),
             access,
         };
         let mut write = self;
         let Some(key) = write.idem.take() else {
-            let task = async move {
+            spawn_on(store_rt, async move {
                 let (forwarded, ended) = write.decide_and_forward(&state, peer, &answer).await;
                 books.close(&state, forwarded, &ended);
                 let _ = answer.send(ended);
-            };
-            match outer {
-                Some(rt) => drop(rt.spawn(task)),
-                None => drop(tokio::spawn(task)),
-            }
+            });
             return;
         };
-        let task = async move {
+        spawn_on(None, async move {
             let first = match Box::pin(write.ask_memory(&state, key)).await {
                 Ok(first) => first,
                 Err(ended) => {
@@ -658,14 +660,19 @@ impl FencedWrite {
                 books.close(&state, forwarded, &ended);
                 let _ = answer.send(ended);
             };
-            match hop {
+            match store_rt {
                 Some(rt) => drop(rt.spawn(rest)),
                 None => rest.await,
             }
-        };
-        match outer {
-            Some(rt) => drop(rt.spawn(task)),
-            None => drop(tokio::spawn(task)),
+        });
+    }
+
+    /// The write's arrival at the gate: the one the admit phase already
+    /// took, or a new one.
+    fn arrival(&mut self, state: &GatewayState) -> Result<Arrival, GatewayError> {
+        match self.arrival.take() {
+            Some(a) => Ok(a),
+            None => state.fence.arrive(&self.key, self.token),
         }
     }
 
@@ -730,12 +737,9 @@ impl FencedWrite {
         peer: Downstream,
         answer: &oneshot::Sender<Ended>,
     ) -> (bool, Ended) {
-        let arrival = match self.arrival.take() {
-            Some(a) => a,
-            None => match state.fence.arrive(&self.key, self.token) {
-                Ok(a) => a,
-                Err(e) => return (false, Err(e)),
-            },
+        let arrival = match self.arrival(state) {
+            Ok(a) => a,
+            Err(e) => return (false, Err(e)),
         };
         let decided = Instant::now();
         let issued_only = self.route.token == TokenKind::Issued;
@@ -754,7 +758,7 @@ impl FencedWrite {
             .metrics
             .decision_time
             .observe(decided.elapsed().as_secs_f64());
-        if let Err(e) = self.may_start(&admission, answer, None, state.fence.store.timeout()) {
+        if let Err(e) = self.may_start(&admission, answer, None) {
             return (false, Err(e));
         }
         let result = forward(state, &self.route, self.req, peer, Some(admission)).await;
@@ -765,15 +769,15 @@ impl FencedWrite {
     /// client left while it waited (nobody would see the answer; the token
     /// stays recorded, which only ever makes older holders stale sooner),
     /// and not when this instance stalled so long that the write's
-    /// in-flight marker (shared mode) or its idempotency record
-    /// (`record_until`) would end before its exchange could. Nothing was
-    /// sent in either case; the key opens again.
+    /// in-flight marker (shared mode) or its idempotency record (`record`:
+    /// when it stops being in flight, and the store's timeout for storing
+    /// the answer) would end before its exchange could. Nothing was sent in
+    /// either case; the key opens again.
     fn may_start(
         &self,
         admission: &Admission,
         answer: &oneshot::Sender<Ended>,
-        record_until: Option<Instant>,
-        store_timeout: Duration,
+        record: Option<(Instant, Duration)>,
     ) -> Result<(), GatewayError> {
         if answer.is_closed() {
             return Err(ClientError::ClientGone.into());
@@ -784,7 +788,7 @@ impl FencedWrite {
                 return Err(StoreError::Late.into());
             }
         }
-        if let Some(until) = record_until {
+        if let Some((until, store_timeout)) = record {
             // The exchange and the storing of its answer must be over while
             // the record is in flight. Past it, duplicates hear "outcome
             // unknown", and once it expired one may take the key over and
@@ -827,15 +831,12 @@ impl FencedWrite {
                 Err(e) => return (false, Err(e)),
             }
         }
-        let arrival = match self.arrival.take() {
-            Some(a) => a,
-            None => match state.fence.arrive(&self.key, self.token) {
-                Ok(a) => a,
-                Err(e) => {
-                    let record = (id(), first.fingerprint);
-                    return (false, Box::pin(unless_recorded(state, record, e)).await);
-                }
-            },
+        let arrival = match self.arrival(state) {
+            Ok(a) => a,
+            Err(e) => {
+                let record = (id(), first.fingerprint);
+                return (false, Box::pin(unless_recorded(state, record, e)).await);
+            }
         };
         let decided = Instant::now();
         let issued_only = self.route.token == TokenKind::Issued;
@@ -900,7 +901,8 @@ impl FencedWrite {
             .metrics
             .decision_time
             .observe(decided.elapsed().as_secs_f64());
-        if let Err(e) = self.may_start(&admission, answer, Some(record_until), store_timeout) {
+        let record = Some((record_until, store_timeout));
+        if let Err(e) = self.may_start(&admission, answer, record) {
             // Nothing was sent: the key's record goes.
             forget_later(state, id(), attempt);
             return (false, Err(e));
