@@ -74,6 +74,11 @@ async fn sigterm_lets_in_flight_writes_finish_and_exits_0() {
     let up = Upstream::start().await;
     let mut gw = GatewayProcess::start(&config_text(&store.url, &docs_route(&up.url())));
     let slow = up.held_write(gw.url("/docs/s"), "1", "slow", 700).await;
+    assert_eq!(
+        up.in_flight(),
+        1,
+        "the slow write did not reach the upstream"
+    );
     gw.signal(libc::SIGTERM);
     let status = slow.await.unwrap().expect("in-flight write answered");
     assert_eq!(status, 200);

@@ -137,7 +137,6 @@ impl TestApp {
         req.send().await.expect("gateway answered")
     }
 
-    /// `GET /_fencegate/locks/{name}`: the status document (200 asserted).
     /// A write of `token` on `path` that must be refused as stale: 409,
     /// naming `highest` as the highest token recorded for its key.
     pub async fn assert_stale(&self, path: &str, token: &str, body: &str, highest: i64) {
@@ -148,6 +147,7 @@ impl TestApp {
         );
     }
 
+    /// `GET /_fencegate/locks/{name}`: the status document (200 asserted).
     pub async fn lock_status(&self, name: &str) -> serde_json::Value {
         let r = self
             .http

@@ -82,14 +82,7 @@ pub async fn read_one_request(tcp: &mut tokio::net::TcpStream) -> Option<Vec<(St
         let mut headers = [httparse::EMPTY_HEADER; 32];
         let mut req = httparse::Request::new(&mut headers);
         if let Ok(httparse::Status::Complete(head)) = req.parse(&buf) {
-            let headers: Vec<(String, String)> = req
-                .headers
-                .iter()
-                .map(|h| {
-                    let value = String::from_utf8_lossy(h.value).into_owned();
-                    (h.name.to_ascii_lowercase(), value)
-                })
-                .collect();
+            let headers = raw_upstream::lowercase_headers(req.headers);
             let body: usize = headers
                 .iter()
                 .find(|(name, _)| name == "content-length")

@@ -531,7 +531,7 @@ async fn read_head(conn: &mut Conn) -> HeadRead {
 }
 
 /// Parsed headers as `(lowercase name, value)` pairs.
-fn lowercase_headers(headers: &[httparse::Header<'_>]) -> Vec<(String, String)> {
+pub(crate) fn lowercase_headers(headers: &[httparse::Header<'_>]) -> Vec<(String, String)> {
     headers
         .iter()
         .map(|h| {
