@@ -1260,8 +1260,29 @@ async fn batches_that_commit_late_never_forward_twice() {
     // statement timeout, which counts from when the statement began and a
     // loaded machine can make that long before `held`.
     holder.commit().await;
-    let replay = keyed(&app, "/docs/late", "1", Some("late-answer"), "A", &[]).await;
-    assert_eq!(replay.headers()["idempotent-replayed"], "true");
+    // `commit` returns once the holder's transaction has committed; the
+    // answer's statement then commits on its own, a moment later. Until it
+    // has, a duplicate hears "in progress" (the record is still in flight),
+    // and is never forwarded.
+    let end = tokio::time::Instant::now() + Duration::from_secs(5);
+    loop {
+        let resp = keyed(&app, "/docs/late", "1", Some("late-answer"), "A", &[]).await;
+        if resp.headers().get("idempotent-replayed").is_some() {
+            assert_eq!(resp.headers()["idempotent-replayed"], "true");
+            assert_eq!(resp.status(), 200, "the stored answer");
+            break;
+        }
+        let body = problem(resp, 409).await;
+        assert_eq!(
+            body["type"], "urn:fencegate:problem:idempotency-in-progress",
+            "before the late commit lands"
+        );
+        assert!(
+            tokio::time::Instant::now() < end,
+            "the late answer never became a replay"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let forwarded = up
         .requests()
         .iter()
