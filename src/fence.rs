@@ -216,30 +216,34 @@ impl Fence {
     /// the write and writes `record`, its in-flight record, which a caller
     /// that does not forward after all must forget.
     ///
-    /// Shared mode writes both in one statement, so one transaction and one
-    /// commit: each write has its own statement there anyway. Single mode
-    /// writes the record in a statement of its own once the write is
-    /// admitted: its fence decisions are group-committed with other keys'
-    /// (and not written at all when the token is already the key's durable
-    /// one), so there is no transaction of this write's own to join. A crash
-    /// between the two leaves a recorded token and no record (nothing was
-    /// forwarded: a retry is a first use, forwarded once), and a crash after
-    /// the record but before the forward leaves a record that duplicates
-    /// see in progress, then "outcome unknown" — never forwarded twice.
+    /// The decision and the record are written in one transaction, with
+    /// one commit: shared mode writes both in one statement (each write has
+    /// its own statement there anyway), and single mode puts the record
+    /// into the fence batch that decides the token, so it commits with that
+    /// batch's decisions. A crash leaves both or neither. In single mode the
+    /// record is a batch of its own, once the write is admitted, when memory
+    /// already knows the token is the key's durable one (then no fence
+    /// statement is written at all) or another write is on the key (below);
+    /// a crash between the two leaves a recorded token and no record
+    /// (nothing was forwarded: a retry is a first use, forwarded once), and
+    /// a crash after the record but before the forward leaves a record that
+    /// duplicates see in progress, then "outcome unknown" — never forwarded
+    /// twice.
     ///
-    /// The record is written only once the fence admitted the write, so a
+    /// The record is written only if the fence accepts the token, so a
     /// refusal of the fence (`Keyed::Refused`) leaves no record: a stale
-    /// first use is not recorded. In single mode it is written after the
-    /// wait at the gate and the start-up quarantine too, so neither eats
-    /// into its time in flight. The record's insert is also what finds an
+    /// first use is not recorded. The record's insert is also what finds an
     /// existing record (`Keyed::Duplicate`): a first use costs no separate
-    /// lookup.
+    /// lookup. A record is written with the decision only when no other
+    /// write is on the key, so that no wait at the gate comes between the
+    /// record and its forward and eats into its time in flight; otherwise
+    /// (and during the start-up quarantine) it is written on its own, after
+    /// the wait.
     ///
-    /// After an error the record may exist all the same (this instance's
-    /// gate refused the write after the shared-mode statement, or a
-    /// statement timed out and commits later): the caller forgets it, and
-    /// where that comes too late, duplicates hear "outcome unknown", the
-    /// safe side.
+    /// After an error the record may exist all the same (the gate refused
+    /// the write after the store wrote it, or a statement or batch timed
+    /// out and commits later): the caller forgets it, and where that comes
+    /// too late, duplicates hear "outcome unknown", the safe side.
     pub async fn check_keyed(
         &self,
         key: &str,
@@ -278,25 +282,73 @@ impl Fence {
                 });
             }
         }
-        let permit = match self.check_single(key, arrival, token).await {
-            Ok(p) => p,
-            Err(e) => return Ok(Keyed::Refused(e)),
-        };
-        let sent_at = Instant::now();
-        // The record's time counts from the statement's start on the
-        // store's clock, after this.
-        if !self.store.idem_begin(record).await? {
-            // Nothing was forwarded: the permit goes with it.
-            return Ok(Keyed::Duplicate);
-        }
-        Ok(Keyed::Admitted {
+        let admitted = |permit, sent_at: Instant, in_flight| Keyed::Admitted {
             admission: Admission {
                 _permit: permit,
                 key_lock: None,
                 must_end_by: None,
             },
-            record_until: sent_at + record.in_flight,
-        })
+            record_until: sent_at + in_flight,
+        };
+        let mut ticket = match arrival {
+            // With no other write on the key, the record goes with the
+            // decision: see below.
+            Arrival::Record(ticket) if ticket.alone() && !self.holding_back() => ticket,
+            arrival => {
+                // The token is the key's durable one (no fence statement at
+                // all), or the write may wait at the gate behind another
+                // (or the quarantine): the record gets a statement (a batch)
+                // of its own, once the write is admitted, so no wait eats
+                // into its time in flight.
+                let permit = match self.check_single(key, arrival, token).await {
+                    Ok(p) => p,
+                    Err(e) => return Ok(Keyed::Refused(e)),
+                };
+                let sent_at = Instant::now();
+                // The record's time counts from the statement's start on
+                // the store's clock, after this.
+                if !self.store.idem_begin(record).await? {
+                    // Nothing was forwarded: the permit goes with it.
+                    return Ok(Keyed::Duplicate);
+                }
+                return Ok(admitted(permit, sent_at, record.in_flight));
+            }
+        };
+        // The store decides the token, and nothing else is on the key: the
+        // record goes into the same batch, so one transaction and one
+        // commit with the decision. The admission then (almost always)
+        // does not wait (see `Ticket::alone`); when it does after all, a
+        // wait too long for the record's time in flight ends before the
+        // forward (`decision-late`), never past the record.
+        let sent_at = Instant::now();
+        let answer = self.store.record_keyed(key, token, record).await;
+        ticket.settle(answer.as_ref().ok().map(|d| d.highest));
+        // An error leaves the outcome unknown, the record's too: the caller
+        // forgets it.
+        let decided = answer?;
+        if decided.highest > token {
+            // A refused token's record is not written.
+            return Ok(Keyed::Refused(stale(key, token, decided.highest)));
+        }
+        if decided.highest < token {
+            return Err(StoreError::Other(format!(
+                "the store answered {} for a decision on {token}",
+                decided.highest
+            ))
+            .into());
+        }
+        if !decided.written {
+            return Ok(Keyed::Duplicate);
+        }
+        // From here the record is written: a refusal leaves it to be
+        // forgotten (an error, not `Refused`).
+        let permit = ticket
+            .admit(token)
+            .await
+            .map_err(|s| stale(key, token, s.highest))?;
+        // As in `check_single`: the last moment before the write may go.
+        self.store.check_writer()?;
+        Ok(admitted(permit, sent_at, record.in_flight))
     }
 
     /// `token = "issued"`: refuses a token above the highest fence the lock

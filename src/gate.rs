@@ -216,6 +216,9 @@ pub struct Ticket {
     resets: u64,
     /// The single-writer lock's generation when the ticket was taken.
     generation: u64,
+    /// No other ticket or permit was alive on the key when this one was
+    /// taken (see [`Ticket::alone`]).
+    alone: bool,
 }
 
 /// The right to have one write in flight for a key with a token.
@@ -332,6 +335,7 @@ impl Gate {
             recording: !recorded,
             resets,
             generation,
+            alone: slot.refs == 1,
         };
         Ok(if recorded {
             Arrival::Recorded(ticket)
@@ -406,6 +410,19 @@ impl Ticket {
     /// The key this ticket is for.
     pub fn key(&self) -> &str {
         &self.key
+    }
+
+    /// Whether the key had no other write in flight or waiting when this
+    /// ticket was taken. Then, in single mode, this write's admission
+    /// almost never waits once the store accepted its token: a write that
+    /// arrives after it and goes to the store is decided in the same batch
+    /// or a later one (the fence batcher runs one batch at a time), so a
+    /// lower token is refused there, an equal one runs alongside, and a
+    /// higher one makes this one stale. (A later arrival can overtake it on
+    /// the way to the batcher, rarely; then it waits as usual.) A hint for
+    /// planning, never something the ordering relies on.
+    pub fn alone(&self) -> bool {
+        self.alone
     }
 
     /// Ends this ticket's store call: `Some(highest)` when the store answered
@@ -588,6 +605,23 @@ mod tests {
         let p3 = w3.await.unwrap().unwrap();
         drop(p3);
         assert_eq!(gate.tracked_keys(), 0);
+    }
+
+    /// A ticket is alone while no other ticket or permit lives on its key,
+    /// whatever other keys hold.
+    #[tokio::test]
+    async fn a_ticket_knows_whether_the_key_was_otherwise_idle() {
+        let gate = gate();
+        let first = recorded(&gate, "k", 1);
+        assert!(first.alone());
+        let _other_key = recorded(&gate, "j", 1);
+        let second = recorded(&gate, "k", 1);
+        assert!(!second.alone(), "a ticket lives on the key");
+        let permit = first.admit(1).await.unwrap();
+        drop(second);
+        assert!(!recorded(&gate, "k", 2).alone(), "a permit lives on it");
+        drop(permit);
+        assert!(recorded(&gate, "k", 2).alone(), "idle again");
     }
 
     #[tokio::test]

@@ -9,10 +9,13 @@
 //! waits for a slot and goes with the next batch.
 //!
 //! Each kind of write has a batcher of its own, from this one mechanism:
-//! fence decisions `(key, token)` answered with the key's highest token,
-//! and, in single mode, Idempotency-Key records (the in-flight record a
-//! first use writes before its forward, and the answer it stores after it:
-//! see `store::idempotency`).
+//! fence decisions `(key, token)` answered with the key's highest token
+//! (a first use of an `Idempotency-Key` whose token is new to memory
+//! brings its in-flight record along, written in the same batch), and, in
+//! single mode, the other Idempotency-Key writes (the in-flight record of a
+//! first use whose token memory knows is the key's durable one, and the
+//! answers first uses store after their forwards: see
+//! `store::idempotency`).
 //!
 //! Nothing about durability changes: a batch's answers are sent only after
 //! its statement has committed (synchronous_commit stays on; SQLite commits
@@ -29,6 +32,7 @@ use std::time::Duration;
 use tokio::runtime::Handle;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
+use super::idempotency::BeginItem;
 use super::{bounded, StoreError};
 
 /// The answers of one fence batch: each key's highest token after the batch.
@@ -153,21 +157,66 @@ impl<T: Send + 'static, A: Send + 'static> Batcher<T, A> {
     }
 }
 
-/// Fence decisions: `(key, token)` pairs (keys may repeat), each answered
-/// with the key's highest token after the batch (equal to its token iff
-/// accepted); `None` when the batch lost the key's answer.
-pub type Fences = Batcher<(String, i64), Option<i64>>;
-
-/// A fence batch's answers in its items' order.
-pub fn in_item_order(items: &[(String, i64)], answers: &Answers) -> Vec<Option<i64>> {
-    items.iter().map(|(k, _)| answers.get(k).copied()).collect()
+/// One fence decision of a batch: `token` for `key`, and, for the first
+/// use of an `Idempotency-Key` whose token the store must decide (single
+/// mode), its in-flight record, written in the same statement or
+/// transaction as the decision, and only if the token is accepted (see
+/// `store::idempotency`).
+pub struct Decision {
+    pub(super) key: String,
+    pub(super) token: i64,
+    pub(super) record: Option<BeginItem>,
 }
 
-/// Records `token` for `key` as part of the next fence batch; answers the
-/// key's highest token after it (equal to `token` iff accepted).
-pub async fn record(fences: &Fences, key: &str, token: i64) -> Result<i64, StoreError> {
+/// What a batch decided for one item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decided {
+    /// The key's highest token after the batch: equal to the item's token
+    /// iff it was accepted.
+    pub highest: i64,
+    /// The item's record was written (false without one, when the token
+    /// was refused, or when a live record of the key exists).
+    pub written: bool,
+}
+
+/// Fence decisions (keys may repeat), each answered with what the batch
+/// decided; `None` when the batch lost the key's answer.
+pub type Fences = Batcher<Decision, Option<Decided>>;
+
+/// A fence batch's answers in its items' order, with which items' records
+/// were written (`written`, by item; all false for a batch without
+/// records).
+pub fn in_item_order(
+    items: &[Decision],
+    answers: &Answers,
+    written: impl Fn(usize, &Decision) -> bool,
+) -> Vec<Option<Decided>> {
+    items
+        .iter()
+        .enumerate()
+        .map(|(n, d)| {
+            answers.get(&d.key).map(|&highest| Decided {
+                highest,
+                written: written(n, d),
+            })
+        })
+        .collect()
+}
+
+/// Records `token` for `key` as part of the next fence batch, with
+/// `record` if there is one; answers once the batch has committed.
+pub(super) async fn decide(
+    fences: &Fences,
+    key: &str,
+    token: i64,
+    record: Option<BeginItem>,
+) -> Result<Decided, StoreError> {
     fences
-        .submit((key.to_string(), token))
+        .submit(Decision {
+            key: key.to_string(),
+            token,
+            record,
+        })
         .await?
         .ok_or_else(|| StoreError::Other("a batch lost a key's answer".into()))
 }
@@ -201,11 +250,11 @@ fn deliver<A: Send + 'static>(homes: Homes<A>) {
 }
 
 /// The highest token requested per key in a batch.
-pub fn max_per_key(items: &[(String, i64)]) -> HashMap<&str, i64> {
+pub fn max_per_key(items: &[Decision]) -> HashMap<&str, i64> {
     let mut m: HashMap<&str, i64> = HashMap::new();
-    for (k, t) in items {
-        let e = m.entry(k.as_str()).or_insert(*t);
-        *e = (*e).max(*t);
+    for d in items {
+        let e = m.entry(d.key.as_str()).or_insert(d.token);
+        *e = (*e).max(d.token);
     }
     m
 }

@@ -18,9 +18,16 @@
 //! In single mode (SQLite, or Postgres with one instance) the two writes of
 //! a first use — its in-flight record before the forward, its answer after
 //! it — are group-committed like fence decisions (`store::batch`): one
-//! batch of each kind in flight at a time, one statement and one commit per
-//! batch, every answer sent only once its batch has committed. Nothing
-//! about the guarantees changes:
+//! batch of each kind in flight at a time, one statement (Postgres) or one
+//! transaction (SQLite) and one commit per batch, every answer sent only
+//! once its batch has committed. A first use whose token the store must
+//! decide, on a key with no other write, brings its in-flight record into
+//! the fence batch itself ([`PG_DECIDE_AND_BEGIN_BATCH`], and the SQLite
+//! batch's transaction): the decision and the record commit together, and
+//! the record is written only if the token is accepted. Other first uses
+//! (the token already the key's durable one, or another write on the key)
+//! write it in a batch of in-flight records once admitted. Nothing about
+//! the guarantees changes:
 //!
 //! * **recorded durably before forwarding**: a first use is forwarded only
 //!   after its batch of in-flight records committed and reported its record
@@ -28,8 +35,8 @@
 //! * **stored durably before returned**: the answer is returned only after
 //!   its batch committed, or after the store failed to say so (then the
 //!   record stays in flight and becomes "unknown": never forwarded again);
-//! * **a crash between statements**: each batch is one statement, so all of
-//!   it commits or none. A crash after an in-flight batch committed, before
+//! * **a crash between statements**: each batch is one statement (one
+//!   transaction), so all of it commits or none. A crash after an in-flight batch committed, before
 //!   its forwards, leaves records of requests that never left: duplicates
 //!   hear "in progress", then "outcome unknown" (the gateway cannot know
 //!   nothing was sent), exactly as with a statement of its own;
@@ -44,20 +51,21 @@
 //!   primary key still decides which first use is forwarded, and attempts
 //!   still keep a late answer out of a newer record.
 //!
-//! Rows are locked in primary-key order by both batch statements (an
+//! Rows are locked in primary-key order by every batch statement (an
 //! in-flight insert locks a live record it conflicts with, an answer batch
-//! the records it completes), so a batch of each kind running at once
-//! cannot deadlock. Shared mode writes its in-flight records with the
+//! the records it completes), and a fence batch with records locks its
+//! fence rows first, in key order, as no other statement locks a record
+//! before a fence: batches of every kind running at once cannot deadlock. Shared mode writes its in-flight records with the
 //! fence decision (`fencegate_enter_keyed`) and stores answers one
 //! statement each: there every write already has its own statement.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use bytes::Bytes;
-use sqlx::{PgPool, SqlitePool};
+use sqlx::{PgPool, SqliteConnection, SqlitePool};
 
-use super::batch::Batcher;
+use super::batch::{in_item_order, max_per_key, Answers, Batcher, Decided, Decision};
 use super::sql::{on_backend, sqlite_now_ms};
 use super::{bounded, FenceStore, StoreError};
 
@@ -184,6 +192,49 @@ ON CONFLICT (route, method, idem_key) DO UPDATE
  WHERE i.expires_at <= now()
 RETURNING i.route, i.method, i.idem_key, i.attempt";
 
+/// A batch of fence decisions that carries in-flight records (single
+/// mode): the decisions of `RECORD_BATCH` (store::postgres) and the
+/// records of [`PG_BEGIN_BATCH`] in one statement, so one transaction and
+/// one commit. A record is written only when its item's token is accepted:
+/// the key's highest token after the fence upsert equals it. So every key's
+/// highest token must come back from the upsert, raised or not: the update
+/// always runs (to the greater of the two tokens, its time changed only
+/// when raised), which also locks the row, so the value returned is the
+/// committed one even with another transaction on the key. Fence rows are
+/// locked in key order, then records in primary-key order, as every other
+/// statement that locks both kinds does (none locks a record before a
+/// fence), so no two can deadlock. Rows come back as fence answers (key
+/// and token) or written records (id and attempt).
+const PG_DECIDE_AND_BEGIN_BATCH: &str = "\
+WITH f AS (
+    INSERT INTO fences AS f (resource_key, highest_token, updated_at)
+    SELECT k, max(t), now() FROM UNNEST($1::text[], $2::bigint[]) AS i(k, t)
+     GROUP BY k ORDER BY k
+    ON CONFLICT (resource_key) DO UPDATE
+        SET highest_token = GREATEST(f.highest_token, EXCLUDED.highest_token),
+            updated_at = CASE WHEN f.highest_token < EXCLUDED.highest_token
+                              THEN now() ELSE f.updated_at END
+    RETURNING f.resource_key, f.highest_token),
+w AS (
+    INSERT INTO idempotency AS i
+           (route, method, idem_key, fingerprint, state, in_flight_until, expires_at, attempt)
+    SELECT b.r, b.m, b.k, b.f, 'in_flight', now() + b.fl * interval '1 millisecond',
+           now() + GREATEST(b.fl, b.t) * interval '1 millisecond', b.a
+      FROM UNNEST($3::text[], $4::bigint[], $5::text[], $6::text[], $7::text[], $8::bytea[],
+                  $9::bigint[], $10::bigint[], $11::bigint[])
+           AS b(fk, ft, r, m, k, f, fl, t, a)
+      JOIN f ON f.resource_key = b.fk AND f.highest_token = b.ft
+     ORDER BY b.r, b.m, b.k
+    ON CONFLICT (route, method, idem_key) DO UPDATE
+       SET fingerprint = EXCLUDED.fingerprint, state = 'in_flight',
+           in_flight_until = EXCLUDED.in_flight_until, expires_at = EXCLUDED.expires_at,
+           attempt = EXCLUDED.attempt, status = NULL, headers = NULL, body = NULL
+     WHERE i.expires_at <= now()
+    RETURNING i.route, i.method, i.idem_key, i.attempt)
+SELECT resource_key, highest_token, NULL::text, NULL::text, NULL::text, NULL::bigint FROM f
+UNION ALL
+SELECT NULL::text, NULL::bigint, route, method, idem_key, attempt FROM w";
+
 /// A batch of answers (single mode): each stored in its attempt's record
 /// if that is still in flight, one statement, one commit. The records are
 /// locked in primary-key order first (the order [`PG_BEGIN_BATCH`] locks
@@ -223,7 +274,7 @@ pub(super) struct BeginItem {
 }
 
 impl BeginItem {
-    fn of(b: &Begin<'_>) -> Self {
+    pub(super) fn of(b: &Begin<'_>) -> Self {
         Self {
             route: b.id.route.to_string(),
             method: b.id.method.to_string(),
@@ -309,6 +360,104 @@ pub(super) async fn pg_begin_batch(
     Ok(answered(&items, &sent, &written, BeginItem::attempt))
 }
 
+/// Which items of a fence batch bring their record into it: those whose
+/// token is the batch's highest for their key (a lower one is refused,
+/// whatever the store holds), and of those the first of each record (a
+/// statement may not insert and then update one row). The others of a
+/// record have its key's token too, so they share its fence's fate, and
+/// lose to it if it is accepted: they are duplicates.
+pub(super) fn records_sent(items: &[Decision], wanted: &HashMap<&str, i64>) -> Vec<bool> {
+    let mut seen = HashSet::with_capacity(items.len());
+    items
+        .iter()
+        .map(|d| match &d.record {
+            Some(r) => wanted.get(d.key.as_str()) == Some(&d.token) && seen.insert(r.id()),
+            None => false,
+        })
+        .collect()
+}
+
+/// Runs a batch of fence decisions with in-flight records on Postgres
+/// ([`PG_DECIDE_AND_BEGIN_BATCH`]).
+pub(super) async fn pg_decide_batch(
+    pool: &PgPool,
+    items: Vec<Decision>,
+) -> Result<Vec<Option<Decided>>, StoreError> {
+    let wanted = max_per_key(&items);
+    let sent = records_sent(&items, &wanted);
+    let (keys, tokens): (Vec<&str>, Vec<i64>) = wanted.iter().map(|(k, t)| (*k, *t)).unzip();
+    let records = || {
+        items
+            .iter()
+            .zip(&sent)
+            .filter(|(_, sent)| **sent)
+            .filter_map(|(d, _)| d.record.as_ref().map(|r| (d, r)))
+    };
+    type Out = (
+        Option<String>,
+        Option<i64>,
+        Option<String>,
+        Option<String>,
+        Option<String>,
+        Option<i64>,
+    );
+    let rows: Vec<Out> = bind_columns!(
+        sqlx::query_as(PG_DECIDE_AND_BEGIN_BATCH)
+            .bind(&keys)
+            .bind(&tokens),
+        records(),
+        |(d, _)| d.key.as_str(),
+        |(d, _)| d.token,
+        |(_, r)| r.route.as_str(),
+        |(_, r)| r.method.as_str(),
+        |(_, r)| r.key.as_str(),
+        |(_, r)| r.fingerprint.as_slice(),
+        |(_, r)| r.in_flight_ms,
+        |(_, r)| r.ttl_ms,
+        |(_, r)| r.attempt,
+    )
+    .fetch_all(pool)
+    .await?;
+    let mut answers = Answers::with_capacity(wanted.len());
+    let mut written = HashSet::new();
+    for row in &rows {
+        match row {
+            (Some(key), Some(highest), ..) => {
+                answers.insert(key.clone(), *highest);
+            }
+            (None, None, Some(r), Some(m), Some(k), Some(a)) => {
+                written.insert((r.as_str(), m.as_str(), k.as_str(), *a));
+            }
+            _ => return Err(StoreError::Other("a batch answered a malformed row".into())),
+        }
+    }
+    Ok(in_item_order(&items, &answers, |n, d| {
+        sent[n]
+            && d.record
+                .as_ref()
+                .is_some_and(|r| written.contains(&r.attempt()))
+    }))
+}
+
+/// Writes one in-flight record within a SQLite transaction; whether it
+/// was written (false: a live record of the key exists).
+pub(super) async fn sqlite_begin_in(
+    conn: &mut SqliteConnection,
+    i: &BeginItem,
+) -> Result<bool, StoreError> {
+    let rows: Vec<(i32,)> = sqlx::query_as(SQLITE_BEGIN)
+        .bind(&i.route)
+        .bind(&i.method)
+        .bind(&i.key)
+        .bind(&i.fingerprint)
+        .bind(i.in_flight_ms)
+        .bind(i.ttl_ms)
+        .bind(i.attempt)
+        .fetch_all(conn)
+        .await?;
+    Ok(!rows.is_empty())
+}
+
 /// Runs a batch of answers on Postgres.
 pub(super) async fn pg_complete_batch(
     pool: &PgPool,
@@ -363,17 +512,7 @@ pub(super) async fn sqlite_begin_batch(
     let mut tx = pool.begin().await?;
     let mut answers = Vec::with_capacity(items.len());
     for i in &items {
-        let rows: Vec<(i32,)> = sqlx::query_as(SQLITE_BEGIN)
-            .bind(&i.route)
-            .bind(&i.method)
-            .bind(&i.key)
-            .bind(&i.fingerprint)
-            .bind(i.in_flight_ms)
-            .bind(i.ttl_ms)
-            .bind(i.attempt)
-            .fetch_all(&mut *tx)
-            .await?;
-        answers.push(!rows.is_empty());
+        answers.push(sqlite_begin_in(&mut tx, i).await?);
     }
     tx.commit().await?;
     Ok(answers)

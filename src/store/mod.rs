@@ -121,7 +121,23 @@ impl FenceStore {
     /// highest token after the statement (equal to `token` iff accepted).
     /// The returned value is durable: the statement has committed.
     pub async fn record(&self, key: &str, token: i64) -> Result<i64, StoreError> {
-        dispatch!(self, s => s.record(key, token).await)
+        Ok(dispatch!(self, s => s.decide(key, token, None).await)?.highest)
+    }
+
+    /// Single mode: [`FenceStore::record`] for the first use of an
+    /// `Idempotency-Key`, with its in-flight record written in the same
+    /// batch, so in the same transaction and commit, and only if the token
+    /// is accepted. `written` is false when a live record of the key
+    /// exists (a concurrent duplicate got there first): the caller must not
+    /// forward. Both answers are durable.
+    pub async fn record_keyed(
+        &self,
+        key: &str,
+        token: i64,
+        record: &Begin<'_>,
+    ) -> Result<batch::Decided, StoreError> {
+        let item = idempotency::BeginItem::of(record);
+        dispatch!(self, s => s.decide(key, token, Some(item)).await)
     }
 
     /// The bound on every operation (`[store] timeout_ms`).

@@ -38,6 +38,7 @@ use sqlx::{Connection, PgConnection, PgPool};
 
 use tokio::task::JoinHandle;
 
+use super::batch::{Decided, Decision};
 use super::readiness::{Probe, ServerState, StoreReadiness, WriterLock, PROBE};
 use super::{bounded, StoreError};
 use crate::config::{redact_url, StoreConfig};
@@ -230,11 +231,17 @@ impl PgStore {
         self.idem.as_ref()
     }
 
-    /// One decision, group-committed with concurrent ones (see `batch`).
-    pub async fn record(&self, key: &str, token: i64) -> Result<i64, StoreError> {
+    /// One decision, with the in-flight record of a first use if there is
+    /// one, group-committed with concurrent ones (see `batch`).
+    pub(super) async fn decide(
+        &self,
+        key: &str,
+        token: i64,
+        record: Option<super::idempotency::BeginItem>,
+    ) -> Result<Decided, StoreError> {
         self.check_owner()?;
         match &self.batcher {
-            Some(b) => super::batch::record(b, key, token)
+            Some(b) => super::batch::decide(b, key, token, record)
                 .await
                 .map_err(|e| self.explain(e)),
             // Shared mode decides in `enter`, with the key's lock held.
@@ -1045,13 +1052,18 @@ impl Drop for KeyLock {
     }
 }
 
-/// Runs one batch of decisions and answers each item's key's highest token.
+/// Runs one batch of decisions and answers each item's key's highest token
+/// (and, for a batch that carries in-flight records, which were written:
+/// see `store::idempotency`).
 async fn record_batch(
     pool: &PgPool,
-    items: Vec<(String, i64)>,
-) -> Result<Vec<Option<i64>>, StoreError> {
+    items: Vec<Decision>,
+) -> Result<Vec<Option<Decided>>, StoreError> {
+    if items.iter().any(|d| d.record.is_some()) {
+        return super::idempotency::pg_decide_batch(pool, items).await;
+    }
     let wanted = super::batch::max_per_key(&items);
-    let (keys, tokens): (Vec<&str>, Vec<i64>) = items.iter().map(|(k, t)| (k.as_str(), *t)).unzip();
+    let (keys, tokens): (Vec<&str>, Vec<i64>) = wanted.iter().map(|(k, t)| (*k, *t)).unzip();
     let rows: Vec<(String, i64)> = sqlx::query_as(RECORD_BATCH)
         .bind(&keys)
         .bind(&tokens)
@@ -1075,5 +1087,5 @@ async fn record_batch(
         .await?;
         answers.extend(fresh);
     }
-    Ok(super::batch::in_item_order(&items, &answers))
+    Ok(super::batch::in_item_order(&items, &answers, |_, _| false))
 }

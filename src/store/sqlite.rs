@@ -23,6 +23,8 @@ use std::time::Duration;
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::SqlitePool;
 
+use super::batch::{Decided, Decision};
+use super::idempotency::BeginItem;
 use super::sql::sqlite_now_ms;
 use super::{bounded, StoreError};
 use crate::config::StoreConfig;
@@ -103,9 +105,14 @@ impl SqliteStore {
         &self.idem
     }
 
-    /// One decision, group-committed with concurrent ones (see `batch`).
-    pub async fn record(&self, key: &str, token: i64) -> Result<i64, StoreError> {
-        super::batch::record(&self.batcher, key, token).await
+    /// See `PgStore::decide`; nothing here can lose the right to write.
+    pub(super) async fn decide(
+        &self,
+        key: &str,
+        token: i64,
+        item: Option<BeginItem>,
+    ) -> Result<Decided, StoreError> {
+        super::batch::decide(&self.batcher, key, token, item).await
     }
 
     /// See `PgStore::begin_run`.
@@ -213,12 +220,13 @@ pub async fn migrate_path(path: &Path) -> Result<(), StoreError> {
 /// fsync) succeeded.
 async fn record_batch(
     pool: &SqlitePool,
-    items: Vec<(String, i64)>,
-) -> Result<Vec<Option<i64>>, StoreError> {
+    items: Vec<Decision>,
+) -> Result<Vec<Option<Decided>>, StoreError> {
     let wanted = super::batch::max_per_key(&items);
+    let sent = super::idempotency::records_sent(&items, &wanted);
     let mut tx = pool.begin().await?;
     let mut answers = super::batch::Answers::with_capacity(wanted.len());
-    for (key, token) in wanted {
+    for (&key, &token) in &wanted {
         let raised: Option<i64> = sqlx::query_scalar(RECORD)
             .bind(key)
             .bind(token)
@@ -235,6 +243,19 @@ async fn record_batch(
         };
         answers.insert(key.to_string(), highest);
     }
+    // First uses' in-flight records, in the same transaction, for the
+    // tokens it accepted (see `store::idempotency`).
+    let mut written = vec![false; items.len()];
+    for (n, d) in items.iter().enumerate() {
+        let Some(record) = d.record.as_ref().filter(|_| sent[n]) else {
+            continue;
+        };
+        if answers.get(d.key.as_str()) == Some(&d.token) {
+            written[n] = super::idempotency::sqlite_begin_in(&mut tx, record).await?;
+        }
+    }
     tx.commit().await?;
-    Ok(super::batch::in_item_order(&items, &answers))
+    Ok(super::batch::in_item_order(&items, &answers, |n, _| {
+        written[n]
+    }))
 }

@@ -701,6 +701,25 @@ impl Db {
         }
     }
 
+    /// The highest token the store holds for `key`.
+    async fn fence(&mut self, key: &str) -> Option<i64> {
+        let sql = "SELECT highest_token FROM fences WHERE resource_key = $1";
+        match self {
+            Db::Pg(c) => sqlx::query_scalar(sql).bind(key).fetch_optional(c).await,
+            Db::Lite(c) => sqlx::query_scalar(sql).bind(key).fetch_optional(c).await,
+        }
+        .unwrap()
+    }
+
+    /// Runs `sql`, written for this backend.
+    async fn run(&mut self, sql: &str) {
+        match self {
+            Db::Pg(c) => sqlx::raw_sql(sql).execute(c).await.map(drop),
+            Db::Lite(c) => sqlx::raw_sql(sql).execute(c).await.map(drop),
+        }
+        .unwrap()
+    }
+
     /// Records whose key starts with `prefix`.
     async fn count(&mut self, prefix: &str) -> i64 {
         let like = format!("{prefix}%");
@@ -907,12 +926,211 @@ async fn shared_mode_decides_the_fence_and_the_record_together() {
     assert_eq!(tokens, vec![Some(5), Some(6)]);
 }
 
+/// Single mode, on both backends: a first use whose token the store must
+/// decide (memory does not know it as the key's durable one) has its
+/// in-flight record written in the fence decision's own transaction. So a
+/// record that cannot be written takes the decision with it: the key's
+/// token is not recorded either (written in two commits, the token would
+/// be). A stale token of a key memory does not know is refused by the
+/// store and leaves no record; the key stays free for the right token.
+#[tokio::test]
+async fn single_mode_decides_the_fence_and_the_record_together() {
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let store = TestStore::new(backend).await;
+        let up = Upstream::start().await;
+        let app = purging_gateway(&store, "single", &up.url()).await;
+        let mut db = Db::open(&store).await;
+        // Any insert of the record `poisoned` fails.
+        db.run(match backend {
+            Backend::Sqlite => {
+                "CREATE TRIGGER poison BEFORE INSERT ON idempotency \
+                 WHEN NEW.idem_key = 'poisoned' BEGIN SELECT RAISE(ABORT, 'poisoned'); END"
+            }
+            Backend::Postgres => {
+                "CREATE FUNCTION poison() RETURNS trigger LANGUAGE plpgsql AS $$ \
+                 BEGIN IF NEW.idem_key = 'poisoned' THEN RAISE EXCEPTION 'poisoned'; END IF; \
+                 RETURN NEW; END $$; \
+                 CREATE TRIGGER poison BEFORE INSERT ON idempotency \
+                 FOR EACH ROW EXECUTE FUNCTION poison()"
+            }
+        })
+        .await;
+        let body = problem(
+            keyed(&app, "/docs/atom", "7", Some("poisoned"), "A", &[]).await,
+            503,
+        )
+        .await;
+        assert_eq!(
+            body["type"], "urn:fencegate:problem:store-unavailable",
+            "{backend:?}"
+        );
+        assert_eq!(
+            db.fence("doc:atom").await,
+            None,
+            "{backend:?}: the decision went with the record"
+        );
+        assert_eq!(db.count("poisoned").await, 0, "{backend:?}");
+        db.run(match backend {
+            Backend::Sqlite => "DROP TRIGGER poison",
+            Backend::Postgres => "DROP TRIGGER poison ON idempotency",
+        })
+        .await;
+        let first = keyed(&app, "/docs/atom", "7", Some("poisoned"), "A", &[]).await;
+        assert_eq!(first.status(), 200, "{backend:?}: the retry is a first use");
+        assert_eq!(db.fence("doc:atom").await, Some(7), "{backend:?}");
+
+        // A key memory has never seen, its token recorded at 10.
+        db.run(match backend {
+            Backend::Sqlite => {
+                "INSERT INTO fences (resource_key, highest_token, updated_at) \
+                 VALUES ('doc:cold', 10, 0)"
+            }
+            Backend::Postgres => {
+                "INSERT INTO fences (resource_key, highest_token, updated_at) \
+                 VALUES ('doc:cold', 10, now())"
+            }
+        })
+        .await;
+        let body = problem(
+            keyed(&app, "/docs/cold", "5", Some("cold"), "A", &[]).await,
+            409,
+        )
+        .await;
+        assert_eq!(body["type"], "urn:fencegate:problem:stale-token");
+        assert_eq!(db.count("cold").await, 0, "{backend:?}: no record");
+        let first = keyed(&app, "/docs/cold", "10", Some("cold"), "B", &[]).await;
+        assert_eq!(first.status(), 200, "{backend:?}: the key stayed free");
+        let replay = keyed(&app, "/docs/cold", "10", Some("cold"), "B", &[]).await;
+        assert_eq!(replay.headers()["idempotent-replayed"], "true");
+        let tokens: Vec<_> = up.applied().iter().map(|w| w.token).collect();
+        assert_eq!(tokens, vec![Some(7), Some(10)], "{backend:?}");
+    }
+}
+
+/// The store of `test_store`, opened as a single-mode gateway would.
+async fn open_store(test_store: &TestStore) -> Arc<fencegate::store::FenceStore> {
+    let config = fencegate::config::Config::from_toml(
+        "t.toml",
+        &crate::support::app::config_text(&test_store.url, ""),
+        Vec::new(),
+    )
+    .unwrap();
+    Arc::new(
+        fencegate::store::FenceStore::open(&config.store)
+            .await
+            .unwrap(),
+    )
+}
+
+/// The record of `key` on the route `docs`, method POST.
+fn docs_post(key: &str) -> fencegate::store::RecordId<'_> {
+    fencegate::store::RecordId {
+        route: "docs",
+        method: "POST",
+        key,
+    }
+}
+
+/// An in-flight record of `id` (fingerprint `fp`) that no test outlives:
+/// in flight for 30 s, kept for 60.
+fn long_lived(id: fencegate::store::RecordId<'_>, attempt: i64) -> fencegate::store::Begin<'_> {
+    fencegate::store::Begin {
+        id,
+        fingerprint: b"fp",
+        attempt,
+        in_flight: Duration::from_secs(30),
+        ttl: Duration::from_secs(60),
+    }
+}
+
+/// Fence decisions that carry records, group-committed, straight against
+/// the store on both backends: 240 at once over 12 keys, with tokens that
+/// rise and fall and 48 records, four per key. A record is written only
+/// with a token its batch accepted, at most once; a decision whose token
+/// was accepted but whose record was not lost to a duplicate that wrote
+/// it; every key ends at its highest token, and every record the store
+/// holds was written by exactly one decision.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn batched_decisions_write_records_only_with_accepted_tokens() {
+    use fencegate::store::Found;
+    for backend in [Backend::Sqlite, Backend::Postgres] {
+        let test_store = TestStore::new(backend).await;
+        let store = open_store(&test_store).await;
+        let mut tasks = Vec::new();
+        for i in 0..240i64 {
+            let store = store.clone();
+            tasks.push(tokio::spawn(async move {
+                // Record `k{n}` always goes with key `r{n % 12}`.
+                let (record, key, token) = (i % 48, format!("r{}", i % 12), (i * 7) % 13);
+                let idem_key = format!("k{record}");
+                let begin = long_lived(docs_post(&idem_key), i);
+                let decided = store.record_keyed(&key, token, &begin).await.unwrap();
+                (record, key, token, decided)
+            }));
+        }
+        let mut highest = std::collections::HashMap::new();
+        let mut writers = std::collections::HashMap::new();
+        let mut lost = Vec::new();
+        for t in tasks {
+            let (record, key, token, decided) = t.await.unwrap();
+            let top = highest.entry(key.clone()).or_insert(token);
+            *top = (*top).max(token);
+            assert!(
+                decided.highest >= token,
+                "{backend:?}: {key} answered {} below {token}",
+                decided.highest
+            );
+            if decided.written {
+                assert_eq!(
+                    decided.highest, token,
+                    "{backend:?}: record k{record} written with a refused token"
+                );
+                assert!(
+                    writers.insert(record, token).is_none(),
+                    "{backend:?}: record k{record} written twice"
+                );
+            } else if decided.highest == token {
+                lost.push(record);
+            }
+        }
+        for record in lost {
+            assert!(
+                writers.contains_key(&record),
+                "{backend:?}: k{record}'s token was accepted, its record not written, \
+                 and nobody wrote it"
+            );
+        }
+        for (key, top) in &highest {
+            assert_eq!(store.record(key, 0).await.unwrap(), *top, "{backend:?}");
+        }
+        for record in 0..48 {
+            let idem_key = format!("k{record}");
+            let found = store
+                .idem_lookup(docs_post(&idem_key), b"fp")
+                .await
+                .unwrap();
+            match writers.contains_key(&record) {
+                true => assert!(
+                    matches!(found, Found::InFlight { .. }),
+                    "{backend:?} k{record}: {found:?}"
+                ),
+                false => assert_eq!(found, Found::Absent, "{backend:?} k{record}"),
+            }
+        }
+        assert!(
+            !writers.is_empty(),
+            "{backend:?}: some records were written"
+        );
+        store.close().await;
+    }
+}
+
 /// A gateway that stalled past its record's time (so that a duplicate took
 /// the expired record over) cannot write into the newer attempt: its late
 /// answer, "unknown" or forgetting match its own attempt only.
 #[tokio::test]
 async fn a_late_answer_never_lands_in_a_newer_attempt() {
-    use fencegate::store::{Begin, Found, RecordId, StoredAnswer};
+    use fencegate::store::{Begin, Found, StoredAnswer};
     for backend in [Backend::Sqlite, Backend::Postgres] {
         let test_store = TestStore::new(backend).await;
         let config = fencegate::config::Config::from_toml(
@@ -924,11 +1142,7 @@ async fn a_late_answer_never_lands_in_a_newer_attempt() {
         let store = fencegate::store::FenceStore::open(&config.store)
             .await
             .unwrap();
-        let id = RecordId {
-            route: "docs",
-            method: "POST",
-            key: "k",
-        };
+        let id = docs_post("k");
         let begin = |attempt| Begin {
             id,
             fingerprint: b"fp",
@@ -1126,33 +1340,17 @@ async fn a_replay_memory_does_not_know_is_served_whatever_the_fence_says() {
 /// losers' answers change nothing; the record replays the winner's answer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn batched_records_admit_one_first_use_per_key() {
-    use fencegate::store::{Begin, FenceStore, Found, RecordId, StoredAnswer};
+    use fencegate::store::{Found, StoredAnswer};
     for backend in [Backend::Sqlite, Backend::Postgres] {
         let test_store = TestStore::new(backend).await;
-        let config = fencegate::config::Config::from_toml(
-            "t.toml",
-            &crate::support::app::config_text(&test_store.url, ""),
-            Vec::new(),
-        )
-        .unwrap();
-        let store = Arc::new(FenceStore::open(&config.store).await.unwrap());
+        let store = open_store(&test_store).await;
         let mut tasks = Vec::new();
         for i in 0..300i64 {
             let store = store.clone();
             tasks.push(tokio::spawn(async move {
                 let key = format!("k{}", i % 20);
-                let id = RecordId {
-                    route: "docs",
-                    method: "POST",
-                    key: &key,
-                };
-                let begin = Begin {
-                    id,
-                    fingerprint: b"fp",
-                    attempt: i,
-                    in_flight: Duration::from_secs(30),
-                    ttl: Duration::from_secs(60),
-                };
+                let id = docs_post(&key);
+                let begin = long_lived(id, i);
                 let won = store.idem_begin(&begin).await.unwrap();
                 let answer = StoredAnswer {
                     status: 200,
@@ -1176,11 +1374,7 @@ async fn batched_records_admit_one_first_use_per_key() {
         }
         assert_eq!(winners.len(), 20, "{backend:?}: one first use per key");
         for (key, attempt) in winners {
-            let id = RecordId {
-                route: "docs",
-                method: "POST",
-                key: &key,
-            };
+            let id = docs_post(&key);
             match store.idem_lookup(id, b"fp").await.unwrap() {
                 Found::Done(a) => {
                     assert_eq!(a.body, format!("answer of {attempt}"), "{backend:?}")
