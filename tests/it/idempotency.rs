@@ -1043,6 +1043,86 @@ fn long_lived(id: fencegate::store::RecordId<'_>, attempt: i64) -> fencegate::st
     }
 }
 
+/// The store's statements find their rows by index however the tables
+/// grew since their plans were cached. Postgres keeps a generic plan per
+/// prepared statement after five runs, planned against the table as it was
+/// then: a batch statement first planned against a new, small table would
+/// scan the whole table on every run once it has grown (until autovacuum
+/// next analyzes it). Counted by Postgres itself: first uses and replays
+/// on a table that grew by 30,000 rows under the gateway's cached plans
+/// cause no sequential scan of `idempotency` or `fences`.
+#[tokio::test]
+async fn cached_plans_never_scan_a_grown_table() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let mut db = Db::open(&store).await;
+    let Db::Pg(pg) = &mut db else {
+        unreachable!("a Postgres store")
+    };
+    // Every gateway connection gone, so its statistics are flushed.
+    async fn scans(pg: &mut sqlx::PgConnection) -> Vec<(String, i64)> {
+        use sqlx::Connection;
+        let _ = pg.ping().await;
+        for _ in 0..200 {
+            let left: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND application_name = 'fencegate'",
+            )
+            .fetch_one(&mut *pg)
+            .await
+            .unwrap();
+            if left == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+        sqlx::query_as(
+            "SELECT relname::text, seq_scan FROM pg_stat_user_tables \
+             WHERE relname IN ('idempotency', 'fences') ORDER BY relname",
+        )
+        .fetch_all(&mut *pg)
+        .await
+        .unwrap()
+    }
+    // Migrations (index builds read the new tables) are counted before.
+    TestApp::spawn(&store.url, &idem_route(&up.url(), ""))
+        .await
+        .stop()
+        .await;
+    let before = scans(pg).await;
+
+    let app = TestApp::spawn(&store.url, &idem_route(&up.url(), "")).await;
+    // Twenty first uses, each followed by its replay (which this instance
+    // answers from memory).
+    async fn round(app: &TestApp, from: usize) {
+        for n in from..from + 20 {
+            let (path, key) = (format!("/docs/g{}", n % 5), format!("w{n}"));
+            for _ in 0..2 {
+                let resp = keyed(app, &path, "1", Some(&key), "A", &[]).await;
+                assert_eq!(resp.status(), 200);
+            }
+        }
+    }
+    round(&app, 0).await;
+    // The table grows under the cached plans.
+    sqlx::query(
+        "INSERT INTO idempotency \
+         (route, method, idem_key, fingerprint, state, in_flight_until, expires_at, attempt, \
+          status, headers, body) \
+         SELECT 'docs', 'POST', 'bulk-' || n, '\\x00'::bytea, 'done', now(), \
+                now() + interval '1 hour', n, 200, '[]'::bytea, 'ok'::bytea \
+           FROM generate_series(1, 30000) AS n",
+    )
+    .execute(&mut *pg)
+    .await
+    .unwrap();
+    round(&app, 20).await;
+    app.stop().await;
+    let after = scans(pg).await;
+    assert_eq!(up.requests().len(), 40, "one forward per first use");
+    assert_eq!(after, before, "sequential scans of the store's tables");
+}
+
 /// Fence decisions that carry records, group-committed, straight against
 /// the store on both backends: 240 at once over 12 keys, with tokens that
 /// rise and fall and 48 records, four per key. A record is written only
