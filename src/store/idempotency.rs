@@ -238,23 +238,27 @@ SELECT NULL::text, NULL::bigint, route, method, idem_key, attempt FROM w";
 /// A batch of answers (single mode): each stored in its attempt's record
 /// if that is still in flight, one statement, one commit. The records are
 /// locked in primary-key order first (the order [`PG_BEGIN_BATCH`] locks
-/// in), then updated by the row versions locked. Only the records
-/// completed come back.
+/// in), each with its answer alongside, then updated by the row versions
+/// locked: once locked they cannot change before the update, and a record
+/// that changed before it was locked (its state, or a newer attempt) was
+/// re-checked against the join and dropped. Only the records completed
+/// come back. The update joins the locked rows by `ctid` alone (a TID scan
+/// per row): joining the batch's rows again by key and attempt cost twice
+/// the time (`EXPLAIN (ANALYZE, BUFFERS)`, 64 answers: 1.6–1.9 ms against
+/// 0.7–0.8 ms).
 const PG_COMPLETE_BATCH: &str = "\
-WITH b AS (
-    SELECT * FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[], $5::int[],
-                         $6::bytea[], $7::bytea[]) AS b(r, m, k, a, s, h, bd)),
-locked AS (
-    SELECT i.ctid AS row FROM idempotency i
-      JOIN b ON i.route = b.r AND i.method = b.m AND i.idem_key = b.k AND i.attempt = b.a
+WITH locked AS (
+    SELECT i.ctid AS row, b.s, b.h, b.bd
+      FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[], $5::int[],
+                  $6::bytea[], $7::bytea[]) AS b(r, m, k, a, s, h, bd)
+      JOIN idempotency i
+        ON i.route = b.r AND i.method = b.m AND i.idem_key = b.k AND i.attempt = b.a
      WHERE i.state = 'in_flight'
      ORDER BY i.route, i.method, i.idem_key
        FOR UPDATE OF i)
-UPDATE idempotency i SET state = 'done', status = b.s, headers = b.h, body = b.bd
-  FROM b
- WHERE i.ctid = ANY(ARRAY(SELECT row FROM locked))
-   AND i.route = b.r AND i.method = b.m AND i.idem_key = b.k AND i.attempt = b.a
-   AND i.state = 'in_flight'
+UPDATE idempotency i SET state = 'done', status = l.s, headers = l.h, body = l.bd
+  FROM locked l
+ WHERE i.ctid = l.row AND i.state = 'in_flight'
 RETURNING i.route, i.method, i.idem_key, i.attempt";
 
 /// Answers larger than this (body and encoded headers) are stored by a
