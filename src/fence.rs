@@ -326,16 +326,9 @@ impl Fence {
         // An error leaves the outcome unknown, the record's too: the caller
         // forgets it.
         let decided = answer?;
-        if decided.highest > token {
-            // A refused token's record is not written.
-            return Ok(Keyed::Refused(stale(key, token, decided.highest)));
-        }
-        if decided.highest < token {
-            return Err(StoreError::Other(format!(
-                "the store answered {} for a decision on {token}",
-                decided.highest
-            ))
-            .into());
+        if let Err(e) = accepted(key, token, decided.highest) {
+            // A record is written only with an accepted token.
+            return Ok(Keyed::Refused(e));
         }
         if !decided.written {
             return Ok(Keyed::Duplicate);
@@ -472,16 +465,7 @@ impl Fence {
                 // still commit, and the gate stops trusting its cache for
                 // the key until it no longer can.
                 ticket.settle(answer.as_ref().ok().copied());
-                let highest = answer?;
-                if highest > token {
-                    return Err(stale(key, token, highest));
-                }
-                if highest < token {
-                    return Err(StoreError::Other(format!(
-                        "the store answered {highest} for a decision on {token}"
-                    ))
-                    .into());
-                }
+                accepted(key, token, answer?)?;
                 ticket
             }
         };
@@ -518,6 +502,22 @@ impl Shared {
             Shared::Refused(e) | Shared::Failed(e) => e,
         }
     }
+}
+
+/// The store's answer to a decision on `token`: `highest`, the key's highest
+/// token after it, equals `token` iff it was accepted; a higher one makes it
+/// stale, and a lower one is an answer the store cannot give.
+fn accepted(key: &str, token: i64, highest: i64) -> Result<(), GatewayError> {
+    if highest > token {
+        return Err(stale(key, token, highest));
+    }
+    if highest < token {
+        return Err(StoreError::Other(format!(
+            "the store answered {highest} for a decision on {token}"
+        ))
+        .into());
+    }
+    Ok(())
 }
 
 fn stale(key: &str, presented: i64, highest: i64) -> GatewayError {

@@ -165,7 +165,9 @@ impl<T: Send + 'static, A: Send + 'static> Batcher<T, A> {
 pub struct Decision {
     pub(super) key: String,
     pub(super) token: i64,
-    pub(super) record: Option<BeginItem>,
+    /// Boxed: most decisions carry none, and every item of every batch
+    /// goes through the batcher's channel.
+    pub(super) record: Option<Box<BeginItem>>,
 }
 
 /// What a batch decided for one item.
@@ -209,7 +211,7 @@ pub(super) async fn decide(
     fences: &Fences,
     key: &str,
     token: i64,
-    record: Option<BeginItem>,
+    record: Option<Box<BeginItem>>,
 ) -> Result<Decided, StoreError> {
     fences
         .submit(Decision {

@@ -36,8 +36,9 @@
 //!   its batch committed, or after the store failed to say so (then the
 //!   record stays in flight and becomes "unknown": never forwarded again);
 //! * **a crash between statements**: each batch is one statement (one
-//!   transaction), so all of it commits or none. A crash after an in-flight batch committed, before
-//!   its forwards, leaves records of requests that never left: duplicates
+//!   transaction), so all of it commits or none. A crash after an
+//!   in-flight batch committed, before its forwards, leaves records of
+//!   requests that never left: duplicates
 //!   hear "in progress", then "outcome unknown" (the gateway cannot know
 //!   nothing was sent), exactly as with a statement of its own;
 //! * **a batch that timed out and commits later**: its first uses were told
@@ -55,9 +56,10 @@
 //! in-flight insert locks a live record it conflicts with, an answer batch
 //! the records it completes), and a fence batch with records locks its
 //! fence rows first, in key order, as no other statement locks a record
-//! before a fence: batches of every kind running at once cannot deadlock. Shared mode writes its in-flight records with the
-//! fence decision (`fencegate_enter_keyed`) and stores answers one
-//! statement each: there every write already has its own statement.
+//! before a fence: batches of every kind running at once cannot deadlock.
+//! Shared mode writes its in-flight records with the fence decision
+//! (`fencegate_enter_keyed`) and stores answers one statement each: there
+//! every write already has its own statement.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;
@@ -423,24 +425,23 @@ pub(super) async fn pg_decide_batch(
     .fetch_all(pool)
     .await?;
     let mut answers = Answers::with_capacity(wanted.len());
-    let mut written = HashSet::new();
-    for row in &rows {
+    let mut records = Vec::new();
+    for row in rows {
         match row {
             (Some(key), Some(highest), ..) => {
-                answers.insert(key.clone(), *highest);
+                answers.insert(key, highest);
             }
-            (None, None, Some(r), Some(m), Some(k), Some(a)) => {
-                written.insert((r.as_str(), m.as_str(), k.as_str(), *a));
-            }
+            (None, None, Some(r), Some(m), Some(k), Some(a)) => records.push((r, m, k, a)),
             _ => return Err(StoreError::Other("a batch answered a malformed row".into())),
         }
     }
-    Ok(in_item_order(&items, &answers, |n, d| {
-        sent[n]
-            && d.record
-                .as_ref()
-                .is_some_and(|r| written.contains(&r.attempt()))
-    }))
+    // Only items sent carry a record; the others' id is never looked at.
+    let written = answered(&items, &sent, &records, |d| {
+        d.record
+            .as_deref()
+            .map_or(("", "", "", 0), BeginItem::attempt)
+    });
+    Ok(in_item_order(&items, &answers, |n, _| written[n]))
 }
 
 /// Writes one in-flight record within a SQLite transaction; whether it

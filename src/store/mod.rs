@@ -136,7 +136,7 @@ impl FenceStore {
         token: i64,
         record: &Begin<'_>,
     ) -> Result<batch::Decided, StoreError> {
-        let item = idempotency::BeginItem::of(record);
+        let item = Box::new(idempotency::BeginItem::of(record));
         dispatch!(self, s => s.decide(key, token, Some(item)).await)
     }
 

@@ -237,7 +237,7 @@ impl PgStore {
         &self,
         key: &str,
         token: i64,
-        record: Option<super::idempotency::BeginItem>,
+        record: Option<Box<super::idempotency::BeginItem>>,
     ) -> Result<Decided, StoreError> {
         self.check_owner()?;
         match &self.batcher {

@@ -110,7 +110,7 @@ impl SqliteStore {
         &self,
         key: &str,
         token: i64,
-        item: Option<BeginItem>,
+        item: Option<Box<BeginItem>>,
     ) -> Result<Decided, StoreError> {
         super::batch::decide(&self.batcher, key, token, item).await
     }
