@@ -131,7 +131,7 @@ impl Exchange {
                 None
             }
         };
-        // Dropped outside the lock: a shared-mode key lock spawns its leave.
+        // Dropped outside the lock: a shared-mode admission queues its leave.
         drop(released);
     }
 
@@ -199,7 +199,7 @@ impl Drop for Exchange {
         if Instant::now() >= deadline {
             return;
         }
-        admission.abandon_key_lock();
+        admission.abandon_in_flight();
         drop(self.runtime.spawn(async move {
             tokio::time::sleep_until(deadline.into()).await;
             drop(admission);

@@ -19,16 +19,17 @@ use std::time::{Duration, Instant};
 
 use crate::error::{ClientError, GatewayError};
 use crate::gate::{Arrival, Gate, Permit};
-use crate::store::{Begin, Entered, FenceStore, KeyLock, StoreError};
+use crate::store::{Begin, Entered, FenceStore, InFlight, StoreError};
 
 /// The right to forward one fenced write; drop it when the upstream is done
 /// with the write (see `exchange`).
 pub struct Admission {
     /// The in-process gate's permit.
     _permit: Permit,
-    /// `shared` mode: the key's cross-instance lock (released after the
-    /// permit, by field order).
-    key_lock: Option<KeyLock>,
+    /// `shared` mode: the write counted in flight in the key's row, for
+    /// every instance (it leaves after the permit is released, by field
+    /// order).
+    in_flight: Option<InFlight>,
     /// `shared` mode: other instances assume this write may be in flight
     /// until this instant if we crash, so the forward must end by then.
     pub must_end_by: Option<Instant>,
@@ -37,11 +38,11 @@ pub struct Admission {
 impl Admission {
     /// The write ended abnormally: the key stays closed until the deadline.
     /// In-process that is the permit, kept that long; across instances it
-    /// is the write's in-flight marker, which outlasts the deadline, so the
-    /// key-lock connection is let go now (see `KeyLock::abandon`).
-    pub fn abandon_key_lock(&mut self) {
-        if let Some(lock) = self.key_lock.take() {
-            lock.abandon();
+    /// is the write's in-flight marker, which outlasts the deadline, so it
+    /// is never left (see `InFlight::abandon`).
+    pub fn abandon_in_flight(&mut self) {
+        if let Some(w) = self.in_flight.take() {
+            w.abandon();
         }
     }
 }
@@ -207,7 +208,7 @@ impl Fence {
         let permit = self.check_single(key, arrival, token).await?;
         Ok(Admission {
             _permit: permit,
-            key_lock: None,
+            in_flight: None,
             must_end_by: None,
         })
     }
@@ -285,7 +286,7 @@ impl Fence {
         let admitted = |permit, sent_at: Instant, in_flight| Keyed::Admitted {
             admission: Admission {
                 _permit: permit,
-                key_lock: None,
+                in_flight: None,
                 must_end_by: None,
             },
             record_until: sent_at + in_flight,
@@ -382,8 +383,8 @@ impl Fence {
         Ok(arrival)
     }
 
-    /// `shared` mode: Postgres orders writes across instances (advisory
-    /// locks, see migrations/postgres/0003_shared_mode.sql); the in-process
+    /// `shared` mode: Postgres orders writes across instances (the fence
+    /// row's in-flight counts, see `store::admissions`); the in-process
     /// gate still orders this instance's own writes, and relies on nothing
     /// another instance could have changed: every admission went through
     /// Postgres first.
@@ -419,7 +420,8 @@ impl Fence {
                 lock
             }
             Err(e @ StoreError::KeyBusy(_)) => {
-                // lock_timeout aborted the statement: nothing of it stays.
+                // Not admitted; the token may be recorded (a raise waits
+                // with its token written), so memory learns nothing.
                 ticket.settle(None);
                 return Err(Shared::Refused(e.into()));
             }
@@ -439,7 +441,7 @@ impl Fence {
             Admission {
                 _permit: permit,
                 must_end_by: Some(lock.marker_until()),
-                key_lock: Some(lock),
+                in_flight: Some(lock),
             },
             entered_at,
         )))

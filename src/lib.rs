@@ -33,7 +33,7 @@
 //! * [`gate`]: the per-key gate that orders in-flight writes, and the memory
 //!   cache of durable tokens.
 //! * [`store`]: the fence store (SQLite or Postgres), group commit, shared
-//!   mode's cross-instance key locks, and what keeps decisions right through
+//!   mode's cross-instance admissions, and what keeps decisions right through
 //!   a Postgres failover (read-only servers refused, the single-writer
 //!   lock's lease, readiness and the durability check).
 //! * [`exchange`]: one fenced write's exchange with the upstream, and when

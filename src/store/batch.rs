@@ -132,6 +132,32 @@ impl<T: Send + 'static, A: Send + 'static> Batcher<T, A> {
         Self { tx, timeout }
     }
 
+    /// Writes `what` as part of a coming batch, answering nobody: for
+    /// writes whose loss is safe and whose requester does not wait (see
+    /// `admissions`' leaves). A full queue is waited for in a task of the
+    /// current runtime. False when the batcher stopped, or the queue is
+    /// full outside a runtime: the item is then not written.
+    pub fn post(&self, what: T) -> bool {
+        let (reply, _) = oneshot::channel();
+        let item = Item {
+            what,
+            reply,
+            home: None,
+        };
+        match self.tx.try_send(item) {
+            Ok(()) => true,
+            Err(mpsc::error::TrySendError::Closed(_)) => false,
+            Err(mpsc::error::TrySendError::Full(item)) => match Handle::try_current() {
+                Ok(rt) => {
+                    let tx = self.tx.clone();
+                    drop(rt.spawn(async move { tx.send(item).await }));
+                    true
+                }
+                Err(_) => false,
+            },
+        }
+    }
+
     /// Writes `what` as part of the next batch; answers once that batch
     /// has committed.
     pub async fn submit(&self, what: T) -> Result<A, StoreError> {

@@ -270,13 +270,13 @@ const BATCHED_ANSWER_BYTES: usize = 64 * 1024;
 
 /// An in-flight record, owned, as a batch carries it.
 pub(super) struct BeginItem {
-    route: String,
-    method: String,
-    key: String,
-    fingerprint: Vec<u8>,
-    attempt: i64,
-    in_flight_ms: i64,
-    ttl_ms: i64,
+    pub(super) route: String,
+    pub(super) method: String,
+    pub(super) key: String,
+    pub(super) fingerprint: Vec<u8>,
+    pub(super) attempt: i64,
+    pub(super) in_flight_ms: i64,
+    pub(super) ttl_ms: i64,
 }
 
 impl BeginItem {

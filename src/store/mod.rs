@@ -12,7 +12,9 @@
 //!
 //! # Layout
 //!
-//! * `postgres`: the production store, shared mode and failover included.
+//! * `postgres`: the production store, failover included.
+//! * `admissions`: shared mode: which fenced writes may go, across every
+//!   instance on one Postgres.
 //! * `sqlite`: the embedded store for a single instance.
 //! * [`batch`]: group commit: concurrent decisions in one statement.
 //! * [`readiness`]: `/readyz`'s view of the store; the durability check.
@@ -22,6 +24,7 @@
 //! * `sql`: SQL fragments the statements share.
 
 mod admin;
+mod admissions;
 pub mod batch;
 mod idempotency;
 mod lock_fences;
@@ -36,8 +39,9 @@ use std::time::Duration;
 use crate::config::{StoreBackend, StoreConfig, StoreMode};
 
 pub use admin::{prefix_end, FenceRecord, Page, ResetRecord};
+pub use admissions::{Entered, InFlight};
 pub use idempotency::{Begin, Found, Read, RecordId, StoredAnswer, PURGE_BATCH};
-pub use postgres::{Entered, KeyLock, PgStore, ReadOnly, OWNER_LEASE};
+pub use postgres::{PgStore, ReadOnly, OWNER_LEASE};
 pub use readiness::StoreReadiness;
 pub use sqlite::SqliteStore;
 
@@ -58,10 +62,9 @@ pub enum StoreError {
     Migrate(#[from] sqlx::migrate::MigrateError),
     #[error("this instance does not hold the store's single-writer lock on a writable primary")]
     NotOwner,
-    /// Shared mode: another instance's older write kept the key's lock
-    /// longer than `key_lock_wait_ms` (Postgres's `lock_timeout`). The store
-    /// itself is fine.
-    #[error("the key stayed locked by an older write for more than {0:?} (key_lock_wait_ms)")]
+    /// Shared mode: older writes to the key stayed in flight (on any
+    /// instance) longer than `key_lock_wait_ms`. The store itself is fine.
+    #[error("older writes kept the key closed for more than {0:?} (key_lock_wait_ms)")]
     KeyBusy(Duration),
     /// The decision was reached, but too late to forward the write within
     /// its in-flight marker (shared mode) or its idempotency record's time

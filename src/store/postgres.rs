@@ -24,7 +24,7 @@
 //!   exact under the previous one is not trusted as exact any more (another
 //!   instance may have written in between).
 //! * Shared mode's in-flight markers are rows, so they fail over with the
-//!   fences; its key locks are per session and end with the old primary.
+//!   fences (see `admissions`).
 //!
 //! Nothing of this costs a round trip per decision: the checks run once per
 //! new connection and on the watcher's timer; a decision reads an atomic.
@@ -38,6 +38,7 @@ use sqlx::{Connection, PgConnection, PgPool};
 
 use tokio::task::JoinHandle;
 
+use super::admissions::Entered;
 use super::batch::{Decided, Decision};
 use super::readiness::{Probe, ServerState, StoreReadiness, WriterLock, PROBE};
 use super::{bounded, StoreError};
@@ -109,14 +110,14 @@ const BATCHES_IN_FLIGHT: usize = 1;
 pub struct PgStore {
     pool: PgPool,
     /// Group commit for `record`, in single mode only: shared-mode writes
-    /// are decided by `enter`, one statement each on a key-lock connection.
+    /// are decided by `enter` (see `admissions`).
     batcher: Option<super::batch::Fences>,
     /// Group commit of Idempotency-Key records, in single mode only (see
     /// `store::idempotency`).
     idem: Option<super::idempotency::IdemBatchers>,
-    /// `shared` mode: connections that hold the per-key advisory locks for
-    /// the life of a forward, one per fenced write in flight.
-    key_locks: Option<KeyLockPool>,
+    /// `shared` mode: admissions and leaves of fenced writes across every
+    /// instance, group-committed on connections of their own.
+    admissions: Option<Arc<super::admissions::Admissions>>,
     /// Bound on every operation, including waiting for a pooled connection.
     timeout: Duration,
     /// Present in `single` mode: the advisory lock that makes this instance
@@ -132,11 +133,6 @@ impl PgStore {
     pub async fn open(cfg: &StoreConfig, single: bool) -> Result<Self, StoreError> {
         let opts = connect_options(&cfg.url, cfg.timeout)?;
         let view = Arc::new(ServerView::default());
-        let key_locks = if single {
-            None
-        } else {
-            Some(KeyLockPool::new(&opts, cfg, &view))
-        };
         let pool = checked_pool(&view, cfg.pool_size, cfg.timeout)
             .connect_with(opts.clone())
             .await
@@ -169,6 +165,7 @@ impl PgStore {
             }};
         }
         let batcher = single.then(|| batcher!(super::batch::Fences, record_batch));
+        let admissions = (!single).then(|| Arc::new(admissions(&opts, cfg, &view)));
         let idem = single.then(|| {
             use super::batch::Batcher;
             use super::idempotency::{pg_begin_batch, pg_complete_batch, IdemBatchers};
@@ -181,7 +178,7 @@ impl PgStore {
             pool,
             batcher,
             idem,
-            key_locks,
+            admissions,
             timeout: cfg.timeout,
             owner,
             view,
@@ -252,14 +249,13 @@ impl PgStore {
     }
 
     /// Shared mode: admits a fenced write of `token` on `key` across every
-    /// instance (`fencegate_enter`: see migrations/postgres/0003, 0005 and
-    /// 0008).
-    /// On success the returned lock must be held until the write has
-    /// finished at the upstream; `hold` bounds how long a crashed holder's
-    /// write may be assumed in flight.
+    /// instance (see `admissions`).
+    /// On success the returned [`InFlight`] must be kept until the write
+    /// has finished at the upstream; `hold` bounds how long a crashed
+    /// instance's write may be assumed in flight.
     /// `record`: a first use of an `Idempotency-Key`, whose in-flight
     /// record is written in the same statement (`fencegate_enter_keyed`,
-    /// migrations/postgres/0009), so in the same transaction and commit as
+    /// migrations/postgres/0010), so in the same transaction and commit as
     /// the fence's marker; [`Entered::Duplicate`] when a live record of the
     /// key exists.
     pub async fn enter(
@@ -269,12 +265,12 @@ impl PgStore {
         hold: Duration,
         record: Option<&super::Begin<'_>>,
     ) -> Result<Entered, StoreError> {
-        let key_locks = self
-            .key_locks
+        let admissions = self
+            .admissions
             .as_ref()
             .ok_or_else(|| StoreError::Other("enter() needs mode = \"shared\"".into()))?;
-        key_locks
-            .enter(key, token, hold, record, self.timeout)
+        admissions
+            .enter(key, token, hold, record)
             .await
             .map_err(|e| self.explain(e))
     }
@@ -323,7 +319,7 @@ impl PgStore {
 
     /// True in `shared` mode.
     pub fn is_shared(&self) -> bool {
-        self.key_locks.is_some()
+        self.admissions.is_some()
     }
 
     /// The pool, for the table lock backend.
@@ -407,8 +403,8 @@ impl PgStore {
         if let Some(o) = &self.owner {
             o.task.abort();
         }
-        if let Some(g) = &self.key_locks {
-            g.pool.close().await;
+        if let Some(a) = &self.admissions {
+            a.pool().close().await;
         }
         self.pool.close().await;
     }
@@ -848,223 +844,34 @@ pub async fn migrate_url(url: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// What `enter` decided.
-pub enum Entered {
-    /// Admitted; hold the lock until the write has finished upstream. With
-    /// an idempotency record to write, it is written.
-    Admitted(KeyLock),
-    /// A higher token is recorded.
-    Stale(i64),
-    /// A live idempotency record of the key exists (a concurrent duplicate
-    /// wrote it first): not admitted, no lock held, nothing written but
-    /// perhaps the token.
-    Duplicate,
-}
-
-/// The per-key lock connections of `shared` mode.
-///
-/// Session advisory locks belong to a connection, so a write keeps its
-/// connection out of the pool for as long as it is in flight: the pool size
-/// bounds the fenced writes in flight per instance. The connections are ours
-/// (never a transaction pooler's), and a connection whose state we are not
-/// sure of is closed rather than returned, since closing is what releases
-/// its locks.
-#[derive(Clone)]
-struct KeyLockPool {
-    pool: PgPool,
-    /// Longest a write waits for writes of older tokens (on any instance)
-    /// to finish; past it, 503.
-    wait: Duration,
-}
-
-impl KeyLockPool {
-    fn new(opts: &PgConnectOptions, cfg: &StoreConfig, view: &Arc<ServerView>) -> Self {
-        let lock_timeout = format!("{}ms", cfg.key_lock_wait.as_millis());
-        // The waits happen inside Postgres (pg_advisory_lock): bound them
-        // there with lock_timeout, so a wait ends with an error on a healthy
-        // connection instead of a cancelled query on a connection that might
-        // still take the lock later.
-        let opts = opts
-            .clone()
-            .application_name("fencegate-key-locks")
-            .options([
-                ("statement_timeout", "0"),
-                ("lock_timeout", lock_timeout.as_str()),
-                ("synchronous_commit", "on"),
-            ]);
-        let pool =
-            checked_pool(view, cfg.key_lock_connections, cfg.timeout).connect_lazy_with(opts);
-        Self {
-            pool,
-            wait: cfg.key_lock_wait,
-        }
-    }
-
-    async fn enter(
-        &self,
-        key: &str,
-        token: i64,
-        hold: Duration,
-        record: Option<&super::Begin<'_>>,
-        timeout: Duration,
-    ) -> Result<Entered, StoreError> {
-        let deadline = tokio::time::Instant::now() + self.wait + timeout;
-        loop {
-            let mut conn = bounded(timeout, StoreError::Timeout, async {
-                Ok(self.pool.acquire().await?)
-            })
-            .await?;
-            // The statement starts on the server after this; with the time
-            // it reports between its start and the marker, this gives a
-            // local lower bound of the marker's end.
-            let sent_at = std::time::Instant::now();
-            let query = match record {
-                None => sqlx::query_as::<_, (String, i64, i64, i64)>(
-                    "SELECT outcome, highest, wait_ms, entered_ms FROM fencegate_enter($1, $2, $3)",
-                )
-                .bind(key)
-                .bind(token)
-                .bind(hold.as_millis() as i64),
-                Some(r) => sqlx::query_as::<_, (String, i64, i64, i64)>(
-                    "SELECT outcome, highest, wait_ms, entered_ms \
-                       FROM fencegate_enter_keyed($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
-                )
-                .bind(key)
-                .bind(token)
-                .bind(hold.as_millis() as i64)
-                .bind(r.id.route)
-                .bind(r.id.method)
-                .bind(r.id.key)
-                .bind(r.fingerprint)
-                .bind(r.attempt)
-                .bind(r.in_flight.as_millis() as i64)
-                .bind(r.ttl.as_millis() as i64),
-            }
-            .fetch_one(&mut *conn);
-            let answer = match tokio::time::timeout_at(deadline, query).await {
-                Ok(Ok(a)) => a,
-                Ok(Err(e)) => {
-                    // Any error (lock_timeout, a broken connection): this
-                    // session's lock state is unknown, so close it.
-                    conn.close_on_drop();
-                    let lock_timeout = e
-                        .as_database_error()
-                        .and_then(|d| d.code())
-                        .is_some_and(|c| c == "55P03");
-                    return Err(if lock_timeout {
-                        StoreError::KeyBusy(self.wait)
-                    } else {
-                        e.into()
-                    });
-                }
-                Err(_) => {
-                    conn.close_on_drop();
-                    return Err(StoreError::Timeout(self.wait + timeout));
-                }
-            };
-            match answer.0.as_str() {
-                "ok" => {
-                    let entered_at = sent_at + Duration::from_millis(answer.3.max(0) as u64);
-                    return Ok(Entered::Admitted(KeyLock {
-                        conn: Some(conn),
-                        key: key.to_string(),
-                        token,
-                        timeout,
-                        runtime: tokio::runtime::Handle::try_current().ok(),
-                        entered_at,
-                        marker_until: entered_at + hold,
-                    }));
-                }
-                "stale" => return Ok(Entered::Stale(answer.1)),
-                "duplicate" => return Ok(Entered::Duplicate),
-                _ => {
-                    // "wait": writers that never left may still arrive.
-                    drop(conn);
-                    let nap = Duration::from_millis(answer.2.max(1) as u64);
-                    if tokio::time::Instant::now() + nap > deadline {
-                        return Err(StoreError::Timeout(self.wait + timeout));
-                    }
-                    tokio::time::sleep(nap).await;
-                }
-            }
-        }
-    }
-}
-
-/// A key's shared advisory lock, held by a fenced write in flight. Dropping
-/// it leaves (decrements the in-flight marker and unlocks) in the background;
-/// if that fails, the connection is closed, which releases the lock too.
-pub struct KeyLock {
-    conn: Option<sqlx::pool::PoolConnection<sqlx::Postgres>>,
-    key: String,
-    token: i64,
-    timeout: Duration,
-    /// The runtime the connection was taken on, where it must be used again:
-    /// the lock is often dropped on a worker thread (with the relayed
-    /// response body), whose runtime may end before the leave has run.
-    runtime: Option<tokio::runtime::Handle>,
-    /// A local lower bound of the moment the admitting statement wrote the
-    /// in-flight marker (and, for a keyed write, then its idempotency
-    /// record).
-    entered_at: std::time::Instant,
-    /// A local lower bound of the end of the in-flight marker the admitting
-    /// statement wrote (earlier attempts that were told to wait do not
-    /// count): if this instance crashes, other instances consider its write
-    /// over then, so the forward must be over by this.
-    marker_until: std::time::Instant,
-}
-
-impl KeyLock {
-    /// See the field.
-    pub fn marker_until(&self) -> std::time::Instant {
-        self.marker_until
-    }
-
-    /// See the field.
-    pub fn entered_at(&self) -> std::time::Instant {
-        self.entered_at
-    }
-}
-
-impl KeyLock {
-    /// The write ended abnormally and the upstream may still be at work on
-    /// it until the forward's deadline. Instead of holding this connection
-    /// (and so one of the few key-lock connections) that long, close it:
-    /// Postgres releases the advisory lock, while the in-flight marker
-    /// stays (no `fencegate_leave`), so other instances see a writer that
-    /// never left and hold the key until its `writer_until` — the same path
-    /// as after a crash, which the marker outlasts the deadline for.
-    pub fn abandon(mut self) {
-        if let Some(mut conn) = self.conn.take() {
-            conn.close_on_drop();
-        }
-    }
-}
-
-impl Drop for KeyLock {
-    fn drop(&mut self) {
-        let Some(mut conn) = self.conn.take() else {
-            return;
-        };
-        let Some(rt) = self.runtime.take() else {
-            conn.close_on_drop();
-            return;
-        };
-        let (key, token, timeout) = (std::mem::take(&mut self.key), self.token, self.timeout);
-        rt.spawn(async move {
-            let left = tokio::time::timeout(
-                timeout,
-                sqlx::query("SELECT fencegate_leave($1, $2)")
-                    .bind(&key)
-                    .bind(token)
-                    .execute(&mut *conn),
-            )
-            .await;
-            if !matches!(left, Ok(Ok(_))) {
-                conn.close_on_drop();
-            }
-        });
-    }
+/// Shared mode's admissions, on `key_lock_connections` connections of
+/// their own (so a burst of fenced writes never waits for the pool that
+/// serves lock grants and Idempotency-Key reads), with the store's
+/// connection settings.
+fn admissions(
+    opts: &PgConnectOptions,
+    cfg: &StoreConfig,
+    view: &Arc<ServerView>,
+) -> super::admissions::Admissions {
+    use super::admissions::{enter_batch, leave_batch, Admissions};
+    use super::batch::Batcher;
+    let opts = opts.clone().application_name("fencegate-admissions");
+    let pool = checked_pool(view, cfg.key_lock_connections, cfg.timeout).connect_lazy_with(opts);
+    let leaves = {
+        let (pool, view) = (pool.clone(), view.clone());
+        Batcher::spawn(MAX_BATCH, BATCHES_IN_FLIGHT, cfg.timeout, move |items| {
+            let (pool, view) = (pool.clone(), view.clone());
+            async move { view.learn(leave_batch(&pool, items).await) }
+        })
+    };
+    let enters = {
+        let (pool, view, leaves) = (pool.clone(), view.clone(), leaves.clone());
+        Batcher::spawn(MAX_BATCH, BATCHES_IN_FLIGHT, cfg.timeout, move |items| {
+            let (pool, view, leaves) = (pool.clone(), view.clone(), leaves.clone());
+            async move { view.learn(enter_batch(&pool, &leaves, items).await) }
+        })
+    };
+    Admissions::new(pool, enters, leaves, cfg.key_lock_wait, cfg.timeout)
 }
 
 /// Runs one batch of decisions and answers each item's key's highest token

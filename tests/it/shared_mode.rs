@@ -94,15 +94,15 @@ async fn held_by_the_first(
     (store, up, apps, slow)
 }
 
-/// A client that gives up while its write waits inside `fencegate_enter`
-/// (another instance holds the key for an older token): its write is never
-/// started, and the key's cross-instance lock is not leaked — a newer token
-/// gets through at once instead of waiting out `key_lock_wait_ms`.
+/// A client that gives up while its write waits for another instance's
+/// older write: its write is never started, and nothing of it is left
+/// counted in flight — a newer token gets through at once instead of
+/// waiting out `key_lock_wait_ms` or a marker.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_gone_while_waiting_in_postgres_leaks_no_lock() {
     // Instance 0 forwards token 5 slowly, holding the key.
     let (_store, up, apps, slow) = held_by_the_first("/docs/w", 3000).await;
-    // Token 6 on instance 1 waits for it inside Postgres; its client gives up.
+    // Token 6 on instance 1 waits for it; its client gives up.
     let gave_up = fenced_put(&apps[1].http, apps[1].url("/docs/w"), "6", "six")
         .timeout(std::time::Duration::from_millis(300))
         .send()
@@ -122,9 +122,20 @@ async fn client_gone_while_waiting_in_postgres_leaks_no_lock() {
         vec![Some(5), Some(7)],
         "token 6 must never be applied"
     );
-    let metrics = apps[1].metrics().await;
-    let line = "fencegate_decisions_total{route=\"docs\",outcome=\"client_gone\"} 1";
-    assert!(metrics.contains(line), "missing {line} in\n{metrics}");
+    // 6's decision ends on its own: admitted once 5 has left, and then not
+    // started because its client is gone; or refused, when 7 was recorded
+    // before 6 asked again (it asks every few ms while it waits).
+    let gone = "fencegate_decisions_total{route=\"docs\",outcome=\"client_gone\"} 1";
+    let stale = "fencegate_decisions_total{route=\"docs\",outcome=\"stale\"} 1";
+    let mut metrics = String::new();
+    for _ in 0..100 {
+        metrics = apps[1].metrics().await;
+        if metrics.contains(gone) || metrics.contains(stale) {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!("token 6's decision was never counted as {gone} or {stale}:\n{metrics}");
 }
 
 /// A write that waits inside Postgres longer than `key_lock_wait_ms` (another
@@ -158,4 +169,148 @@ async fn lock_wait_past_key_lock_wait_is_503_and_leaves_nothing_behind() {
     let line = "fencegate_decisions_total{route=\"docs\",outcome=\"key_busy\"} 1";
     let metrics = apps[1].metrics().await;
     assert!(metrics.contains(line), "missing {line} in\n{metrics}");
+}
+
+/// The admission protocol itself (migrations/postgres/0010), statement by
+/// statement, as instances call it: a write that never leaves (a crashed
+/// instance) holds a raise until its marker ends; the raise is recorded at
+/// once; and a writer that outlived its marker cannot open a key that the
+/// next token's writers hold when it finally leaves. A protocol that let
+/// any older token's leave count down would open the key under token 6's
+/// write here.
+#[tokio::test]
+async fn the_admission_protocol_counts_each_tokens_writers() {
+    use sqlx::Connection;
+    let store = TestStore::new(Backend::Postgres).await;
+    fencegate::store::migrate_url(&store.url)
+        .await
+        .expect("migrations");
+    let mut db = sqlx::PgConnection::connect(&store.url)
+        .await
+        .expect("connect to the test database");
+    async fn enter(db: &mut sqlx::PgConnection, token: i64, hold_ms: i64) -> (String, i64) {
+        let (outcome, highest): (String, i64) = sqlx::query_as(
+            "SELECT outcome, highest FROM fencegate_enter_batch(ARRAY['k'], ARRAY[$1::bigint], ARRAY[$2::bigint])",
+        )
+        .bind(token)
+        .bind(hold_ms)
+        .fetch_one(&mut *db)
+        .await
+        .expect("enter");
+        (outcome, highest)
+    }
+    async fn leave(db: &mut sqlx::PgConnection, token: i64) {
+        sqlx::query("SELECT fencegate_leave_batch(ARRAY['k'], ARRAY[$1::bigint])")
+            .bind(token)
+            .execute(&mut *db)
+            .await
+            .expect("leave");
+    }
+    let ok = |t: i64| ("ok".to_string(), t);
+    let wait = |t: i64| ("wait".to_string(), t);
+
+    // Token 5 enters with a short marker, and never leaves.
+    assert_eq!(enter(&mut db, 5, 300).await, ok(5));
+    assert_eq!(enter(&mut db, 5, 300).await, ok(5), "equal tokens share");
+    // 6 is recorded at once (5 is stale from now on) but waits.
+    assert_eq!(enter(&mut db, 6, 60_000).await, wait(6));
+    assert_eq!(
+        enter(&mut db, 5, 300).await,
+        ("stale".to_string(), 6),
+        "a raise is recorded while it waits"
+    );
+    // One of the two writers of 5 leaves; the other never does.
+    leave(&mut db, 5).await;
+    assert_eq!(enter(&mut db, 6, 60_000).await, wait(6));
+    // Their markers end: 6 is admitted, with a long marker of its own.
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    assert_eq!(enter(&mut db, 6, 60_000).await, ok(6));
+    // 7 waits for 6's writer. The straggler of 5 leaves at last: that must
+    // not open the key, which 6's write holds.
+    assert_eq!(enter(&mut db, 7, 60_000).await, wait(7));
+    leave(&mut db, 5).await;
+    assert_eq!(enter(&mut db, 7, 60_000).await, wait(7));
+    // 6's writer leaves: 7 goes at once, long before 6's marker ends.
+    leave(&mut db, 6).await;
+    assert_eq!(enter(&mut db, 7, 60_000).await, ok(7));
+    // A still higher token while 7's write is in flight, then one more: the
+    // last takes over the waiting, and 7's leave opens the key for it.
+    assert_eq!(enter(&mut db, 8, 60_000).await, wait(8));
+    assert_eq!(enter(&mut db, 9, 60_000).await, wait(9));
+    assert_eq!(enter(&mut db, 8, 60_000).await, ("stale".to_string(), 9));
+    leave(&mut db, 7).await;
+    assert_eq!(enter(&mut db, 9, 60_000).await, ok(9));
+    db.close().await.ok();
+}
+
+/// The protocol as an earlier gateway calls it during a rolling upgrade
+/// (`fencegate_enter`, `fencegate_leave`, one write each): the same
+/// counts, and a `wait` short enough for its sleep-then-ask loop.
+#[tokio::test]
+async fn earlier_gateways_speak_the_same_admission_protocol() {
+    use sqlx::Connection;
+    let store = TestStore::new(Backend::Postgres).await;
+    fencegate::store::migrate_url(&store.url)
+        .await
+        .expect("migrations");
+    let mut db = sqlx::PgConnection::connect(&store.url)
+        .await
+        .expect("connect to the test database");
+    async fn enter(db: &mut sqlx::PgConnection, token: i64) -> (String, i64, i64) {
+        sqlx::query_as("SELECT outcome, highest, wait_ms FROM fencegate_enter('k', $1, 60000)")
+            .bind(token)
+            .fetch_one(&mut *db)
+            .await
+            .expect("enter")
+    }
+    assert_eq!(enter(&mut db, 5).await.0, "ok");
+    let (outcome, highest, wait_ms) = enter(&mut db, 6).await;
+    assert_eq!((outcome.as_str(), highest), ("wait", 6));
+    assert!(
+        wait_ms <= 10,
+        "an earlier gateway sleeps {wait_ms} ms before it asks again"
+    );
+    // The new batch form sees the old form's writer, and the reverse.
+    let (batch_outcome,): (String,) = sqlx::query_as(
+        "SELECT outcome FROM fencegate_enter_batch(ARRAY['k'], ARRAY[6::bigint], ARRAY[60000::bigint])",
+    )
+    .fetch_one(&mut db)
+    .await
+    .expect("enter_batch");
+    assert_eq!(batch_outcome, "wait");
+    sqlx::query("SELECT fencegate_leave('k', 5)")
+        .execute(&mut db)
+        .await
+        .expect("leave");
+    assert_eq!(enter(&mut db, 6).await.0, "ok");
+    db.close().await.ok();
+}
+
+/// Across instances a higher token waits for the older write only as long
+/// as that write is at the upstream: it goes as soon as the write has
+/// finished there (its leave opens the key), not when the write's marker
+/// ends (the route's 30 s timeout plus a second). Meanwhile its token is
+/// recorded, so the older token is refused on every instance.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_higher_token_goes_when_the_older_write_has_left() {
+    let (_store, up, apps, slow) = held_by_the_first("/docs/h", 10_000).await;
+    let started = std::time::Instant::now();
+    let six = {
+        let req = fenced_put(&apps[1].http, apps[1].url("/docs/h"), "6", "six");
+        tokio::spawn(async move { req.send().await.map(|r| r.status().as_u16()) })
+    };
+    // While 6 waits, 5 is stale everywhere (6 is recorded), and nothing of
+    // that refusal is forwarded.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    apps[0].assert_stale("/docs/h", "5", "five again", 6).await;
+    assert_eq!(slow.await.unwrap().unwrap(), 200);
+    assert_eq!(six.await.unwrap().unwrap(), 200);
+    let waited = started.elapsed();
+    assert!(
+        waited < std::time::Duration::from_secs(10),
+        "token 6 waited {waited:?}: for the marker, not for the write"
+    );
+    let applied = up.applied_on("/docs/h");
+    let tokens: Vec<_> = applied.iter().map(|a| a.token).collect();
+    assert_eq!(tokens, vec![Some(5), Some(6)]);
 }

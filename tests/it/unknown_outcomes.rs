@@ -130,7 +130,7 @@ async fn a_sqlite_batch_cut_off_mid_transaction_is_not_outrun_by_the_cache() {
     assert!(up.violations().is_empty(), "{:?}", up.violations());
 }
 
-/// Shared mode: when `fencegate_leave` fails after a write, its in-flight
+/// Shared mode: when the leave fails after a write, its in-flight
 /// marker stays behind. The key must then stay closed to a newer token until
 /// the marker's deadline (the safe direction: the instance cannot tell that
 /// write from one that is still running), and work normally afterwards.
@@ -147,7 +147,7 @@ async fn a_failing_leave_keeps_the_key_closed_until_the_marker_expires() {
     // Migrations have run: break the leave.
     let mut conn = PgConnection::connect(&store.url).await.unwrap();
     sqlx::query(
-        "CREATE OR REPLACE FUNCTION fencegate_leave(p_key text, p_token bigint) \
+        "CREATE OR REPLACE FUNCTION fencegate_leave_batch(p_keys text[], p_tokens bigint[]) \
          RETURNS void LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'leave broken'; END $$",
     )
     .execute(&mut conn)
@@ -159,8 +159,7 @@ async fn a_failing_leave_keeps_the_key_closed_until_the_marker_expires() {
         apps[0].put("/docs/l", Some("5"), "five").await.status(),
         200
     );
-    // The failed leave closes its connection, which releases the advisory
-    // lock; only the marker is left. Token 6 on the other instance is
+    // The failed leave leaves the marker behind. Token 6 on the other instance is
     // recorded at once but held until the marker's deadline (the route's
     // timeout plus 1 s after 5 entered).
     let six = apps[1].put("/docs/l", Some("6"), "six").await;

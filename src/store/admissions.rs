@@ -1,0 +1,346 @@
+//! Shared mode's admissions: which fenced writes may go to the upstream,
+//! decided for every instance on one Postgres by the key's fence row
+//! (`fencegate_enter_batch`, `fencegate_leave_batch`:
+//! migrations/postgres/0010).
+//!
+//! The row counts the writes of its highest token in flight (`inflight`,
+//! until `writer_until`), and, after a raise over writers still in flight,
+//! those writers (`draining`) and the latest they can arrive (`open_at`).
+//! A write of the highest token is admitted while no older writer may be in
+//! flight; a higher token is recorded at once (older ones are refused from
+//! then on) and admitted when the last older writer has left, or when their
+//! markers have ended if they never leave (their instance crashed, or lost
+//! Postgres).
+//!
+//! **Group commit.** Nothing holds a connection while a write is in flight:
+//! admissions of concurrent writes share one statement and one commit, as
+//! do their leaves (see `batch`). So shared mode costs about what single
+//! mode's decisions cost, plus one leave per write that shares its commit
+//! with the others'.
+//!
+//! **Waiting.** A write that must wait for older writers is answered
+//! `wait` and asks again, with a backoff from [`FIRST_POLL`] to
+//! [`LAST_POLL`], for up to `key_lock_wait_ms`; then 503 `key-busy`. Asking
+//! again costs an item in the next batch, not a held connection.
+//!
+//! **Nothing leaks.** An admission is an [`InFlight`], whose drop leaves.
+//! One answered to a requester that has gone (its client left, its future
+//! was dropped) is dropped by the batcher, which leaves at once, so a
+//! client that gives up never keeps a key closed. Only a batch that
+//! commits after the gateway gave up on it (an error, not an answer) counts
+//! writes nobody will leave: their key stays closed to newer tokens until
+//! their markers end, as after a crash.
+
+use std::time::{Duration, Instant};
+
+use sqlx::PgPool;
+
+use super::batch::Batcher;
+use super::idempotency::BeginItem;
+use super::{bounded, StoreError};
+
+/// The first wait before a write told `wait` asks again.
+pub const FIRST_POLL: Duration = Duration::from_millis(1);
+/// The longest wait between two asks: how late, at most, a write learns
+/// that the older writers it waited for have left.
+pub const LAST_POLL: Duration = Duration::from_millis(16);
+
+const ENTER_BATCH: &str = "SELECT ord, outcome, highest, wait_ms, entered_ms \
+                             FROM fencegate_enter_batch($1, $2, $3)";
+
+const ENTER_KEYED: &str = "SELECT outcome, highest, wait_ms, entered_ms \
+                             FROM fencegate_enter_keyed($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
+
+const LEAVE_BATCH: &str = "SELECT fencegate_leave_batch($1, $2)";
+
+/// One admission asked of a batch.
+pub(super) struct Enter {
+    key: String,
+    token: i64,
+    /// The marker's length, from when the statement writes it.
+    hold: Duration,
+}
+
+/// One leave: a write of `token` on the key has finished at the upstream.
+pub(super) type Leave = (String, i64);
+
+/// What one ask decided.
+pub(super) enum Admission {
+    Admitted(InFlight),
+    Stale(i64),
+    /// Older writers may be in flight; the key opens within this at the
+    /// latest, or sooner when they leave.
+    Wait(Duration),
+    Duplicate,
+}
+
+/// What `enter` decided.
+pub enum Entered {
+    /// Admitted: keep the [`InFlight`] until the write has finished at the
+    /// upstream. With an idempotency record to write, it is written.
+    Admitted(InFlight),
+    /// A higher token is recorded.
+    Stale(i64),
+    /// A live idempotency record of the key exists (a concurrent duplicate
+    /// wrote it first): not admitted, nothing counted in flight, nothing
+    /// written but perhaps the token.
+    Duplicate,
+}
+
+/// A fenced write counted in flight in its key's row. Dropping it leaves
+/// (in the next leave batch); [`InFlight::abandon`] does not.
+pub struct InFlight {
+    /// Where the leave goes; `None` once abandoned.
+    leaves: Option<Batcher<Leave, ()>>,
+    key: String,
+    token: i64,
+    /// A local lower bound of the moment the admitting statement wrote the
+    /// in-flight marker (and, for a keyed write, then its idempotency
+    /// record).
+    entered_at: Instant,
+    /// A local lower bound of the end of the in-flight marker the admitting
+    /// statement wrote (earlier asks that were told to wait do not count):
+    /// if this instance crashes, other instances consider its write over
+    /// then, so the forward must be over by this.
+    marker_until: Instant,
+}
+
+impl InFlight {
+    /// See the field.
+    pub fn marker_until(&self) -> Instant {
+        self.marker_until
+    }
+
+    /// See the field.
+    pub fn entered_at(&self) -> Instant {
+        self.entered_at
+    }
+
+    /// The write ended abnormally and the upstream may still be at work on
+    /// it until the forward's deadline: it must not leave. Its marker
+    /// stays, and other instances hold the key until its `writer_until`,
+    /// the same path as after a crash, which the marker outlasts the
+    /// deadline for.
+    pub fn abandon(mut self) {
+        self.leaves = None;
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let Some(leaves) = self.leaves.take() else {
+            return;
+        };
+        if !leaves.post((std::mem::take(&mut self.key), self.token)) {
+            // Safe: the key stays closed to newer tokens until the marker
+            // ends, as if this instance had crashed.
+            tracing::warn!("a leave could not be queued; its key opens when its marker ends");
+        }
+    }
+}
+
+/// Shared mode's admissions on one instance.
+#[derive(Clone)]
+pub struct Admissions {
+    /// The connections that run the batches and keyed admissions
+    /// (`key_lock_connections`); none is held while a write is in flight.
+    pool: PgPool,
+    enters: Batcher<Enter, Admission>,
+    leaves: Batcher<Leave, ()>,
+    /// `key_lock_wait_ms`: the longest a write waits for older writers.
+    wait: Duration,
+    /// `[store] timeout_ms`: the bound on one statement.
+    timeout: Duration,
+}
+
+impl Admissions {
+    /// Wraps batchers made by the store (it runs them on `pool`; see
+    /// [`enter_batch`] and [`leave_batch`]).
+    pub(super) fn new(
+        pool: PgPool,
+        enters: Batcher<Enter, Admission>,
+        leaves: Batcher<Leave, ()>,
+        wait: Duration,
+        timeout: Duration,
+    ) -> Self {
+        Self {
+            pool,
+            enters,
+            leaves,
+            wait,
+            timeout,
+        }
+    }
+
+    pub(super) fn pool(&self) -> &PgPool {
+        &self.pool
+    }
+
+    /// Admits a fenced write of `token` on `key`, waiting for older writers
+    /// on any instance for up to `key_lock_wait_ms`. `hold` is the length
+    /// of the marker. With `record`, the first use of an Idempotency-Key,
+    /// the admission and the record are one statement.
+    pub async fn enter(
+        &self,
+        key: &str,
+        token: i64,
+        hold: Duration,
+        record: Option<&super::Begin<'_>>,
+    ) -> Result<Entered, StoreError> {
+        let give_up = Instant::now() + self.wait;
+        let record = record.map(|r| std::sync::Arc::new(BeginItem::of(r)));
+        let mut nap = FIRST_POLL;
+        loop {
+            let admission = match &record {
+                None => {
+                    self.enters
+                        .submit(Enter {
+                            key: key.to_string(),
+                            token,
+                            hold,
+                        })
+                        .await?
+                }
+                Some(r) => self.enter_keyed(key, token, hold, r.clone()).await?,
+            };
+            match admission {
+                Admission::Admitted(w) => return Ok(Entered::Admitted(w)),
+                Admission::Stale(h) => return Ok(Entered::Stale(h)),
+                Admission::Duplicate => return Ok(Entered::Duplicate),
+                Admission::Wait(opens_in) => {
+                    let now = Instant::now();
+                    if now >= give_up {
+                        return Err(StoreError::KeyBusy(self.wait));
+                    }
+                    tokio::time::sleep(nap.min(opens_in).min(give_up - now)).await;
+                    nap = (nap * 2).min(LAST_POLL);
+                }
+            }
+        }
+    }
+
+    /// One keyed admission, in a task of its own: if the requester goes
+    /// away meanwhile, the task still ends, and an admission nobody takes
+    /// is dropped, which leaves.
+    async fn enter_keyed(
+        &self,
+        key: &str,
+        token: i64,
+        hold: Duration,
+        r: std::sync::Arc<BeginItem>,
+    ) -> Result<Admission, StoreError> {
+        let (pool, leaves, timeout) = (self.pool.clone(), self.leaves.clone(), self.timeout);
+        let key = key.to_string();
+        let task = tokio::spawn(async move {
+            let sent_at = Instant::now();
+            let row: (String, i64, i64, i64) = bounded(timeout, StoreError::Timeout, async {
+                Ok(sqlx::query_as(ENTER_KEYED)
+                    .bind(&key)
+                    .bind(token)
+                    .bind(millis(hold))
+                    .bind(&r.route)
+                    .bind(&r.method)
+                    .bind(&r.key)
+                    .bind(&r.fingerprint)
+                    .bind(r.attempt)
+                    .bind(r.in_flight_ms)
+                    .bind(r.ttl_ms)
+                    .fetch_one(&pool)
+                    .await?)
+            })
+            .await?;
+            Ok(admission(&leaves, key, token, hold, sent_at, row))
+        });
+        task.await
+            .map_err(|e| StoreError::Other(format!("a keyed admission failed: {e}")))?
+    }
+}
+
+/// Runs one batch of admissions (on the store's batcher).
+pub(super) async fn enter_batch(
+    pool: &PgPool,
+    leaves: &Batcher<Leave, ()>,
+    items: Vec<Enter>,
+) -> Result<Vec<Admission>, StoreError> {
+    let keys: Vec<&str> = items.iter().map(|e| e.key.as_str()).collect();
+    let tokens: Vec<i64> = items.iter().map(|e| e.token).collect();
+    let holds: Vec<i64> = items.iter().map(|e| millis(e.hold)).collect();
+    // Before the statement starts on the server: with the time it reports
+    // between its start and each marker, a local lower bound of the
+    // marker's end.
+    let sent_at = Instant::now();
+    let rows: Vec<(i64, String, i64, i64, i64)> = sqlx::query_as(ENTER_BATCH)
+        .bind(&keys)
+        .bind(&tokens)
+        .bind(&holds)
+        .fetch_all(pool)
+        .await?;
+    let mut answers: Vec<Option<Admission>> = items.iter().map(|_| None).collect();
+    for (ord, outcome, highest, wait_ms, entered_ms) in rows {
+        let n = usize::try_from(ord).ok().and_then(|o| o.checked_sub(1));
+        let (Some(slot), Some(item)) = (
+            n.and_then(|n| answers.get_mut(n)),
+            n.and_then(|n| items.get(n)),
+        ) else {
+            continue;
+        };
+        *slot = Some(admission(
+            leaves,
+            item.key.clone(),
+            item.token,
+            item.hold,
+            sent_at,
+            (outcome, highest, wait_ms, entered_ms),
+        ));
+    }
+    // A missing answer fails the batch; the admissions it did answer are
+    // dropped with it, and leave.
+    answers
+        .into_iter()
+        .collect::<Option<Vec<_>>>()
+        .ok_or_else(|| StoreError::Other("an admission batch lost an answer".into()))
+}
+
+/// Runs one batch of leaves (on the store's batcher).
+pub(super) async fn leave_batch(pool: &PgPool, items: Vec<Leave>) -> Result<Vec<()>, StoreError> {
+    let (keys, tokens): (Vec<&str>, Vec<i64>) = items.iter().map(|(k, t)| (k.as_str(), *t)).unzip();
+    sqlx::query(LEAVE_BATCH)
+        .bind(&keys)
+        .bind(&tokens)
+        .execute(pool)
+        .await?;
+    Ok(vec![(); items.len()])
+}
+
+/// The store's answer `(outcome, highest, wait_ms, entered_ms)` to an ask
+/// sent at `sent_at`.
+fn admission(
+    leaves: &Batcher<Leave, ()>,
+    key: String,
+    token: i64,
+    hold: Duration,
+    sent_at: Instant,
+    (outcome, highest, wait_ms, entered_ms): (String, i64, i64, i64),
+) -> Admission {
+    let ms = |v: i64| Duration::from_millis(u64::try_from(v).unwrap_or(0));
+    match outcome.as_str() {
+        "ok" => {
+            let entered_at = sent_at + ms(entered_ms);
+            Admission::Admitted(InFlight {
+                leaves: Some(leaves.clone()),
+                key,
+                token,
+                entered_at,
+                marker_until: entered_at + hold,
+            })
+        }
+        "stale" => Admission::Stale(highest),
+        "duplicate" => Admission::Duplicate,
+        // "wait", and anything else: not admitted.
+        _ => Admission::Wait(ms(wait_ms).max(FIRST_POLL)),
+    }
+}
+
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
