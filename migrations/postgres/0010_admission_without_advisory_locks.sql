@@ -137,11 +137,18 @@ BEGIN
 END
 $$;
 
--- Admissions of a batch of writes, in one statement and one commit. Rows
--- are locked in key order (then token order, so the lower of two tokens of
--- one key in a batch goes first): concurrent batches, on any instance,
--- never wait for each other in a cycle. Answers carry the item's position.
-CREATE OR REPLACE FUNCTION fencegate_enter_batch(
+-- Leaves and admissions of a batch of writes, in one statement and one
+-- commit. Rows are locked in key order (within a key, leaves first, so an
+-- admission sees the leaves that came with it, then the lower of two
+-- tokens): concurrent batches, on any instance, never wait for each other
+-- in a cycle. Answers are for the admissions, with their positions.
+--
+-- A leave commits with its batch. Were it alone, it could commit
+-- asynchronously, as fencegate_leave always has: a lost leave only keeps
+-- a key closed until its marker ends, and a write that depends on it
+-- commits synchronously, flushing the WAL up to and past it.
+CREATE OR REPLACE FUNCTION fencegate_admit_batch(
+    p_leave_keys text[], p_leave_tokens bigint[],
     p_keys text[], p_tokens bigint[], p_hold_ms bigint[])
 RETURNS TABLE (ord bigint, outcome text, highest bigint, wait_ms bigint, entered_ms bigint)
 LANGUAGE plpgsql AS $$
@@ -149,9 +156,21 @@ DECLARE
     i record;
     e record;
 BEGIN
-    FOR i IN SELECT u.k, u.t, u.h, u.o
-               FROM unnest(p_keys, p_tokens, p_hold_ms) WITH ORDINALITY AS u(k, t, h, o)
-              ORDER BY u.k COLLATE "C", u.t LOOP
+    IF cardinality(p_keys) = 0 THEN
+        PERFORM set_config('synchronous_commit', 'off', true);
+    END IF;
+    FOR i IN SELECT a.k, a.t, a.h, a.o FROM (
+                 SELECT l.k, l.t, NULL::bigint AS h, 0::bigint AS o
+                   FROM unnest(p_leave_keys, p_leave_tokens) AS l(k, t)
+                 UNION ALL
+                 SELECT u.k, u.t, u.h, u.o
+                   FROM unnest(p_keys, p_tokens, p_hold_ms) WITH ORDINALITY AS u(k, t, h, o)
+             ) a
+             ORDER BY a.k COLLATE "C", a.o > 0, a.t LOOP
+        IF i.o = 0 THEN
+            PERFORM fencegate_leave_one(i.k, i.t);
+            CONTINUE;
+        END IF;
         e := fencegate_enter_one(i.k, i.t, i.h);
         ord := i.o;
         outcome := e.outcome;
@@ -159,26 +178,6 @@ BEGIN
         wait_ms := e.wait_ms;
         entered_ms := e.entered_ms;
         RETURN NEXT;
-    END LOOP;
-END
-$$;
-
--- Leaves of a batch of writes, in key order (see fencegate_enter_batch).
--- It commits asynchronously, as fencegate_leave always has: a lost leave
--- (Postgres crashed before flushing it) only keeps a key closed until its
--- marker ends, and a write that depends on it (a higher token admitted
--- because it opened the key) commits synchronously, flushing the WAL up to
--- and past it.
-CREATE OR REPLACE FUNCTION fencegate_leave_batch(p_keys text[], p_tokens bigint[])
-RETURNS void
-LANGUAGE plpgsql AS $$
-DECLARE
-    i record;
-BEGIN
-    PERFORM set_config('synchronous_commit', 'off', true);
-    FOR i IN SELECT u.k, u.t FROM unnest(p_keys, p_tokens) AS u(k, t)
-              ORDER BY u.k COLLATE "C", u.t LOOP
-        PERFORM fencegate_leave_one(i.k, i.t);
     END LOOP;
 END
 $$;

@@ -1,7 +1,6 @@
 //! Shared mode's admissions: which fenced writes may go to the upstream,
 //! decided for every instance on one Postgres by the key's fence row
-//! (`fencegate_enter_batch`, `fencegate_leave_batch`:
-//! migrations/postgres/0010).
+//! (`fencegate_admit_batch`: migrations/postgres/0010).
 //!
 //! The row counts the writes of its highest token in flight (`inflight`,
 //! until `writer_until`), and, after a raise over writers still in flight,
@@ -13,10 +12,10 @@
 //! Postgres).
 //!
 //! **Group commit.** Nothing holds a connection while a write is in flight:
-//! admissions of concurrent writes share one statement and one commit, as
-//! do their leaves (see `batch`). So shared mode costs about what single
-//! mode's decisions cost, plus one leave per write that shares its commit
-//! with the others'.
+//! admissions of concurrent writes and the leaves of finished ones share
+//! one statement and one commit (see `batch`). So a shared-mode write costs
+//! two items of a batch (its admission and its leave), where a single-mode
+//! decision costs one.
 //!
 //! **Waiting.** A write that must wait for older writers is answered
 //! `wait` and asks again, with a backoff from [`FIRST_POLL`] to
@@ -45,13 +44,11 @@ pub const FIRST_POLL: Duration = Duration::from_millis(1);
 /// that the older writers it waited for have left.
 pub const LAST_POLL: Duration = Duration::from_millis(16);
 
-const ENTER_BATCH: &str = "SELECT ord, outcome, highest, wait_ms, entered_ms \
-                             FROM fencegate_enter_batch($1, $2, $3)";
+const ADMIT_BATCH: &str = "SELECT ord, outcome, highest, wait_ms, entered_ms \
+                             FROM fencegate_admit_batch($1, $2, $3, $4, $5)";
 
 const ENTER_KEYED: &str = "SELECT outcome, highest, wait_ms, entered_ms \
                              FROM fencegate_enter_keyed($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
-
-const LEAVE_BATCH: &str = "SELECT fencegate_leave_batch($1, $2)";
 
 /// One admission asked of a batch.
 pub(super) struct Enter {
@@ -61,8 +58,15 @@ pub(super) struct Enter {
     hold: Duration,
 }
 
-/// One leave: a write of `token` on the key has finished at the upstream.
-pub(super) type Leave = (String, i64);
+/// One item of a batch.
+pub(super) enum Admit {
+    Enter(Enter),
+    /// A write of the token on the key has finished at the upstream.
+    Leave(String, i64),
+}
+
+/// The batcher of admissions and leaves; a leave is answered `None`.
+pub(super) type AdmitBatcher = Batcher<Admit, Option<Admission>>;
 
 /// What one ask decided.
 pub(super) enum Admission {
@@ -91,7 +95,7 @@ pub enum Entered {
 /// (in the next leave batch); [`InFlight::abandon`] does not.
 pub struct InFlight {
     /// Where the leave goes; `None` once abandoned.
-    leaves: Option<Batcher<Leave, ()>>,
+    leaves: Option<AdmitBatcher>,
     key: String,
     token: i64,
     /// A local lower bound of the moment the admitting statement wrote the
@@ -131,7 +135,7 @@ impl Drop for InFlight {
         let Some(leaves) = self.leaves.take() else {
             return;
         };
-        if !leaves.post((std::mem::take(&mut self.key), self.token)) {
+        if !leaves.post(Admit::Leave(std::mem::take(&mut self.key), self.token)) {
             // Safe: the key stays closed to newer tokens until the marker
             // ends, as if this instance had crashed.
             tracing::warn!("a leave could not be queued; its key opens when its marker ends");
@@ -145,8 +149,7 @@ pub struct Admissions {
     /// The connections that run the batches and keyed admissions
     /// (`key_lock_connections`); none is held while a write is in flight.
     pool: PgPool,
-    enters: Batcher<Enter, Admission>,
-    leaves: Batcher<Leave, ()>,
+    batcher: AdmitBatcher,
     /// `key_lock_wait_ms`: the longest a write waits for older writers.
     wait: Duration,
     /// `[store] timeout_ms`: the bound on one statement.
@@ -154,19 +157,17 @@ pub struct Admissions {
 }
 
 impl Admissions {
-    /// Wraps batchers made by the store (it runs them on `pool`; see
-    /// [`enter_batch`] and [`leave_batch`]).
+    /// Wraps a batcher made by the store (it runs [`admit_batch`] on
+    /// `pool`).
     pub(super) fn new(
         pool: PgPool,
-        enters: Batcher<Enter, Admission>,
-        leaves: Batcher<Leave, ()>,
+        batcher: AdmitBatcher,
         wait: Duration,
         timeout: Duration,
     ) -> Self {
         Self {
             pool,
-            enters,
-            leaves,
+            batcher,
             wait,
             timeout,
         }
@@ -192,15 +193,17 @@ impl Admissions {
         let mut nap = FIRST_POLL;
         loop {
             let admission = match &record {
-                None => {
-                    self.enters
-                        .submit(Enter {
-                            key: key.to_string(),
-                            token,
-                            hold,
-                        })
-                        .await?
-                }
+                None => self
+                    .batcher
+                    .submit(Admit::Enter(Enter {
+                        key: key.to_string(),
+                        token,
+                        hold,
+                    }))
+                    .await?
+                    .ok_or_else(|| {
+                        StoreError::Other("an admission was answered as a leave".into())
+                    })?,
                 Some(r) => self.enter_keyed(key, token, hold, r.clone()).await?,
             };
             match admission {
@@ -229,7 +232,7 @@ impl Admissions {
         hold: Duration,
         r: std::sync::Arc<BeginItem>,
     ) -> Result<Admission, StoreError> {
-        let (pool, leaves, timeout) = (self.pool.clone(), self.leaves.clone(), self.timeout);
+        let (pool, leaves, timeout) = (self.pool.clone(), self.batcher.clone(), self.timeout);
         let key = key.to_string();
         let task = tokio::spawn(async move {
             let sent_at = Instant::now();
@@ -256,66 +259,86 @@ impl Admissions {
     }
 }
 
-/// Runs one batch of admissions (on the store's batcher).
-pub(super) async fn enter_batch(
+/// Runs one batch of leaves and admissions (on the store's batcher).
+pub(super) async fn admit_batch(
     pool: &PgPool,
-    leaves: &Batcher<Leave, ()>,
-    items: Vec<Enter>,
-) -> Result<Vec<Admission>, StoreError> {
-    let keys: Vec<&str> = items.iter().map(|e| e.key.as_str()).collect();
-    let tokens: Vec<i64> = items.iter().map(|e| e.token).collect();
-    let holds: Vec<i64> = items.iter().map(|e| millis(e.hold)).collect();
+    batcher: &AdmitBatcher,
+    items: Vec<Admit>,
+) -> Result<Vec<Option<Admission>>, StoreError> {
+    let (mut leave_keys, mut leave_tokens) = (Vec::new(), Vec::new());
+    let (mut keys, mut tokens, mut holds) = (Vec::new(), Vec::new(), Vec::new());
+    for item in &items {
+        match item {
+            Admit::Leave(k, t) => {
+                leave_keys.push(k.as_str());
+                leave_tokens.push(*t);
+            }
+            Admit::Enter(e) => {
+                keys.push(e.key.as_str());
+                tokens.push(e.token);
+                holds.push(millis(e.hold));
+            }
+        }
+    }
     // Before the statement starts on the server: with the time it reports
     // between its start and each marker, a local lower bound of the
     // marker's end.
     let sent_at = Instant::now();
-    let rows: Vec<(i64, String, i64, i64, i64)> = sqlx::query_as(ENTER_BATCH)
+    let rows: Vec<(i64, String, i64, i64, i64)> = sqlx::query_as(ADMIT_BATCH)
+        .bind(&leave_keys)
+        .bind(&leave_tokens)
         .bind(&keys)
         .bind(&tokens)
         .bind(&holds)
         .fetch_all(pool)
         .await?;
-    let mut answers: Vec<Option<Admission>> = items.iter().map(|_| None).collect();
+    // The admissions' answers by their position among the admissions.
+    let enters: Vec<&Enter> = items
+        .iter()
+        .filter_map(|i| match i {
+            Admit::Enter(e) => Some(e),
+            Admit::Leave(..) => None,
+        })
+        .collect();
+    let mut answers: Vec<Option<Admission>> = enters.iter().map(|_| None).collect();
     for (ord, outcome, highest, wait_ms, entered_ms) in rows {
         let n = usize::try_from(ord).ok().and_then(|o| o.checked_sub(1));
-        let (Some(slot), Some(item)) = (
+        let (Some(slot), Some(e)) = (
             n.and_then(|n| answers.get_mut(n)),
-            n.and_then(|n| items.get(n)),
+            n.and_then(|n| enters.get(n)),
         ) else {
             continue;
         };
         *slot = Some(admission(
-            leaves,
-            item.key.clone(),
-            item.token,
-            item.hold,
+            batcher,
+            e.key.clone(),
+            e.token,
+            e.hold,
             sent_at,
             (outcome, highest, wait_ms, entered_ms),
         ));
     }
     // A missing answer fails the batch; the admissions it did answer are
     // dropped with it, and leave.
-    answers
-        .into_iter()
-        .collect::<Option<Vec<_>>>()
-        .ok_or_else(|| StoreError::Other("an admission batch lost an answer".into()))
-}
-
-/// Runs one batch of leaves (on the store's batcher).
-pub(super) async fn leave_batch(pool: &PgPool, items: Vec<Leave>) -> Result<Vec<()>, StoreError> {
-    let (keys, tokens): (Vec<&str>, Vec<i64>) = items.iter().map(|(k, t)| (k.as_str(), *t)).unzip();
-    sqlx::query(LEAVE_BATCH)
-        .bind(&keys)
-        .bind(&tokens)
-        .execute(pool)
-        .await?;
-    Ok(vec![(); items.len()])
+    if answers.iter().any(Option::is_none) {
+        return Err(StoreError::Other(
+            "an admission batch lost an answer".into(),
+        ));
+    }
+    let mut answers = answers.into_iter();
+    Ok(items
+        .iter()
+        .map(|i| match i {
+            Admit::Enter(_) => answers.next().flatten(),
+            Admit::Leave(..) => None,
+        })
+        .collect())
 }
 
 /// The store's answer `(outcome, highest, wait_ms, entered_ms)` to an ask
 /// sent at `sent_at`.
 fn admission(
-    leaves: &Batcher<Leave, ()>,
+    leaves: &AdmitBatcher,
     key: String,
     token: i64,
     hold: Duration,

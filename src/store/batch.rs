@@ -54,6 +54,33 @@ pub struct Batcher<T, A> {
     timeout: Duration,
 }
 
+/// A handle on a batcher that does not keep it running: for the batch
+/// runner itself, whose answers carry handles on the batcher they came
+/// from (see `admissions`).
+pub struct WeakBatcher<T, A> {
+    tx: mpsc::WeakSender<Item<T, A>>,
+    timeout: Duration,
+}
+
+impl<T, A> Batcher<T, A> {
+    pub fn downgrade(&self) -> WeakBatcher<T, A> {
+        WeakBatcher {
+            tx: self.tx.downgrade(),
+            timeout: self.timeout,
+        }
+    }
+}
+
+impl<T, A> WeakBatcher<T, A> {
+    /// The batcher, unless every handle on it has gone.
+    pub fn upgrade(&self) -> Option<Batcher<T, A>> {
+        Some(Batcher {
+            tx: self.tx.upgrade()?,
+            timeout: self.timeout,
+        })
+    }
+}
+
 impl<T, A> Clone for Batcher<T, A> {
     fn clone(&self) -> Self {
         Self {

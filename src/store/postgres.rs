@@ -853,25 +853,31 @@ fn admissions(
     cfg: &StoreConfig,
     view: &Arc<ServerView>,
 ) -> super::admissions::Admissions {
-    use super::admissions::{enter_batch, leave_batch, Admissions};
-    use super::batch::Batcher;
+    use super::admissions::{admit_batch, Admission, Admissions, Admit, AdmitBatcher};
+    use super::batch::WeakBatcher;
+    use std::sync::OnceLock;
     let opts = opts.clone().application_name("fencegate-admissions");
     let pool = checked_pool(view, cfg.key_lock_connections, cfg.timeout).connect_lazy_with(opts);
-    let leaves = {
-        let (pool, view) = (pool.clone(), view.clone());
-        Batcher::spawn(MAX_BATCH, BATCHES_IN_FLIGHT, cfg.timeout, move |items| {
-            let (pool, view) = (pool.clone(), view.clone());
-            async move { view.learn(leave_batch(&pool, items).await) }
+    // Each admission a batch answers carries a handle on the batcher for
+    // its leave: the batch runner needs the batcher it runs under (a weak
+    // handle, or the batcher would keep itself running forever).
+    let me: Arc<OnceLock<WeakBatcher<Admit, Option<Admission>>>> = Arc::new(OnceLock::new());
+    let batcher = {
+        let (pool, view, me) = (pool.clone(), view.clone(), me.clone());
+        AdmitBatcher::spawn(MAX_BATCH, BATCHES_IN_FLIGHT, cfg.timeout, move |items| {
+            let (pool, view, me) = (pool.clone(), view.clone(), me.clone());
+            async move {
+                let Some(batcher) = me.get().and_then(WeakBatcher::upgrade) else {
+                    return Err(StoreError::Other(
+                        "the admission batcher is starting".into(),
+                    ));
+                };
+                view.learn(admit_batch(&pool, &batcher, items).await)
+            }
         })
     };
-    let enters = {
-        let (pool, view, leaves) = (pool.clone(), view.clone(), leaves.clone());
-        Batcher::spawn(MAX_BATCH, BATCHES_IN_FLIGHT, cfg.timeout, move |items| {
-            let (pool, view, leaves) = (pool.clone(), view.clone(), leaves.clone());
-            async move { view.learn(enter_batch(&pool, &leaves, items).await) }
-        })
-    };
-    Admissions::new(pool, enters, leaves, cfg.key_lock_wait, cfg.timeout)
+    let _ = me.set(batcher.downgrade());
+    Admissions::new(pool, batcher, cfg.key_lock_wait, cfg.timeout)
 }
 
 /// Runs one batch of decisions and answers each item's key's highest token

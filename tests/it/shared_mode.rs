@@ -190,7 +190,8 @@ async fn the_admission_protocol_counts_each_tokens_writers() {
         .expect("connect to the test database");
     async fn enter(db: &mut sqlx::PgConnection, token: i64, hold_ms: i64) -> (String, i64) {
         let (outcome, highest): (String, i64) = sqlx::query_as(
-            "SELECT outcome, highest FROM fencegate_enter_batch(ARRAY['k'], ARRAY[$1::bigint], ARRAY[$2::bigint])",
+            "SELECT outcome, highest FROM fencegate_admit_batch('{}', '{}', \
+             ARRAY['k'], ARRAY[$1::bigint], ARRAY[$2::bigint])",
         )
         .bind(token)
         .bind(hold_ms)
@@ -200,7 +201,7 @@ async fn the_admission_protocol_counts_each_tokens_writers() {
         (outcome, highest)
     }
     async fn leave(db: &mut sqlx::PgConnection, token: i64) {
-        sqlx::query("SELECT fencegate_leave_batch(ARRAY['k'], ARRAY[$1::bigint])")
+        sqlx::query("SELECT count(*) FROM fencegate_admit_batch(ARRAY['k'], ARRAY[$1::bigint], '{}', '{}', '{}')")
             .bind(token)
             .execute(&mut *db)
             .await
@@ -272,7 +273,8 @@ async fn earlier_gateways_speak_the_same_admission_protocol() {
     );
     // The new batch form sees the old form's writer, and the reverse.
     let (batch_outcome,): (String,) = sqlx::query_as(
-        "SELECT outcome FROM fencegate_enter_batch(ARRAY['k'], ARRAY[6::bigint], ARRAY[60000::bigint])",
+        "SELECT outcome FROM fencegate_admit_batch('{}', '{}', \
+         ARRAY['k'], ARRAY[6::bigint], ARRAY[60000::bigint])",
     )
     .fetch_one(&mut db)
     .await

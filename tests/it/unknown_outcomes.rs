@@ -147,7 +147,7 @@ async fn a_failing_leave_keeps_the_key_closed_until_the_marker_expires() {
     // Migrations have run: break the leave.
     let mut conn = PgConnection::connect(&store.url).await.unwrap();
     sqlx::query(
-        "CREATE OR REPLACE FUNCTION fencegate_leave_batch(p_keys text[], p_tokens bigint[]) \
+        "CREATE OR REPLACE FUNCTION fencegate_leave_one(p_key text, p_token bigint) \
          RETURNS void LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'leave broken'; END $$",
     )
     .execute(&mut conn)
