@@ -163,6 +163,16 @@ impl Cutoff {
         self.lock().as_ref().map(|a| a.at)
     }
 
+    /// Whether the exchange's deadline has passed. The driver closes the
+    /// connection then, but only once it runs: a process that was paused
+    /// (SIGSTOP, a VM freeze) across the deadline may poll the connection
+    /// before the timer, and by then other instances may have let a newer
+    /// token through (shared mode's marker has ended). So no byte is written
+    /// after the deadline, whatever runs first.
+    fn passed(&self) -> bool {
+        self.at().is_some_and(|at| Instant::now() >= at)
+    }
+
     fn arm(&self, at: Instant, on_cut: Arc<dyn OnCut>) {
         *self.lock() = Some(Armed { at, on_cut });
         self.changed.notify_one();
@@ -203,11 +213,14 @@ impl Heard {
 }
 
 pin_project_lite::pin_project! {
-    /// A stream that notes, in its [`Heard`], every read that returns data.
+    /// A stream that notes, in its [`Heard`], every read that returns data,
+    /// and refuses every write once its [`Cutoff`] has passed (see
+    /// `Cutoff::passed`).
     struct Watched<I> {
         #[pin]
         inner: I,
         heard: Heard,
+        cutoff: Arc<Cutoff>,
     }
 }
 
@@ -233,6 +246,9 @@ impl<I: AsyncWrite> AsyncWrite for Watched<I> {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
+        if self.cutoff.passed() {
+            return Poll::Ready(Err(past_deadline()));
+        }
         self.project().inner.poll_write(cx, buf)
     }
 
@@ -241,6 +257,9 @@ impl<I: AsyncWrite> AsyncWrite for Watched<I> {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
+        if self.cutoff.passed() {
+            return Poll::Ready(Err(past_deadline()));
+        }
         self.project().inner.poll_write_vectored(cx, bufs)
     }
 
@@ -252,6 +271,10 @@ impl<I: AsyncWrite> AsyncWrite for Watched<I> {
         self: std::pin::Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<std::io::Result<()>> {
+        // A TLS stream may hold records it has not sent yet.
+        if self.cutoff.passed() {
+            return Poll::Ready(Err(past_deadline()));
+        }
         self.project().inner.poll_flush(cx)
     }
 
@@ -261,6 +284,13 @@ impl<I: AsyncWrite> AsyncWrite for Watched<I> {
     ) -> Poll<std::io::Result<()>> {
         self.project().inner.poll_shutdown(cx)
     }
+}
+
+fn past_deadline() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        "the fenced write's deadline has passed",
+    )
 }
 
 /// Why an upstream request failed.
@@ -453,15 +483,16 @@ where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let heard = Heard::default();
+    let cutoff = Arc::new(Cutoff::default());
     let watched = Watched {
         inner: io,
         heard: heard.clone(),
+        cutoff: cutoff.clone(),
     };
     let (sender, conn) = http1::Builder::new()
         .handshake(TokioIo::new(watched))
         .await
         .map_err(|e| SendError::Connect(format!("HTTP/1.1 handshake failed: {e}")))?;
-    let cutoff = Arc::new(Cutoff::default());
     tokio::spawn(drive(conn, cutoff.clone()));
     Ok(Conn {
         sender,
@@ -508,4 +539,48 @@ where
     drop(conn);
     tracing::debug!("upstream connection closed at its fenced write's deadline");
     on_cut.cut();
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    struct Nobody;
+    impl OnCut for Nobody {
+        fn cut(&self) {}
+    }
+
+    /// Past its exchange's deadline a connection writes nothing, even
+    /// before its driver has closed it (a process resumed after a pause
+    /// may poll the connection before the timer).
+    #[tokio::test]
+    async fn nothing_is_written_past_the_deadline() {
+        let (ours, mut theirs) = tokio::io::duplex(1024);
+        let cutoff = Arc::new(Cutoff::default());
+        let mut watched = Watched {
+            inner: ours,
+            heard: Heard::default(),
+            cutoff: cutoff.clone(),
+        };
+        watched.write_all(b"before").await.expect("no deadline yet");
+        cutoff.arm(Instant::now() + Duration::from_secs(60), Arc::new(Nobody));
+        watched.write_all(b" armed").await.expect("deadline ahead");
+        cutoff.arm(Instant::now(), Arc::new(Nobody));
+        let err = watched
+            .write_all(b" late")
+            .await
+            .expect_err("past the deadline");
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
+        assert!(watched.flush().await.is_err(), "no flush past the deadline");
+        cutoff.clear();
+        watched
+            .write_all(b" next")
+            .await
+            .expect("the next exchange");
+        drop(watched);
+        let mut got = String::new();
+        theirs.read_to_string(&mut got).await.expect("read");
+        assert_eq!(got, "before armed next");
+    }
 }

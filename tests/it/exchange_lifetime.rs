@@ -1036,3 +1036,97 @@ async fn abandoned_writes_do_not_use_up_key_lock_connections() {
         next.elapsed()
     );
 }
+
+/// A shared-mode instance paused (SIGSTOP: a VM freeze, a stop-the-world
+/// pause) in the middle of a write's request body, for longer than the
+/// write's in-flight marker. Other instances consider that write over when
+/// its marker ends and let token 2 through. When the paused instance
+/// resumes, its event loop may run the upstream connection before the
+/// timer that closes it; the connection then refuses to write, so nothing
+/// more of token 1 reaches the upstream, and token 1 is never applied.
+/// Without that check the rest of token 1's body, which the client sent
+/// during the pause, can follow token 2 to the upstream, depending on which
+/// task runs first (the unit test `upstream::nothing_is_written_past_the_
+/// deadline` checks the refusal itself, deterministically).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paused_instance_sends_nothing_past_its_deadline() {
+    use crate::support::process::GatewayProcess;
+    let up = RawUpstream::start().await;
+    let store = TestStore::new(Backend::Postgres).await;
+    // Route timeout 1 s: token 1's marker ends 2 s after its admission.
+    let config = crate::support::app::config_sections(
+        "",
+        &store.url,
+        "mode = \"shared\"\ntimeout_ms = 2000\n",
+        &format!("{}timeout_ms = 1000\n", docs_route(&up.url())),
+    );
+    let (a, b) = tokio::task::spawn_blocking(move || {
+        (
+            GatewayProcess::start(&config),
+            GatewayProcess::start(&config),
+        )
+    })
+    .await
+    .expect("start two gateways");
+    let path = "/docs/paused";
+    let addr: std::net::SocketAddr = a
+        .url("")
+        .trim_start_matches("http://")
+        .parse()
+        .expect("the gateway's address");
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    let head = write_head(path, 1, Behaviour::Normal, &[], None);
+    s.write_all(head.as_bytes()).await.expect("send the head");
+    s.write_all(&chunk(b"part 0;")).await.expect("first chunk");
+    wait_for("token 1's first chunk at the upstream", || {
+        up.arrived(path, 1) == 1 && up.write(path, 1).body_bytes > 0
+    })
+    .await;
+
+    a.signal(libc::SIGSTOP);
+    // kill(2) returns before the process has stopped.
+    let stat = format!("/proc/{}/stat", a.pid());
+    wait_for("the gateway to stop", || {
+        std::fs::read_to_string(&stat)
+            .ok()
+            .and_then(|s| {
+                s.rsplit(')')
+                    .next()
+                    .map(|r| r.trim_start().starts_with('T'))
+            })
+            .unwrap_or(false)
+    })
+    .await;
+    // The rest of the body reaches the paused instance's socket buffer.
+    s.write_all(&chunk(b"part 1;")).await.expect("second chunk");
+    s.write_all(b"0\r\n\r\n").await.expect("last chunk");
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    let two = reqwest::Client::new()
+        .put(b.url(path))
+        .header(FENCE_HEADER, "2")
+        .body("two")
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await;
+    a.signal(libc::SIGCONT);
+    assert_eq!(
+        two.expect("token 2 is answered").status(),
+        200,
+        "token 2 goes once token 1's marker has ended"
+    );
+    // Give the resumed instance time to do whatever it would do.
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    let one = up.write(path, 1);
+    let two = up.write(path, 2);
+    assert_eq!(
+        one.body,
+        b"part 0;".to_vec(),
+        "only token 1's first chunk may arrive: {one:?}"
+    );
+    assert!(
+        one.last_body_byte.is_none_or(|t| t < two.started),
+        "a byte of token 1 reached the upstream after token 2: {one:?} {two:?}"
+    );
+    assert_eq!(up.applied_tokens(path), vec![2], "{one:?}");
+    drop(s);
+}
