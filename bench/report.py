@@ -412,10 +412,10 @@ def markdown(res, svg_link):
         "run) was sharing the 2 cores, and may have gone on during the run.",
         f"- 503 answers (store unavailable) during (c)-(f), (h) and (i): {meta['store_unavailable']}; "
         f"during (j): {meta.get('store_unavailable_j', 0)}.",
-        "- (j) is (e) through one gateway in `shared` mode (its own database; "
-        "`key_lock_connections = 64`, one per client connection): each write is admitted by "
-        "`fencegate_enter` on a key-lock connection it holds until the upstream is done, then "
-        "`fencegate_leave`, two statements per write and no group commit, against (g)'s one.",
+        "- (j) is (e) through one gateway in `shared` mode (its own database): each write is "
+        "admitted, and after the upstream is done left, by `fencegate_admit_batch`, whose "
+        "batches carry the admissions and leaves of concurrent writes in one statement and "
+        "one commit: two batch items per write, against (g)'s one statement per write.",
         "- (k) and (l): TLS 1.3 from wrk to the proxy, plain HTTP to the upstream; both proxies "
         "serve the same ECDSA P-256 certificate made for the run, and wrk keeps its 64 "
         "connections, so handshakes are not what is measured. (b) is also run open loop at "

@@ -184,14 +184,13 @@ pub struct StoreConfig {
     pub timeout: Duration,
     /// The `Retry-After` value sent with 503 answers.
     pub retry_after: Duration,
-    /// `shared` mode: Postgres connections holding per-key advisory locks,
-    /// one per fenced write in flight on this instance.
+    /// `shared` mode: Postgres connections that run admissions (one batch
+    /// at a time, and Idempotency-Key first uses one statement each).
     pub key_lock_connections: u32,
     /// Idle keys whose durable token is kept in memory (fast paths).
     pub cache_keys: usize,
-    /// `shared` mode: how long a write may wait for a key's advisory lock,
-    /// held by older tokens' writes on other instances (a paused instance
-    /// holds them), before a 503.
+    /// `shared` mode: how long a write may wait for older tokens' writes
+    /// to the key, on any instance, to finish, before a 503.
     pub key_lock_wait: Duration,
     /// How often expired `Idempotency-Key` records are purged (every
     /// instance purges; see `idempotency::purge_forever`).
