@@ -526,7 +526,17 @@ where
                 if let Err(e) = ended {
                     tracing::debug!(error = %e, "upstream connection ended with an error");
                 }
-                return;
+                // Ended past its deadline (its writes were refused there:
+                // see `Cutoff::passed`) with the exchange not over: that
+                // is the cut, and the exchange must hear of it as if the
+                // timer had fired.
+                match cutoff.at().filter(|at| Instant::now() >= *at) {
+                    Some(at) => match cutoff.fire(at) {
+                        Some(on_cut) => break on_cut,
+                        None => return,
+                    },
+                    None => return,
+                }
             }
             () = changed => {}
             () = passed => {
