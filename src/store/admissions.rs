@@ -177,6 +177,18 @@ impl Admissions {
         &self.pool
     }
 
+    /// Waits, up to the store's timeout, until the leaves queued so far
+    /// have been written: at a clean shutdown, so that other instances do
+    /// not wait for this instance's last writes' markers to end.
+    pub(super) async fn drain(&self) {
+        if !self.batcher.drain(self.timeout).await {
+            tracing::warn!(
+                "leaves of the last fenced writes were not all written; their keys open \
+                 on other instances when those writes' markers end"
+            );
+        }
+    }
+
     /// Admits a fenced write of `token` on `key`, waiting for older writers
     /// on any instance for up to `key_lock_wait_ms`. `hold` is the length
     /// of the marker. With `record`, the first use of an Idempotency-Key,

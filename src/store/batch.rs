@@ -25,6 +25,7 @@
 
 use std::collections::HashMap;
 use std::future::Future;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::ThreadId;
 use std::time::Duration;
@@ -45,6 +46,8 @@ struct Item<T, A> {
     reply: Reply<A>,
     /// The requester's thread and runtime, to deliver answers in bulk.
     home: Option<(ThreadId, Handle)>,
+    /// Sent by `post`: counted in `Batcher::posted` until its batch ran.
+    posted: bool,
 }
 
 /// A handle on a running batcher of items `T` answered with `A`; cheap to
@@ -52,6 +55,8 @@ struct Item<T, A> {
 pub struct Batcher<T, A> {
     tx: mpsc::Sender<Item<T, A>>,
     timeout: Duration,
+    /// Posted items whose batch has not run yet (see [`Batcher::drain`]).
+    posted: Arc<AtomicUsize>,
 }
 
 /// A handle on a batcher that does not keep it running: for the batch
@@ -60,6 +65,7 @@ pub struct Batcher<T, A> {
 pub struct WeakBatcher<T, A> {
     tx: mpsc::WeakSender<Item<T, A>>,
     timeout: Duration,
+    posted: Arc<AtomicUsize>,
 }
 
 impl<T, A> Batcher<T, A> {
@@ -67,6 +73,7 @@ impl<T, A> Batcher<T, A> {
         WeakBatcher {
             tx: self.tx.downgrade(),
             timeout: self.timeout,
+            posted: self.posted.clone(),
         }
     }
 }
@@ -77,6 +84,7 @@ impl<T, A> WeakBatcher<T, A> {
         Some(Batcher {
             tx: self.tx.upgrade()?,
             timeout: self.timeout,
+            posted: self.posted.clone(),
         })
     }
 }
@@ -86,6 +94,7 @@ impl<T, A> Clone for Batcher<T, A> {
         Self {
             tx: self.tx.clone(),
             timeout: self.timeout,
+            posted: self.posted.clone(),
         }
     }
 }
@@ -100,6 +109,8 @@ impl<T: Send + 'static, A: Send + 'static> Batcher<T, A> {
     {
         let (tx, mut rx) = mpsc::channel::<Item<T, A>>(max_batch * concurrency * 4);
         let run = Arc::new(run);
+        let posted = Arc::new(AtomicUsize::new(0));
+        let ran = posted.clone();
         tokio::spawn(async move {
             let slots = Arc::new(Semaphore::new(concurrency));
             while let Some(first) = rx.recv().await {
@@ -116,10 +127,11 @@ impl<T: Send + 'static, A: Send + 'static> Batcher<T, A> {
                         Err(_) => break,
                     }
                 }
-                let run = run.clone();
+                let (run, ran) = (run.clone(), ran.clone());
                 tokio::spawn(async move {
                     let mut whats = Vec::with_capacity(items.len());
                     let mut waiting = Vec::with_capacity(items.len());
+                    let posts = items.iter().filter(|i| i.posted).count();
                     for item in items {
                         whats.push(item.what);
                         waiting.push((item.reply, item.home));
@@ -152,11 +164,30 @@ impl<T: Send + 'static, A: Send + 'static> Batcher<T, A> {
                         }
                     }
                     deliver(homes);
+                    ran.fetch_sub(posts, Ordering::AcqRel);
                     drop(slot);
                 });
             }
         });
-        Self { tx, timeout }
+        Self {
+            tx,
+            timeout,
+            posted,
+        }
+    }
+
+    /// Waits until every item posted so far has been through a batch
+    /// (written, or failed with it), for up to `limit`: for a clean
+    /// shutdown. False if some had not by then.
+    pub async fn drain(&self, limit: Duration) -> bool {
+        let until = tokio::time::Instant::now() + limit;
+        while self.posted.load(Ordering::Acquire) > 0 {
+            if tokio::time::Instant::now() >= until {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        true
     }
 
     /// Writes `what` as part of a coming batch, answering nobody: for
@@ -170,19 +201,30 @@ impl<T: Send + 'static, A: Send + 'static> Batcher<T, A> {
             what,
             reply,
             home: None,
+            posted: true,
         };
-        match self.tx.try_send(item) {
+        // Counted before it can reach a batch, which counts it out.
+        self.posted.fetch_add(1, Ordering::AcqRel);
+        let sent = match self.tx.try_send(item) {
             Ok(()) => true,
             Err(mpsc::error::TrySendError::Closed(_)) => false,
             Err(mpsc::error::TrySendError::Full(item)) => match Handle::try_current() {
                 Ok(rt) => {
-                    let tx = self.tx.clone();
-                    drop(rt.spawn(async move { tx.send(item).await }));
+                    let (tx, posted) = (self.tx.clone(), self.posted.clone());
+                    drop(rt.spawn(async move {
+                        if tx.send(item).await.is_err() {
+                            posted.fetch_sub(1, Ordering::AcqRel);
+                        }
+                    }));
                     true
                 }
                 Err(_) => false,
             },
+        };
+        if !sent {
+            self.posted.fetch_sub(1, Ordering::AcqRel);
         }
+        sent
     }
 
     /// Writes `what` as part of the next batch; answers once that batch
@@ -195,6 +237,7 @@ impl<T: Send + 'static, A: Send + 'static> Batcher<T, A> {
             home: Handle::try_current()
                 .ok()
                 .map(|rt| (std::thread::current().id(), rt)),
+            posted: false,
         };
         let wait = async {
             self.tx
@@ -312,4 +355,50 @@ pub fn max_per_key(items: &[Decision]) -> HashMap<&str, i64> {
         *e = (*e).max(d.token);
     }
     m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Mutex;
+
+    /// `drain` waits for posted items to go through a batch, and says so
+    /// when they have not within its limit.
+    #[tokio::test]
+    async fn drain_waits_for_posted_items() {
+        let written = Arc::new(Mutex::new(Vec::new()));
+        let open = Arc::new(tokio::sync::Notify::new());
+        let batcher: Batcher<u32, ()> = {
+            let (written, open) = (written.clone(), open.clone());
+            Batcher::spawn(8, 1, Duration::from_secs(5), move |items: Vec<u32>| {
+                let (written, open) = (written.clone(), open.clone());
+                async move {
+                    open.notified().await;
+                    let n = items.len();
+                    written.lock().unwrap().extend(items);
+                    Ok(vec![(); n])
+                }
+            })
+        };
+        assert!(batcher.post(1));
+        assert!(batcher.post(2));
+        // The batch is held open: not drained.
+        assert!(!batcher.drain(Duration::from_millis(50)).await);
+        open.notify_one();
+        // The second item may be in a batch of its own.
+        let opener = {
+            let open = open.clone();
+            tokio::spawn(async move {
+                loop {
+                    open.notify_one();
+                    tokio::time::sleep(Duration::from_millis(5)).await;
+                }
+            })
+        };
+        assert!(batcher.drain(Duration::from_secs(5)).await);
+        opener.abort();
+        let mut got = written.lock().unwrap().clone();
+        got.sort_unstable();
+        assert_eq!(got, vec![1, 2]);
+    }
 }

@@ -404,6 +404,7 @@ impl PgStore {
             o.task.abort();
         }
         if let Some(a) = &self.admissions {
+            a.drain().await;
             a.pool().close().await;
         }
         self.pool.close().await;
