@@ -66,10 +66,10 @@ pub(super) enum Admit {
 }
 
 /// The batcher of admissions and leaves; a leave is answered `None`.
-pub(super) type AdmitBatcher = Batcher<Admit, Option<Admission>>;
+pub(super) type AdmitBatcher = Batcher<Admit, Option<Ruling>>;
 
 /// What one ask decided.
-pub(super) enum Admission {
+pub(super) enum Ruling {
     Admitted(InFlight),
     Stale(i64),
     /// Older writers may be in flight; the key opens within this at the
@@ -144,11 +144,12 @@ impl Drop for InFlight {
 }
 
 /// Shared mode's admissions on one instance.
-#[derive(Clone)]
 pub struct Admissions {
     /// The connections that run the batches and keyed admissions
     /// (`key_lock_connections`); none is held while a write is in flight.
     pool: PgPool,
+    /// Admissions and leaves of unkeyed writes, group-committed; every
+    /// admission it answers carries a handle on it for its leave.
     batcher: AdmitBatcher,
     /// `key_lock_wait_ms`: the longest a write waits for older writers.
     wait: Duration,
@@ -219,10 +220,10 @@ impl Admissions {
                 Some(r) => self.enter_keyed(key, token, hold, r.clone()).await?,
             };
             match admission {
-                Admission::Admitted(w) => return Ok(Entered::Admitted(w)),
-                Admission::Stale(h) => return Ok(Entered::Stale(h)),
-                Admission::Duplicate => return Ok(Entered::Duplicate),
-                Admission::Wait(opens_in) => {
+                Ruling::Admitted(w) => return Ok(Entered::Admitted(w)),
+                Ruling::Stale(h) => return Ok(Entered::Stale(h)),
+                Ruling::Duplicate => return Ok(Entered::Duplicate),
+                Ruling::Wait(opens_in) => {
                     let now = Instant::now();
                     if now >= give_up {
                         return Err(StoreError::KeyBusy(self.wait));
@@ -243,7 +244,7 @@ impl Admissions {
         token: i64,
         hold: Duration,
         r: std::sync::Arc<BeginItem>,
-    ) -> Result<Admission, StoreError> {
+    ) -> Result<Ruling, StoreError> {
         let (pool, leaves, timeout) = (self.pool.clone(), self.batcher.clone(), self.timeout);
         let key = key.to_string();
         let task = tokio::spawn(async move {
@@ -264,7 +265,7 @@ impl Admissions {
                     .await?)
             })
             .await?;
-            Ok(admission(&leaves, key, token, hold, sent_at, row))
+            Ok(ruling(&leaves, key, token, hold, sent_at, row))
         });
         task.await
             .map_err(|e| StoreError::Other(format!("a keyed admission failed: {e}")))?
@@ -276,7 +277,7 @@ pub(super) async fn admit_batch(
     pool: &PgPool,
     batcher: &AdmitBatcher,
     items: Vec<Admit>,
-) -> Result<Vec<Option<Admission>>, StoreError> {
+) -> Result<Vec<Option<Ruling>>, StoreError> {
     let (mut leave_keys, mut leave_tokens) = (Vec::new(), Vec::new());
     let (mut keys, mut tokens, mut holds) = (Vec::new(), Vec::new(), Vec::new());
     for item in &items {
@@ -312,7 +313,7 @@ pub(super) async fn admit_batch(
             Admit::Leave(..) => None,
         })
         .collect();
-    let mut answers: Vec<Option<Admission>> = enters.iter().map(|_| None).collect();
+    let mut answers: Vec<Option<Ruling>> = enters.iter().map(|_| None).collect();
     for (ord, outcome, highest, wait_ms, entered_ms) in rows {
         let n = usize::try_from(ord).ok().and_then(|o| o.checked_sub(1));
         let (Some(slot), Some(e)) = (
@@ -321,7 +322,7 @@ pub(super) async fn admit_batch(
         ) else {
             continue;
         };
-        *slot = Some(admission(
+        *slot = Some(ruling(
             batcher,
             e.key.clone(),
             e.token,
@@ -349,19 +350,19 @@ pub(super) async fn admit_batch(
 
 /// The store's answer `(outcome, highest, wait_ms, entered_ms)` to an ask
 /// sent at `sent_at`.
-fn admission(
+fn ruling(
     leaves: &AdmitBatcher,
     key: String,
     token: i64,
     hold: Duration,
     sent_at: Instant,
     (outcome, highest, wait_ms, entered_ms): (String, i64, i64, i64),
-) -> Admission {
+) -> Ruling {
     let ms = |v: i64| Duration::from_millis(u64::try_from(v).unwrap_or(0));
     match outcome.as_str() {
         "ok" => {
             let entered_at = sent_at + ms(entered_ms);
-            Admission::Admitted(InFlight {
+            Ruling::Admitted(InFlight {
                 leaves: Some(leaves.clone()),
                 key,
                 token,
@@ -369,10 +370,10 @@ fn admission(
                 marker_until: entered_at + hold,
             })
         }
-        "stale" => Admission::Stale(highest),
-        "duplicate" => Admission::Duplicate,
+        "stale" => Ruling::Stale(highest),
+        "duplicate" => Ruling::Duplicate,
         // "wait", and anything else: not admitted.
-        _ => Admission::Wait(ms(wait_ms).max(FIRST_POLL)),
+        _ => Ruling::Wait(ms(wait_ms).max(FIRST_POLL)),
     }
 }
 

@@ -854,7 +854,7 @@ fn admissions(
     cfg: &StoreConfig,
     view: &Arc<ServerView>,
 ) -> super::admissions::Admissions {
-    use super::admissions::{admit_batch, Admission, Admissions, Admit, AdmitBatcher};
+    use super::admissions::{admit_batch, Admissions, Admit, AdmitBatcher, Ruling};
     use super::batch::WeakBatcher;
     use std::sync::OnceLock;
     let opts = opts.clone().application_name("fencegate-admissions");
@@ -862,7 +862,7 @@ fn admissions(
     // Each admission a batch answers carries a handle on the batcher for
     // its leave: the batch runner needs the batcher it runs under (a weak
     // handle, or the batcher would keep itself running forever).
-    let me: Arc<OnceLock<WeakBatcher<Admit, Option<Admission>>>> = Arc::new(OnceLock::new());
+    let me: Arc<OnceLock<WeakBatcher<Admit, Option<Ruling>>>> = Arc::new(OnceLock::new());
     let batcher = {
         let (pool, view, me) = (pool.clone(), view.clone(), me.clone());
         AdmitBatcher::spawn(MAX_BATCH, BATCHES_IN_FLIGHT, cfg.timeout, move |items| {

@@ -84,11 +84,13 @@ async fn pauses_kills_and_restarts_keep_per_key_order() {
         })
     };
 
+    // Long enough for several chaos events: the shared-mode writes of 30
+    // rounds can be over within a second.
     let out = holders::run_dynamic(
         targets,
         Workload {
             clients: 24,
-            rounds: 30,
+            rounds: 100,
             docs: 4,
             max_pause_ms: 20,
         },
@@ -128,9 +130,13 @@ async fn postgres_crashes_under_load_keep_per_key_order() {
     let targets: Vec<String> = apps.iter().map(|a| a.url("")).collect();
     let chaos = {
         let pg = pg.clone();
+        // The first crash comes early and the workload is long enough to
+        // span all three: a workload that ends before the first crash
+        // tests nothing (shared-mode writes got fast enough for 30 rounds
+        // to end within 800 ms).
         tokio::task::spawn_blocking(move || {
-            for _ in 0..3 {
-                std::thread::sleep(Duration::from_millis(800));
+            for i in 0..3 {
+                std::thread::sleep(Duration::from_millis(if i == 0 { 300 } else { 500 }));
                 pg.stop_immediate();
                 std::thread::sleep(Duration::from_millis(700));
                 pg.start_again();
@@ -141,7 +147,7 @@ async fn postgres_crashes_under_load_keep_per_key_order() {
         targets.clone(),
         Workload {
             clients: 20,
-            rounds: 30,
+            rounds: 120,
             docs: 4,
             max_pause_ms: 30,
         },
