@@ -530,11 +530,9 @@ where
                 // see `Cutoff::passed`) with the exchange not over: that
                 // is the cut, and the exchange must hear of it as if the
                 // timer had fired.
-                match cutoff.at().filter(|at| Instant::now() >= *at) {
-                    Some(at) => match cutoff.fire(at) {
-                        Some(on_cut) => break on_cut,
-                        None => return,
-                    },
+                let cut = cutoff.at().filter(|at| Instant::now() >= *at);
+                match cut.and_then(|at| cutoff.fire(at)) {
+                    Some(on_cut) => break on_cut,
                     None => return,
                 }
             }

@@ -70,12 +70,10 @@ pub(super) type AdmitBatcher = Batcher<Admit, Option<Ruling>>;
 
 /// What one ask decided.
 pub(super) enum Ruling {
-    Admitted(InFlight),
-    Stale(i64),
+    Decided(Entered),
     /// Older writers may be in flight; the key opens within this at the
     /// latest, or sooner when they leave.
     Wait(Duration),
-    Duplicate,
 }
 
 /// What `enter` decided.
@@ -205,7 +203,7 @@ impl Admissions {
         let record = record.map(|r| std::sync::Arc::new(BeginItem::of(r)));
         let mut nap = FIRST_POLL;
         loop {
-            let admission = match &record {
+            let ruling = match &record {
                 None => self
                     .batcher
                     .submit(Admit::Enter(Enter {
@@ -219,10 +217,8 @@ impl Admissions {
                     })?,
                 Some(r) => self.enter_keyed(key, token, hold, r.clone()).await?,
             };
-            match admission {
-                Ruling::Admitted(w) => return Ok(Entered::Admitted(w)),
-                Ruling::Stale(h) => return Ok(Entered::Stale(h)),
-                Ruling::Duplicate => return Ok(Entered::Duplicate),
+            match ruling {
+                Ruling::Decided(entered) => return Ok(entered),
                 Ruling::Wait(opens_in) => {
                     let now = Instant::now();
                     if now >= give_up {
@@ -362,16 +358,16 @@ fn ruling(
     match outcome.as_str() {
         "ok" => {
             let entered_at = sent_at + ms(entered_ms);
-            Ruling::Admitted(InFlight {
+            Ruling::Decided(Entered::Admitted(InFlight {
                 leaves: Some(leaves.clone()),
                 key,
                 token,
                 entered_at,
                 marker_until: entered_at + hold,
-            })
+            }))
         }
-        "stale" => Ruling::Stale(highest),
-        "duplicate" => Ruling::Duplicate,
+        "stale" => Ruling::Decided(Entered::Stale(highest)),
+        "duplicate" => Ruling::Decided(Entered::Duplicate),
         // "wait", and anything else: not admitted.
         _ => Ruling::Wait(ms(wait_ms).max(FIRST_POLL)),
     }

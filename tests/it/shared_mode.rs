@@ -171,6 +171,20 @@ async fn lock_wait_past_key_lock_wait_is_503_and_leaves_nothing_behind() {
     assert!(metrics.contains(line), "missing {line} in\n{metrics}");
 }
 
+/// A fresh Postgres test database with the store's migrations applied,
+/// and a connection to it, for tests that call the SQL protocol directly.
+async fn migrated_db() -> (TestStore, sqlx::PgConnection) {
+    use sqlx::Connection;
+    let store = TestStore::new(Backend::Postgres).await;
+    fencegate::store::migrate_url(&store.url)
+        .await
+        .expect("migrations");
+    let db = sqlx::PgConnection::connect(&store.url)
+        .await
+        .expect("connect to the test database");
+    (store, db)
+}
+
 /// The admission protocol itself (migrations/postgres/0010), statement by
 /// statement, as instances call it: a write that never leaves (a crashed
 /// instance) holds a raise until its marker ends; the raise is recorded at
@@ -180,14 +194,7 @@ async fn lock_wait_past_key_lock_wait_is_503_and_leaves_nothing_behind() {
 /// write here.
 #[tokio::test]
 async fn the_admission_protocol_counts_each_tokens_writers() {
-    use sqlx::Connection;
-    let store = TestStore::new(Backend::Postgres).await;
-    fencegate::store::migrate_url(&store.url)
-        .await
-        .expect("migrations");
-    let mut db = sqlx::PgConnection::connect(&store.url)
-        .await
-        .expect("connect to the test database");
+    let (_store, mut db) = migrated_db().await;
     async fn enter(db: &mut sqlx::PgConnection, token: i64, hold_ms: i64) -> (String, i64) {
         let (outcome, highest): (String, i64) = sqlx::query_as(
             "SELECT outcome, highest FROM fencegate_admit_batch('{}', '{}', \
@@ -241,7 +248,7 @@ async fn the_admission_protocol_counts_each_tokens_writers() {
     assert_eq!(enter(&mut db, 8, 60_000).await, ("stale".to_string(), 9));
     leave(&mut db, 7).await;
     assert_eq!(enter(&mut db, 9, 60_000).await, ok(9));
-    db.close().await.ok();
+    sqlx::Connection::close(db).await.ok();
 }
 
 /// The protocol as an earlier gateway calls it during a rolling upgrade
@@ -249,14 +256,7 @@ async fn the_admission_protocol_counts_each_tokens_writers() {
 /// counts, and a `wait` short enough for its sleep-then-ask loop.
 #[tokio::test]
 async fn earlier_gateways_speak_the_same_admission_protocol() {
-    use sqlx::Connection;
-    let store = TestStore::new(Backend::Postgres).await;
-    fencegate::store::migrate_url(&store.url)
-        .await
-        .expect("migrations");
-    let mut db = sqlx::PgConnection::connect(&store.url)
-        .await
-        .expect("connect to the test database");
+    let (_store, mut db) = migrated_db().await;
     async fn enter(db: &mut sqlx::PgConnection, token: i64) -> (String, i64, i64) {
         sqlx::query_as("SELECT outcome, highest, wait_ms FROM fencegate_enter('k', $1, 60000)")
             .bind(token)
@@ -285,7 +285,7 @@ async fn earlier_gateways_speak_the_same_admission_protocol() {
         .await
         .expect("leave");
     assert_eq!(enter(&mut db, 6).await.0, "ok");
-    db.close().await.ok();
+    sqlx::Connection::close(db).await.ok();
 }
 
 /// Across instances a higher token waits for the older write only as long
