@@ -337,6 +337,11 @@ fn refusal_outcome(e: &GatewayError) -> Option<Outcome> {
 /// server discards them after a refusal without closing the connection.
 const DISCARDABLE_BODY: u64 = 4096;
 
+/// How often a first use claims its key's record when the live record its
+/// claim found has gone by the time it is read (see
+/// `decide_keyed_and_forward`).
+const MAX_CLAIMS: u32 = 2;
+
 /// Whether a request's body may be left unread by a refusal: chunked, or
 /// declared larger than what is normally buffered with the head.
 fn declares_body(headers: &http::HeaderMap) -> bool {
@@ -831,70 +836,90 @@ impl FencedWrite {
                 Err(e) => return (false, Err(e)),
             }
         }
-        let arrival = match self.arrival(state) {
-            Ok(a) => a,
-            Err(e) => {
-                let record = (id(), first.fingerprint);
-                return (false, Box::pin(unless_recorded(state, record, e)).await);
-            }
-        };
         let decided = Instant::now();
         let issued_only = self.route.token == TokenKind::Issued;
         let store_timeout = state.fence.store.timeout();
-        let attempt: i64 = rand::random();
-        // The record: written once the fence admits the write, in one
-        // transaction with it where the store allows it (see
-        // `Fence::check_keyed`). Its insert is also the lookup: a live
-        // record of the key (a duplicate, or a replay memory did not know)
-        // is found only then, and read.
-        let begin = Begin {
-            id: id(),
-            fingerprint: &first.fingerprint,
-            attempt,
-            in_flight: idempotency::in_flight(self.route.timeout, store_timeout),
-            ttl: first.settings.ttl,
-        };
-        // Before the record's statement starts: with the record's
-        // lifetime, a local lower bound of its expiry.
-        let begun = Instant::now();
-        let lives = Duration::from_millis(begin.in_flight.max(begin.ttl).as_millis() as u64);
-        let check = Box::pin(state.fence.check_keyed(
-            &self.key,
-            arrival,
-            self.token,
-            self.route.timeout,
-            issued_only,
-            &begin,
-        ));
-        let (admission, record_until, expires) = match check.await {
-            Ok(Keyed::Admitted {
-                admission,
-                record_until,
-            }) => (
-                admission,
-                record_until,
-                idempotency::cached_until(begun, lives),
-            ),
-            // A live record of the key: tell what it says.
-            Ok(Keyed::Duplicate) => {
-                return match Box::pin(recorded(state, begin.id, &first.fingerprint)).await {
-                    Ok(Some(ended)) => (false, ended),
-                    Ok(None) => (
-                        false,
-                        Err(StoreError::Other("an idempotency record vanished".into()).into()),
-                    ),
-                    Err(e) => (false, Err(e)),
-                };
-            }
-            Ok(Keyed::Refused(e)) => {
-                let record = (begin.id, first.fingerprint);
-                return (false, Box::pin(unless_recorded(state, record, e)).await);
-            }
-            Err(e) => {
-                // Nothing was forwarded; the record may have been written
-                // all the same (see `check_keyed`).
-                forget_later(state, begin.id, attempt);
-                return (false, Err(e));
+        // A claim that finds a live record whose read then finds none: the
+        // record went in between (its own first use was refused before
+        // anything was sent and forgot it, or it expired). Nothing holds
+        // the key's record any more, so this request is its first use and
+        // claims it again; only a record that vanishes a second time is
+        // answered 503, for the client to retry.
+        let mut claims = 0;
+        let (admission, record_until, expires, attempt) = loop {
+            claims += 1;
+            let arrival = match self.arrival(state) {
+                Ok(a) => a,
+                Err(e) => {
+                    let record = (id(), first.fingerprint);
+                    return (false, Box::pin(unless_recorded(state, record, e)).await);
+                }
+            };
+            let attempt: i64 = rand::random();
+            // The record: written once the fence admits the write, in one
+            // transaction with it where the store allows it (see
+            // `Fence::check_keyed`). Its insert is also the lookup: a live
+            // record of the key (a duplicate, or a replay memory did not
+            // know) is found only then, and read.
+            let begin = Begin {
+                id: id(),
+                fingerprint: &first.fingerprint,
+                attempt,
+                in_flight: idempotency::in_flight(self.route.timeout, store_timeout),
+                ttl: first.settings.ttl,
+            };
+            // Before the record's statement starts: with the record's
+            // lifetime, a local lower bound of its expiry.
+            let begun = Instant::now();
+            let lives = Duration::from_millis(begin.in_flight.max(begin.ttl).as_millis() as u64);
+            let check = Box::pin(state.fence.check_keyed(
+                &self.key,
+                arrival,
+                self.token,
+                self.route.timeout,
+                issued_only,
+                &begin,
+            ));
+            match check.await {
+                Ok(Keyed::Admitted {
+                    admission,
+                    record_until,
+                }) => {
+                    break (
+                        admission,
+                        record_until,
+                        idempotency::cached_until(begun, lives),
+                        attempt,
+                    )
+                }
+                // A live record of the key: tell what it says.
+                Ok(Keyed::Duplicate) => {
+                    match Box::pin(recorded(state, begin.id, &first.fingerprint)).await {
+                        Ok(Some(ended)) => return (false, ended),
+                        Ok(None) if claims < MAX_CLAIMS => continue,
+                        Ok(None) => {
+                            return (
+                                false,
+                                Err(StoreError::Other(
+                                    "the key's idempotency record vanished twice while it was read"
+                                        .into(),
+                                )
+                                .into()),
+                            )
+                        }
+                        Err(e) => return (false, Err(e)),
+                    }
+                }
+                Ok(Keyed::Refused(e)) => {
+                    let record = (begin.id, first.fingerprint);
+                    return (false, Box::pin(unless_recorded(state, record, e)).await);
+                }
+                Err(e) => {
+                    // Nothing was forwarded; the record may have been
+                    // written all the same (see `check_keyed`).
+                    forget_later(state, begin.id, attempt);
+                    return (false, Err(e));
+                }
             }
         };
         state

@@ -1568,3 +1568,66 @@ async fn batches_that_commit_late_never_forward_twice() {
         .count();
     assert_eq!(forwarded, 1, "forwarded once");
 }
+
+/// A first use whose claim finds a live record of its key that is gone by
+/// the time it is read (its own first use was refused before sending and
+/// forgot it, or it expired in between): nothing holds the key's record any
+/// more, so the request claims it again and is forwarded, once, instead of
+/// answering 503. A statement-level trigger deletes the live record right
+/// after the first claim's statement, in its transaction: the claim has
+/// seen it, the read cannot. Both Postgres modes (their claims are
+/// different statements).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_record_that_vanishes_after_the_claim_is_claimed_again() {
+    for mode in ["single", "shared"] {
+        let store = TestStore::new(Backend::Postgres).await;
+        let up = Upstream::start().await;
+        let app = TestApp::from_text(&format!(
+            "[server]\nlisten = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n\
+             [store]\nurl = \"{}\"\nmode = \"{mode}\"\ntimeout_ms = 1500\n{}",
+            store.url,
+            idem_route(&up.url(), "")
+        ))
+        .await;
+        let mut db = Db::open(&store).await;
+        db.run(
+            "INSERT INTO idempotency (route, method, idem_key, fingerprint, state,
+                                      in_flight_until, expires_at, attempt)
+             VALUES ('docs', 'POST', 'gone', 'not this one', 'in_flight',
+                     now() + interval '1 hour', now() + interval '1 hour', 42);
+             CREATE TABLE vanish (done boolean NOT NULL); INSERT INTO vanish VALUES (false);
+             CREATE FUNCTION vanish_once() RETURNS trigger LANGUAGE plpgsql AS $$
+             BEGIN
+                 IF NOT (SELECT done FROM vanish) THEN
+                     UPDATE vanish SET done = true;
+                     DELETE FROM idempotency WHERE idem_key = 'gone' AND attempt = 42;
+                 END IF;
+                 RETURN NULL;
+             END $$;
+             CREATE TRIGGER vanish AFTER INSERT ON idempotency
+                 FOR EACH STATEMENT EXECUTE FUNCTION vanish_once();",
+        )
+        .await;
+        let first = keyed(&app, "/docs/v", "5", Some("gone"), "A", &[]).await;
+        assert_eq!(
+            first.status(),
+            200,
+            "{mode}: forwarded as the key's first use"
+        );
+        assert!(first.headers().get("idempotent-replayed").is_none());
+        let replay = keyed(&app, "/docs/v", "5", Some("gone"), "A", &[]).await;
+        assert_eq!(replay.status(), 200);
+        assert_eq!(replay.headers()["idempotent-replayed"], "true");
+        let Db::Pg(c) = &mut db else { unreachable!() };
+        let (vanished, records): (bool, i64) = sqlx::query_as(
+            "SELECT (SELECT done FROM vanish), \
+                    (SELECT count(*) FROM idempotency WHERE idem_key = 'gone' AND attempt <> 42)",
+        )
+        .fetch_one(&mut *c)
+        .await
+        .unwrap();
+        assert!(vanished, "{mode}: the trigger deleted the live record");
+        assert_eq!(records, 1, "{mode}: the gateway's own record");
+        assert_eq!(up.applied().len(), 1, "{mode}: forwarded once");
+    }
+}
