@@ -28,7 +28,9 @@
 //! client that gives up never keeps a key closed. Only a batch that
 //! commits after the gateway gave up on it (an error, not an answer) counts
 //! writes nobody will leave: their key stays closed to newer tokens until
-//! their markers end, as after a crash.
+//! their markers end, as after a crash. A batch the server refused (one
+//! admission's error rolls back all of it) has its leaves written again on
+//! their own, once: see [`leave_alone`].
 
 use std::time::{Duration, Instant};
 
@@ -293,14 +295,23 @@ pub(super) async fn admit_batch(
     // between its start and each marker, a local lower bound of the
     // marker's end.
     let sent_at = Instant::now();
-    let rows: Vec<(i64, String, i64, i64, i64)> = sqlx::query_as(ADMIT_BATCH)
+    let rows: Vec<(i64, String, i64, i64, i64)> = match sqlx::query_as(ADMIT_BATCH)
         .bind(&leave_keys)
         .bind(&leave_tokens)
         .bind(&keys)
         .bind(&tokens)
         .bind(&holds)
         .fetch_all(pool)
-        .await?;
+        .await
+    {
+        Ok(rows) => rows,
+        Err(e) => {
+            if !leave_keys.is_empty() && !keys.is_empty() && rolled_back(&e) {
+                leave_alone(pool, &leave_keys, &leave_tokens).await;
+            }
+            return Err(e.into());
+        }
+    };
     // The admissions' answers by their position among the admissions.
     let enters: Vec<&Enter> = items
         .iter()
@@ -342,6 +353,46 @@ pub(super) async fn admit_batch(
             Admit::Leave(..) => None,
         })
         .collect())
+}
+
+/// Whether a failed statement is known to have written nothing: the server
+/// refused it with an `ERROR` (a raised exception, a deadlock, a statement
+/// timeout, a bad value), which rolls back the statement's transaction, and
+/// keeps the session. Any other failure (the connection broke, the gateway
+/// stopped waiting, a `FATAL` that may come after the commit) leaves the
+/// outcome unknown.
+fn rolled_back(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|db| db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
+        .is_some_and(|pg| pg.severity() == sqlx::postgres::PgSeverity::Error)
+}
+
+/// Writes the leaves of a batch that the server refused because of its
+/// admissions (one admission's error rolls the whole statement back), in a
+/// statement of their own, once: so that an admission's error does not keep
+/// unrelated keys closed until their writes' markers end. Only for a batch
+/// known to have written nothing ([`rolled_back`]): a leave is not
+/// idempotent, and one counted twice could open a key while another write
+/// of its token is still in flight. If this one fails too, the leaves are
+/// lost, which is safe: their keys open when the markers end.
+async fn leave_alone(pool: &PgPool, leave_keys: &[&str], leave_tokens: &[i64]) {
+    let none: (&[&str], &[i64]) = (&[], &[]);
+    let written = sqlx::query(ADMIT_BATCH)
+        .bind(leave_keys)
+        .bind(leave_tokens)
+        .bind(none.0)
+        .bind(none.1)
+        .bind(none.1)
+        .execute(pool)
+        .await;
+    if let Err(e) = written {
+        tracing::warn!(
+            error = %e,
+            leaves = leave_keys.len(),
+            "the leaves of a failed admission batch could not be written; their keys open \
+             when their writes' markers end"
+        );
+    }
 }
 
 /// The store's answer `(outcome, highest, wait_ms, entered_ms)` to an ask

@@ -250,7 +250,7 @@ impl PgStore {
 
     /// Shared mode: admits a fenced write of `token` on `key` across every
     /// instance (see `admissions`).
-    /// On success the returned [`InFlight`] must be kept until the write
+    /// On success the returned [`InFlight`](super::admissions::InFlight) must be kept until the write
     /// has finished at the upstream; `hold` bounds how long a crashed
     /// instance's write may be assumed in flight.
     /// `record`: a first use of an `Idempotency-Key`, whose in-flight

@@ -316,3 +316,64 @@ async fn a_higher_token_goes_when_the_older_write_has_left() {
     let tokens: Vec<_> = applied.iter().map(|a| a.token).collect();
     assert_eq!(tokens, vec![Some(5), Some(6)]);
 }
+
+/// An admission that the server refuses (here a trigger raises for its
+/// key) rolls back its whole batch, leaves of other keys' finished writes
+/// included. Those leaves are then written on their own, so the other keys
+/// open at once instead of staying closed until their writes' markers end
+/// (the route's `timeout_ms` + 1 s: 31 s here). The leave and the failing
+/// admission are made to share a batch: a test transaction holds the row
+/// lock of a third key while its admission runs, so both queue behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_admission_does_not_keep_other_keys_closed() {
+    use crate::support::db::PgHolder;
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let apps = gateways_with(&store, &up, 1, "key_lock_wait_ms = 2000").await;
+    let app = &apps[0];
+    assert_eq!(app.put("/docs/slow", Some("1"), "one").await.status(), 200);
+    let mut conn = {
+        use sqlx::Connection;
+        sqlx::PgConnection::connect(&store.url).await.unwrap()
+    };
+    sqlx::raw_sql(
+        "CREATE FUNCTION boom() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN RAISE EXCEPTION 'no admissions for doc:boom'; END $$;
+         CREATE TRIGGER boom BEFORE INSERT OR UPDATE ON fences FOR EACH ROW
+             WHEN (NEW.resource_key = 'doc:boom') EXECUTE FUNCTION boom();",
+    )
+    .execute(&mut conn)
+    .await
+    .unwrap();
+    let spawn_put = |path: &str, token: &str, delay_ms: u64| {
+        let req = fenced_put(&app.http, app.url(path), token, "w")
+            .header("x-test-delay-ms", delay_ms.to_string());
+        tokio::spawn(async move { req.send().await.map(|r| r.status().as_u16()) })
+    };
+    let pause = |ms| tokio::time::sleep(std::time::Duration::from_millis(ms));
+    // 5 on x is admitted and at the upstream for 600 ms.
+    let x5 = spawn_put("/docs/x", "5", 600);
+    pause(200).await;
+    // The next batch (an admission on slow) waits for the test's row lock.
+    let holder = PgHolder::begin(
+        &store.url,
+        "SELECT 1 FROM fences WHERE resource_key = 'doc:slow' FOR UPDATE",
+    )
+    .await;
+    let slow2 = spawn_put("/docs/slow", "2", 0);
+    pause(100).await;
+    // 5's leave, then boom's admission, queue behind it: one batch.
+    assert_eq!(x5.await.unwrap().unwrap(), 200);
+    pause(100).await;
+    let boom = spawn_put("/docs/boom", "1", 0);
+    pause(100).await;
+    holder.commit().await;
+    assert_eq!(slow2.await.unwrap().unwrap(), 200);
+    assert_eq!(boom.await.unwrap().unwrap(), 503, "boom's admission failed");
+    // x is open: 6 goes at once (without its leave, 6 would wait for 5's
+    // marker and give up after key_lock_wait_ms: 503 key-busy).
+    assert_eq!(app.put("/docs/x", Some("6"), "six").await.status(), 200);
+    let tokens: Vec<_> = up.applied_on("/docs/x").iter().map(|a| a.token).collect();
+    assert_eq!(tokens, vec![Some(5), Some(6)]);
+    assert!(up.applied_on("/docs/boom").is_empty());
+}
