@@ -7,6 +7,15 @@
 #   bash bench/profile.sh [BINARY]
 #   bash bench/profile.sh --raise [--shared] [BINARY]
 #   bash bench/profile.sh --keyed [--shared] [BINARY]
+#   bash bench/profile.sh --instructions [BINARY]
+#
+# --instructions: fencegate (SQLite store) under valgrind's callgrind;
+# user-space instructions per request for a GET passed through and a PUT
+# with the key's current token (bench/run.sh's (c) and (d)), 10,000 each
+# (INSTR_REQUESTS) from oha at 16 connections. A count, not a time: it
+# repeats within a fraction of a percent on a busy machine, where CPU
+# times of the same code move by 20%, so it shows what a change of the
+# request path saves. Needs valgrind, oha and curl. No profile.
 #
 # --raise: fencegate on a fresh Postgres database (single mode, or shared
 # with --shared); wrk -t2 -c64 PUTs whose every request raises its key's
@@ -55,6 +64,7 @@ while [ $# -gt 0 ]; do
     case "$1" in
         --raise) SCENARIO=raise; shift ;;
         --keyed) SCENARIO=keyed; shift ;;
+        --instructions) SCENARIO=instructions; shift ;;
         --shared) MODE=shared; shift ;;
         *) break ;;
     esac
@@ -65,6 +75,12 @@ if [ -z "$BIN" ]; then
     (cd "$REPO" && CARGO_PROFILE_RELEASE_DEBUG=line-tables-only \
         cargo build --release --target-dir target/profile-build >&2)
     BIN="$REPO/target/profile-build/release/fencegate"
+fi
+
+if [ "$SCENARIO" = instructions ]; then
+    for tool in valgrind callgrind_control callgrind_annotate oha curl; do
+        command -v "$tool" >/dev/null 2>&1 || { echo "profile.sh: $tool is not installed" >&2; exit 1; }
+    done
 fi
 
 W="$(mktemp -d "${TMPDIR:-/tmp}/fg-profile.XXXXXX")"
@@ -103,7 +119,7 @@ server { listen 127.0.0.1:$P_NGX; location / {
     proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection \"\"; } }"
 STORE_URL="sqlite://$W/fences.db"
 DB=""
-if [ "$SCENARIO" != get ]; then
+if [ "$SCENARIO" = raise ] || [ "$SCENARIO" = keyed ]; then
     export PGHOST="${PGHOST:-127.0.0.1}" PGPORT="${PGPORT:-5432}" PGUSER="${PGUSER:-postgres}"
     DB="fg_profile_$$"
     psql -qX -d postgres -c "CREATE DATABASE $DB" >/dev/null
@@ -123,11 +139,55 @@ fg_routes "$P_UP" >> "$W/fencegate.toml"
 
 nginx -p "$W/up" -c "$W/up/nginx.conf" -g 'daemon off;' & PIDS+=($!); NGX_UP=$!
 nginx -p "$W/px" -c "$W/px/nginx.conf" -g 'daemon off;' & PIDS+=($!); NGX_PX=$!
-RUST_LOG=warn "$BIN" serve --config "$W/fencegate.toml" 2>"$W/fencegate.log" & PIDS+=($!); FG=$!
+if [ "$SCENARIO" = instructions ]; then
+    # Counted from the first request on (`callgrind_control -i on`), so
+    # start-up is not in the counts.
+    RUST_LOG=warn valgrind --tool=callgrind --instr-atstart=no \
+        --callgrind-out-file="$W/callgrind.out.%p" \
+        "$BIN" serve --config "$W/fencegate.toml" 2>"$W/fencegate.log" & PIDS+=($!); FG=$!
+else
+    RUST_LOG=warn "$BIN" serve --config "$W/fencegate.toml" 2>"$W/fencegate.log" & PIDS+=($!); FG=$!
+fi
 for p in "$P_UP" "$P_NGX" "$P_FG"; do
-    python3 "$REPO/bench/util.py" wait-http "http://127.0.0.1:$p/docs/k1" 20 \
+    python3 "$REPO/bench/util.py" wait-http "http://127.0.0.1:$p/docs/k1" 120 \
         || { cat "$W"/*/logs/*.log "$W/fencegate.log" >&2; exit 1; }
 done
+
+if [ "$SCENARIO" = instructions ]; then
+    # User-space instructions per request, counted by callgrind: unlike CPU
+    # time, the same code gives the same count (within a fraction of a
+    # percent) however busy the machine is, so a change of a few percent
+    # shows. The kernel's share (about two thirds of fencegate's CPU time,
+    # see the profile below) is not counted.
+    N=${INSTR_REQUESTS:-10000}
+    url="http://127.0.0.1:$P_FG/docs/k1"
+    put=(-m PUT -H 'X-Fence-Token: 1' -d written-by-bench)
+    curl -fsS -X PUT -H 'X-Fence-Token: 1' -d written-by-bench "$url" >/dev/null
+    # Warm-up, not counted: pooled connections, caches.
+    oha -n 2000 -c 16 --no-tui "$url" >/dev/null 2>&1
+    oha -n 2000 -c 16 --no-tui "${put[@]}" "$url" >/dev/null 2>&1
+    echo "user-space instructions per request, $N requests from 16 connections (callgrind)"
+    for what in get put; do
+        callgrind_control -z "$FG" >/dev/null 2>&1
+        callgrind_control -i on "$FG" >/dev/null 2>&1
+        if [ "$what" = get ]; then
+            oha -n "$N" -c 16 --no-tui "$url" >/dev/null 2>&1
+        else
+            oha -n "$N" -c 16 --no-tui "${put[@]}" "$url" >/dev/null 2>&1
+        fi
+        callgrind_control -i off "$FG" >/dev/null 2>&1
+        callgrind_control -d "$what" "$FG" >/dev/null 2>&1
+        sleep 1
+        out=$(grep -l "Trigger: dump $what" "$W"/callgrind.out.* | head -n1)
+        total=$(callgrind_annotate "$out" 2>/dev/null | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}')
+        label="GET pass-through"
+        [ "$what" = put ] && label="PUT, current token"
+        printf '%-20s %10d\n' "$label" "$((total / N))"
+    done
+    echo
+    echo "raw outputs: $W (callgrind_annotate --inclusive=yes $W/callgrind.out.<pid>.<n>)"
+    exit 0
+fi
 
 ticks() { # CPU clock ticks (user + system) of a process and its children
     local t=0 p f

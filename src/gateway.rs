@@ -89,11 +89,23 @@ pub struct GatewayState {
 
 /// Who sent a request, as the upstream is told (`X-Forwarded-For`,
 /// `X-Forwarded-Proto`).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct Downstream {
-    pub addr: Option<SocketAddr>,
+    /// The client's address as `X-Forwarded-For` names it: formatted once
+    /// per connection, not per request (formatting an address costs about
+    /// as much as parsing a request head's headers).
+    pub forwarded_for: Option<http::HeaderValue>,
     /// Over TLS.
     pub https: bool,
+}
+
+impl Downstream {
+    pub fn new(addr: Option<SocketAddr>, https: bool) -> Self {
+        Self {
+            forwarded_for: addr.and_then(|a| http::HeaderValue::try_from(a.ip().to_string()).ok()),
+            https,
+        }
+    }
 }
 
 /// Every proxied request's answer: the upstream's, or a problem document.

@@ -2,7 +2,6 @@
 //! body wrappers that enforce the size limit and report a fenced exchange's
 //! progress to its [`Exchange`] (which decides when the key may open).
 
-use std::fmt::Write as _;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -42,19 +41,40 @@ const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host")
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
 /// Removes hop-by-hop headers, including every header `Connection` names.
+///
+/// One pass over the message's few names finds which hop-by-hop ones it
+/// carries (usually none in a request, and only `Connection: keep-alive`
+/// in an answer), and only those are removed: a removal is a hashed lookup,
+/// and doing one per hop-by-hop name cost more than the rest of the header
+/// rewriting together.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    let mut present = 0u16;
+    for name in headers.keys() {
+        if let Some(i) = HOP_BY_HOP.iter().position(|h| h == name) {
+            present |= 1 << i;
+        }
+    }
+    if present == 0 {
+        return;
+    }
+    // Headers named by `Connection` (present only with it: it is one of
+    // them), but for its usual tokens, which name no header.
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
-        .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+        .map(str::trim)
+        .filter(|t| !t.eq_ignore_ascii_case("keep-alive") && !t.eq_ignore_ascii_case("close"))
+        .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
         .collect();
     for name in named {
         headers.remove(name);
     }
-    for name in &HOP_BY_HOP {
-        headers.remove(name);
+    for (i, name) in HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << i) != 0 {
+            headers.remove(name);
+        }
     }
 }
 
@@ -84,17 +104,24 @@ pub fn upstream_request(
     if let Some(host) = headers.insert(header::HOST, upstream.host.clone()) {
         headers.insert(X_FORWARDED_HOST, host);
     }
-    if let Some(peer) = peer.addr {
-        // One buffer, handed to the header without another copy.
-        let mut value = String::with_capacity(48);
-        if let Some(prev) = headers.get(&X_FORWARDED_FOR).and_then(|v| v.to_str().ok()) {
-            if !prev.trim().is_empty() {
-                value.push_str(prev);
-                value.push_str(", ");
+    if let Some(peer) = peer.forwarded_for {
+        let prev = headers
+            .get(&X_FORWARDED_FOR)
+            .and_then(|v| v.to_str().ok())
+            .filter(|prev| !prev.trim().is_empty());
+        let value = match prev {
+            // The common case: the connection's own value, shared.
+            None => Some(peer),
+            Some(prev) => {
+                // One buffer, handed to the header without another copy.
+                let mut value = Vec::with_capacity(prev.len() + 2 + peer.len());
+                value.extend_from_slice(prev.as_bytes());
+                value.extend_from_slice(b", ");
+                value.extend_from_slice(peer.as_bytes());
+                HeaderValue::from_maybe_shared(Bytes::from(value)).ok()
             }
-        }
-        let _ = write!(value, "{}", peer.ip());
-        if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(value)) {
+        };
+        if let Some(v) = value {
             headers.insert(X_FORWARDED_FOR, v);
         }
     }
@@ -272,12 +299,17 @@ pin_project_lite::pin_project! {
             // be polled: the server knows it has nothing to send. The
             // upstream's answer did end normally; finish in the background.
             let ended = *this.finishing || http_body::Body::is_end_stream(&*this.inner);
-            if let (true, Some(pooled), Ok(rt)) = (
-                ended,
-                this.pooled.take(),
-                tokio::runtime::Handle::try_current(),
-            ) {
-                let exchange = this.exchange.take();
+            let (true, Some(mut pooled)) = (ended, this.pooled.take()) else {
+                return;
+            };
+            let exchange = this.exchange.take();
+            // Most often the connection is done already (hyper drops a body
+            // of known length once it has written its last byte, and the
+            // upstream's answer has ended): finish here, without a task.
+            let mut now = Context::from_waker(std::task::Waker::noop());
+            if let Poll::Ready(reusable) = pooled.poll_done(&mut now) {
+                ended_normally(pooled, reusable, exchange);
+            } else if let Ok(rt) = tokio::runtime::Handle::try_current() {
                 drop(rt.spawn(finish(pooled, exchange)));
             }
         }
@@ -288,6 +320,12 @@ pin_project_lite::pin_project! {
 /// and reports the normal end.
 async fn finish(mut pooled: Pooled, exchange: Option<Arc<Exchange>>) {
     let reusable = std::future::poll_fn(|cx| pooled.poll_done(cx)).await;
+    ended_normally(pooled, reusable, exchange);
+}
+
+/// The connection is done with the exchange: back to the pool if it can
+/// take another request, and the normal end reported.
+fn ended_normally(pooled: Pooled, reusable: bool, exchange: Option<Arc<Exchange>>) {
     if reusable {
         pooled.give_back();
     }
@@ -432,5 +470,38 @@ mod tests {
         strip_hop_by_hop(&mut h);
         assert_eq!(h.len(), 1);
         assert_eq!(h["x-fence-token"], "7");
+    }
+
+    /// Every hop-by-hop header goes, whichever of them a message carries
+    /// and in whatever case it was sent; a message without one is left as
+    /// it is.
+    #[test]
+    fn strips_each_hop_by_hop_header_alone_and_all_together() {
+        for name in &HOP_BY_HOP {
+            let mut h = HeaderMap::new();
+            h.insert(name.clone(), "x".parse().unwrap());
+            h.insert("x-fence-token", "7".parse().unwrap());
+            strip_hop_by_hop(&mut h);
+            assert_eq!(h.len(), 1, "{name} stayed");
+        }
+        let mut h = HeaderMap::new();
+        for name in &HOP_BY_HOP {
+            h.append(name.clone(), "x".parse().unwrap());
+            h.append(name.clone(), "y".parse().unwrap());
+        }
+        h.insert(
+            header::CONNECTION,
+            "Keep-Alive, Upgrade, X-Named".parse().unwrap(),
+        );
+        h.insert("x-named", "1".parse().unwrap());
+        h.insert("x-fence-token", "7".parse().unwrap());
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.keys().collect::<Vec<_>>(), ["x-fence-token"]);
+        let mut h = HeaderMap::new();
+        h.insert("x-fence-token", "7".parse().unwrap());
+        h.insert(header::CONTENT_TYPE, "text/plain".parse().unwrap());
+        let before = h.clone();
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h, before);
     }
 }

@@ -42,10 +42,7 @@ impl MakeService for Traffic {
     fn make(&self, conn: ConnInfo) -> Connection {
         Connection {
             traffic: self.clone(),
-            downstream: Downstream {
-                addr: Some(conn.peer),
-                https: conn.tls.is_some(),
-            },
+            downstream: Downstream::new(Some(conn.peer), conn.tls.is_some()),
             conn: Arc::new(conn),
         }
     }
@@ -73,7 +70,7 @@ impl hyper::service::Service<Request<Incoming>> for Connection {
             req.extensions_mut().insert(self.conn.clone());
             return self.traffic.reserved.call(req);
         }
-        let (gateway, downstream) = (self.traffic.gateway.clone(), self.downstream);
+        let (gateway, downstream) = (self.traffic.gateway.clone(), self.downstream.clone());
         Box::pin(async move { Ok(gateway::respond(gateway, req, downstream).await) })
     }
 }
