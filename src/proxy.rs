@@ -23,7 +23,7 @@ use crate::upstream::Pooled;
 /// Hop-by-hop headers (RFC 9110 §7.6.1) plus `Proxy-Connection`, which old
 /// clients still send. `Expect` is answered by our own server side. Typed
 /// names: a `&str` name would be parsed again on every lookup.
-const HOP_BY_HOP: [HeaderName; 10] = [
+const HOP_BY_HOP: [HeaderName; HOP_BY_HOP_NAMES] = [
     header::CONNECTION,
     HeaderName::from_static("keep-alive"),
     HeaderName::from_static("proxy-connection"),
@@ -35,6 +35,11 @@ const HOP_BY_HOP: [HeaderName; 10] = [
     header::PROXY_AUTHORIZATION,
     header::EXPECT,
 ];
+
+/// How many names [`HOP_BY_HOP`] holds: `strip_hop_by_hop` marks those it
+/// finds in a message as bits of a u16.
+const HOP_BY_HOP_NAMES: usize = 10;
+const _: () = assert!(HOP_BY_HOP_NAMES <= 16);
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
@@ -58,7 +63,8 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
         return;
     }
     // Headers named by `Connection` (present only with it: it is one of
-    // them), but for its usual tokens, which name no header.
+    // them). Its usual tokens need no lookup: `close` names no header, and
+    // `keep-alive`'s header is one of them already.
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
         .iter()
