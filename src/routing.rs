@@ -456,6 +456,12 @@ fn decode_segment(raw: &str) -> Result<Cow<'_, str>, PathError> {
 
 /// True when a raw request path has a `.` or `..` segment, encoded or not.
 pub fn has_dot_segment(path: &str) -> bool {
+    // A segment decodes to a dot only from a `.` or a `%2e`: a path with
+    // neither, as most are, needs no segment decoded (checked on every
+    // proxied request).
+    if !path.bytes().any(|b| b == b'.' || b == b'%') {
+        return false;
+    }
     path.split('/').any(|seg| {
         let d = percent_encoding::percent_decode_str(seg).decode_utf8_lossy();
         d == "." || d == ".."
@@ -732,6 +738,40 @@ mod tests {
                     path, upstream, servlet, merge, trailing
                 );
             }
+        }
+    }
+
+    /// Dot segments, plain or percent-encoded in either case, anywhere in
+    /// the path; dots inside a segment and encoded characters other than
+    /// dots are not.
+    #[test]
+    fn dot_segments_plain_and_encoded() {
+        for path in [
+            "/.",
+            "/..",
+            "/a/./b",
+            "/a/../b",
+            "/a/.",
+            "/%2e",
+            "/%2E%2e/x",
+            "/a/.%2e",
+            "/a/%2e%2E/",
+            "./a",
+        ] {
+            assert!(has_dot_segment(path), "{path}");
+        }
+        for path in [
+            "/",
+            "/docs/k1234",
+            "/a.b/c",
+            "/a/...",
+            "/a/.b",
+            "/a/%2f",
+            "/a/%2e%2e%2e",
+            "/%41",
+            "",
+        ] {
+            assert!(!has_dot_segment(path), "{path}");
         }
     }
 }
