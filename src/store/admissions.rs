@@ -295,12 +295,7 @@ pub(super) async fn admit_batch(
     // between its start and each marker, a local lower bound of the
     // marker's end.
     let sent_at = Instant::now();
-    let rows: Vec<(i64, String, i64, i64, i64)> = match sqlx::query_as(ADMIT_BATCH)
-        .bind(&leave_keys)
-        .bind(&leave_tokens)
-        .bind(&keys)
-        .bind(&tokens)
-        .bind(&holds)
+    let rows = match admit_statement(&leave_keys, &leave_tokens, &keys, &tokens, &holds)
         .fetch_all(pool)
         .await
     {
@@ -355,6 +350,28 @@ pub(super) async fn admit_batch(
         .collect())
 }
 
+/// One `fencegate_admit_batch` statement: leaves, then admissions, by
+/// column.
+fn admit_statement<'q>(
+    leave_keys: &'q [&'q str],
+    leave_tokens: &'q [i64],
+    keys: &'q [&'q str],
+    tokens: &'q [i64],
+    holds: &'q [i64],
+) -> sqlx::query::QueryAs<
+    'q,
+    sqlx::Postgres,
+    (i64, String, i64, i64, i64),
+    sqlx::postgres::PgArguments,
+> {
+    sqlx::query_as(ADMIT_BATCH)
+        .bind(leave_keys)
+        .bind(leave_tokens)
+        .bind(keys)
+        .bind(tokens)
+        .bind(holds)
+}
+
 /// Whether a failed statement is known to have written nothing: the server
 /// refused it with an `ERROR` (a raised exception, a deadlock, a statement
 /// timeout, a bad value), which rolls back the statement's transaction, and
@@ -376,14 +393,8 @@ fn rolled_back(e: &sqlx::Error) -> bool {
 /// of its token is still in flight. If this one fails too, the leaves are
 /// lost, which is safe: their keys open when the markers end.
 async fn leave_alone(pool: &PgPool, leave_keys: &[&str], leave_tokens: &[i64]) {
-    let none: (&[&str], &[i64]) = (&[], &[]);
-    let written = sqlx::query(ADMIT_BATCH)
-        .bind(leave_keys)
-        .bind(leave_tokens)
-        .bind(none.0)
-        .bind(none.1)
-        .bind(none.1)
-        .execute(pool)
+    let written = admit_statement(leave_keys, leave_tokens, &[], &[], &[])
+        .fetch_all(pool)
         .await;
     if let Err(e) = written {
         tracing::warn!(
