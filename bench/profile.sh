@@ -29,7 +29,8 @@
 # bench-replay`). Then rounds of wrk -t2 -c64 with bench/fenced.lua's
 # `fresh` (every request a first use: (h) of run.sh) and `replay` (every
 # request replays the stored answer: (i)), each with fencegate's and
-# Postgres's CPU per request. No profile.
+# Postgres's CPU per request; then fencegate is profiled (as below) under
+# first uses.
 #
 # Starts an nginx upstream (`return 200`), an nginx reverse proxy and
 # fencegate (SQLite store: pass-through GETs never touch it) on free
@@ -275,7 +276,9 @@ EOF
         cpu_run "replay-$round" replay h
     done
     echo
-    echo "raw outputs: $W"
+    echo "perf record -e cpu-clock -g on fencegate, 8 s under wrk -t2 -c64 fresh"
+    profile_fg 40 -t2 -c64 -d12s -s "$REPO/bench/fenced.lua" "http://127.0.0.1:$P_FG" \
+        -- fresh 10000 h 2
     exit 0
 fi
 

@@ -38,6 +38,7 @@ use sqlx::PgPool;
 
 use super::batch::Batcher;
 use super::idempotency::BeginItem;
+use super::postgres::rolled_back;
 use super::{bounded, StoreError};
 
 /// The first wait before a write told `wait` asks again.
@@ -370,18 +371,6 @@ fn admit_statement<'q>(
         .bind(keys)
         .bind(tokens)
         .bind(holds)
-}
-
-/// Whether a failed statement is known to have written nothing: the server
-/// refused it with an `ERROR` (a raised exception, a deadlock, a statement
-/// timeout, a bad value), which rolls back the statement's transaction, and
-/// keeps the session. Any other failure (the connection broke, the gateway
-/// stopped waiting, a `FATAL` that may come after the commit) leaves the
-/// outcome unknown.
-fn rolled_back(e: &sqlx::Error) -> bool {
-    e.as_database_error()
-        .and_then(|db| db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
-        .is_some_and(|pg| pg.severity() == sqlx::postgres::PgSeverity::Error)
 }
 
 /// Writes the leaves of a batch that the server refused because of its

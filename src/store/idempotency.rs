@@ -17,46 +17,56 @@
 //!
 //! In single mode (SQLite, or Postgres with one instance) the two writes of
 //! a first use — its in-flight record before the forward, its answer after
-//! it — are group-committed like fence decisions (`store::batch`): one
-//! batch of each kind in flight at a time, one statement (Postgres) or one
-//! transaction (SQLite) and one commit per batch, every answer sent only
-//! once its batch has committed. A first use whose token the store must
+//! it — are group-committed like fence decisions (`store::batch`): both
+//! kinds go into the same batches of records, one batch in flight at a
+//! time, one statement (Postgres, [`PG_RECORDS_BATCH`]) or one transaction
+//! (SQLite) and one commit per batch, every answer sent only once its
+//! batch has committed. (Batches of each kind apart, one of each in
+//! flight, cost Postgres about 15% more CPU per first use, for the same
+//! first uses per second: `bench/profile.sh --keyed`.) A first use whose token the store must
 //! decide, on a key with no other write, brings its in-flight record into
 //! the fence batch itself ([`PG_DECIDE_AND_BEGIN_BATCH`], and the SQLite
 //! batch's transaction): the decision and the record commit together, and
 //! the record is written only if the token is accepted. Other first uses
 //! (the token already the key's durable one, or another write on the key)
-//! write it in a batch of in-flight records once admitted. Nothing about
+//! write it in a batch of records once admitted. Nothing about
 //! the guarantees changes:
 //!
 //! * **recorded durably before forwarding**: a first use is forwarded only
-//!   after its batch of in-flight records committed and reported its record
-//!   written;
+//!   after its batch committed and reported its record written;
 //! * **stored durably before returned**: the answer is returned only after
 //!   its batch committed, or after the store failed to say so (then the
 //!   record stays in flight and becomes "unknown": never forwarded again);
 //! * **a crash between statements**: each batch is one statement (one
-//!   transaction), so all of it commits or none. A crash after an
-//!   in-flight batch committed, before its forwards, leaves records of
+//!   transaction), so all of it commits or none; one that Postgres refused
+//!   runs as two statements, which each commit whole or not at all (see
+//!   [`pg_records_batch`]). A crash after a batch with in-flight records
+//!   committed, before their forwards, leaves records of
 //!   requests that never left: duplicates
 //!   hear "in progress", then "outcome unknown" (the gateway cannot know
 //!   nothing was sent), exactly as with a statement of its own;
 //! * **a batch that timed out and commits later**: its first uses were told
 //!   503 and not forwarded, and forget their records in the background; a
 //!   record the late commit writes after that stays in flight, then
-//!   unknown — never forwarded twice. A late answer batch makes its records
-//!   `done` (the answers were true); one that never commits leaves them to
-//!   become unknown. Either way nothing is forwarded again;
+//!   unknown — never forwarded twice. A late commit makes the records of
+//!   its answers `done` (the answers were true); one that never commits
+//!   leaves them to become unknown. Either way nothing is forwarded again;
 //! * **two instances**: single mode has one writer, but even two gateways
 //!   that both believed they were it would write the same rows: the
 //!   primary key still decides which first use is forwarded, and attempts
 //!   still keep a late answer out of a newer record.
 //!
-//! Rows are locked in primary-key order by every batch statement (an
-//! in-flight insert locks a live record it conflicts with, an answer batch
-//! the records it completes), and a fence batch with records locks its
-//! fence rows first, in key order, as no other statement locks a record
-//! before a fence: batches of every kind running at once cannot deadlock.
+//! Rows are locked in primary-key order by each part of every batch
+//! statement (an in-flight insert locks a live record it conflicts with,
+//! an answer the record it completes), and a fence batch with records
+//! locks its fence rows first, in key order, as no other statement locks a
+//! record before a fence. A batch of records does not order its answers'
+//! rows among its in-flight records', so it and a fence batch can deadlock
+//! on records of both (a duplicate of a first use whose answer is being
+//! stored, another duplicate pair beside it): Postgres then refuses one of
+//! the two after `deadlock_timeout`, with an `ERROR`. A batch of records
+//! so refused runs its parts alone, each in primary-key order; a fence
+//! batch so refused fails (its writes are answered 503, never forwarded).
 //! Shared mode writes its in-flight records with the fence decision
 //! (`fencegate_enter_keyed`) and stores answers one statement each: there
 //! every write already has its own statement.
@@ -174,29 +184,9 @@ ON CONFLICT (route, method, idem_key) DO UPDATE
  WHERE idempotency.expires_at <= ", sqlite_now_ms!(), "
 RETURNING 1");
 
-/// [`PG_BEGIN`] for a batch (single mode): one statement, one commit. The
-/// batch's records are distinct (the caller answers repeats itself: a
-/// statement may not insert and then update one row), and are written in
-/// primary-key order, which is also the order the live records they
-/// conflict with are locked in. Only the records written come back.
-const PG_BEGIN_BATCH: &str = "\
-INSERT INTO idempotency AS i
-       (route, method, idem_key, fingerprint, state, in_flight_until, expires_at, attempt)
-SELECT r, m, k, f, 'in_flight', now() + fl * interval '1 millisecond',
-       now() + GREATEST(fl, t) * interval '1 millisecond', a
-  FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bytea[], $5::bigint[], $6::bigint[],
-              $7::bigint[]) AS b(r, m, k, f, fl, t, a)
- ORDER BY r, m, k
-ON CONFLICT (route, method, idem_key) DO UPDATE
-   SET fingerprint = EXCLUDED.fingerprint, state = 'in_flight',
-       in_flight_until = EXCLUDED.in_flight_until, expires_at = EXCLUDED.expires_at,
-       attempt = EXCLUDED.attempt, status = NULL, headers = NULL, body = NULL
- WHERE i.expires_at <= now()
-RETURNING i.route, i.method, i.idem_key, i.attempt";
-
 /// A batch of fence decisions that carries in-flight records (single
 /// mode): the decisions of `RECORD_BATCH` (store::postgres) and the
-/// records of [`PG_BEGIN_BATCH`] in one statement, so one transaction and
+/// in-flight records of [`PG_RECORDS_BATCH`] in one statement, so one transaction and
 /// one commit. A record is written only when its item's token is accepted:
 /// the key's highest token after the fence upsert equals it. So every key's
 /// highest token must come back from the upsert, raised or not: the update
@@ -237,31 +227,67 @@ SELECT resource_key, highest_token, NULL::text, NULL::text, NULL::text, NULL::bi
 UNION ALL
 SELECT NULL::text, NULL::bigint, route, method, idem_key, attempt FROM w";
 
-/// A batch of answers (single mode): each stored in its attempt's record
-/// if that is still in flight, one statement, one commit. The records are
-/// locked in primary-key order first (the order [`PG_BEGIN_BATCH`] locks
-/// in), each with its answer alongside, then updated by the row versions
-/// locked: once locked they cannot change before the update, and a record
-/// that changed before it was locked (its state, or a newer attempt) was
-/// re-checked against the join and dropped. Only the records completed
-/// come back. The update joins the locked rows by `ctid` alone (a TID scan
-/// per row): joining the batch's rows again by key and attempt cost twice
-/// the time (`EXPLAIN (ANALYZE, BUFFERS)`, 64 answers: 1.6–1.9 ms against
-/// 0.7–0.8 ms).
-const PG_COMPLETE_BATCH: &str = "\
-WITH locked AS (
+/// A batch of in-flight records and answers (single mode): one statement,
+/// so one transaction and one commit for both kinds.
+///
+/// * In-flight records (`w`): [`PG_BEGIN`] for many. Records repeated in
+///   the batch are sent once ([`pg_records_batch`]: a statement may not
+///   insert and then update one row), and written in primary-key order,
+///   which is also the order the live records they conflict with are
+///   locked in. Only the records written come back.
+/// * Answers (`locked`, `c`): each stored in its attempt's record if that
+///   is still in flight. The records are locked in primary-key order
+///   first, each with its answer alongside, then updated by the row
+///   versions locked: once locked they cannot change before the update,
+///   and a record that changed before it was locked (its state, or a
+///   newer attempt) was re-checked against the join and dropped. Only the
+///   records completed come back. The update joins the locked rows by
+///   `ctid` alone (a TID scan per row): joining the batch's rows again by
+///   key and attempt cost twice the time (`EXPLAIN (ANALYZE, BUFFERS)`, 64
+///   answers: 1.6–1.9 ms against 0.7–0.8 ms).
+///
+/// No record id is sent in both parts ([`pg_records_batch`]): the parts
+/// then touch disjoint rows, and neither needs to see, or lock, what the
+/// other writes (the parts of one statement share its snapshot, and
+/// Postgres does not say in which order they run). Each part locks its
+/// rows in primary-key order, but one part's rows are not ordered among
+/// the other's: against a fence batch's records, the only other
+/// statement that waits for several, a deadlock is possible, and Postgres
+/// then refuses one of the two with an `ERROR` (nothing written); if it
+/// is this one, [`pg_records_batch`] runs the parts alone. Rows come back marked
+/// by their part, each with its record's id and attempt.
+const PG_RECORDS_BATCH: &str = "\
+WITH w AS (
+    INSERT INTO idempotency AS i
+           (route, method, idem_key, fingerprint, state, in_flight_until, expires_at, attempt)
+    SELECT r, m, k, f, 'in_flight', now() + fl * interval '1 millisecond',
+           now() + GREATEST(fl, t) * interval '1 millisecond', a
+      FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bytea[], $5::bigint[], $6::bigint[],
+                  $7::bigint[]) AS b(r, m, k, f, fl, t, a)
+     ORDER BY r, m, k
+    ON CONFLICT (route, method, idem_key) DO UPDATE
+       SET fingerprint = EXCLUDED.fingerprint, state = 'in_flight',
+           in_flight_until = EXCLUDED.in_flight_until, expires_at = EXCLUDED.expires_at,
+           attempt = EXCLUDED.attempt, status = NULL, headers = NULL, body = NULL
+     WHERE i.expires_at <= now()
+    RETURNING i.route, i.method, i.idem_key, i.attempt),
+locked AS (
     SELECT i.ctid AS row, b.s, b.h, b.bd
-      FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bigint[], $5::int[],
-                  $6::bytea[], $7::bytea[]) AS b(r, m, k, a, s, h, bd)
+      FROM UNNEST($8::text[], $9::text[], $10::text[], $11::bigint[], $12::int[],
+                  $13::bytea[], $14::bytea[]) AS b(r, m, k, a, s, h, bd)
       JOIN idempotency i
         ON i.route = b.r AND i.method = b.m AND i.idem_key = b.k AND i.attempt = b.a
      WHERE i.state = 'in_flight'
      ORDER BY i.route, i.method, i.idem_key
-       FOR UPDATE OF i)
-UPDATE idempotency i SET state = 'done', status = l.s, headers = l.h, body = l.bd
-  FROM locked l
- WHERE i.ctid = l.row AND i.state = 'in_flight'
-RETURNING i.route, i.method, i.idem_key, i.attempt";
+       FOR UPDATE OF i),
+c AS (
+    UPDATE idempotency i SET state = 'done', status = l.s, headers = l.h, body = l.bd
+      FROM locked l
+     WHERE i.ctid = l.row AND i.state = 'in_flight'
+    RETURNING i.route, i.method, i.idem_key, i.attempt)
+SELECT true, route, method, idem_key, attempt FROM w
+UNION ALL
+SELECT false, route, method, idem_key, attempt FROM c";
 
 /// Answers larger than this (body and encoded headers) are stored by a
 /// statement of their own, not in a batch: a batch of answers then stays
@@ -316,19 +342,30 @@ pub(super) struct CompleteItem {
 }
 
 impl CompleteItem {
+    fn id(&self) -> (&str, &str, &str) {
+        (&self.route, &self.method, &self.key)
+    }
+
     fn attempt(&self) -> Written<'_> {
         (&self.route, &self.method, &self.key, self.attempt)
     }
 }
 
-/// Single mode's group commit of idempotency records: in-flight records
-/// and answers, each answered whether its record was written (a live
-/// record of the key exists; the attempt is gone).
-#[derive(Clone)]
-pub(super) struct IdemBatchers {
-    pub(super) begin: Batcher<BeginItem, bool>,
-    pub(super) complete: Batcher<CompleteItem, bool>,
+/// A write to a record, as single mode's batches of records carry it.
+pub(super) enum RecordWrite {
+    /// An in-flight record before its forward; answered whether it was
+    /// written (false: a live record of the key exists).
+    Begin(BeginItem),
+    /// An answer after it; answered whether it was stored (false: the
+    /// record is no longer this attempt's in flight).
+    Complete(CompleteItem),
 }
+
+/// Single mode's group commit of idempotency records: in-flight records
+/// and answers go into the same batches, one statement (Postgres) or one
+/// transaction (SQLite) and one commit for both kinds, instead of one
+/// batch of each kind in flight at a time.
+pub(super) type RecordBatcher = Batcher<RecordWrite, bool>;
 
 /// `$query` with one array bound per column, the column `$col` of every row
 /// of `$rows` (evaluated once a column): the batch statements `unnest` the
@@ -339,20 +376,96 @@ macro_rules! bind_columns {
     };
 }
 
-/// Runs a batch of in-flight records on Postgres.
-pub(super) async fn pg_begin_batch(
+/// A record write's id and attempt, and whether it is an in-flight record
+/// (a batch of both kinds answers each by its own kind's rows).
+fn write_of(w: &RecordWrite) -> (bool, Written<'_>) {
+    match w {
+        RecordWrite::Begin(b) => (true, b.attempt()),
+        RecordWrite::Complete(c) => (false, c.attempt()),
+    }
+}
+
+/// Runs a batch of record writes on Postgres: [`PG_RECORDS_BATCH`], one
+/// statement. A record with writes of both kinds in the batch (a
+/// duplicate's in-flight record beside the first use's answer) would have
+/// both parts change one row, which one statement may not do: then, and
+/// when Postgres refused the statement with an `ERROR` (it wrote nothing,
+/// see [`PG_RECORDS_BATCH`]), the parts run as statements of their own,
+/// each its own commit, as separate batches of each kind would. Answers
+/// first: if the second statement fails, the batch fails whole, and a
+/// lost answer costs more (its record becomes "outcome unknown") than a
+/// lost in-flight record (its first use is answered 503, not forwarded,
+/// and may be retried); a stored answer whose batch fails is safe, only
+/// not known to its gateway, which then neither remembers nor counts it.
+pub(super) async fn pg_records_batch(
     pool: &PgPool,
-    items: Vec<BeginItem>,
+    items: Vec<RecordWrite>,
 ) -> Result<Vec<bool>, StoreError> {
-    // A record repeated in the batch (concurrent duplicates): its first
-    // item goes into the statement, the others lose to it — whether the
-    // first writes the record or finds a live one, they are duplicates.
-    let mut seen = HashSet::with_capacity(items.len());
-    let sent: Vec<bool> = items.iter().map(|i| seen.insert(i.id())).collect();
-    let rows = || items.iter().zip(&sent).filter(|(_, s)| **s).map(|(i, _)| i);
-    let written: Vec<(String, String, String, i64)> = bind_columns!(
-        sqlx::query_as(PG_BEGIN_BATCH),
-        rows(),
+    // A record repeated among the in-flight records (concurrent
+    // duplicates): its first item goes into the statement, the others lose
+    // to it — whether the first writes the record or finds a live one,
+    // they are duplicates. Answers for one record may share a batch (a
+    // stalled attempt's and the newer one's): each goes in, and is judged
+    // by its own attempt.
+    let mut begun = HashSet::with_capacity(items.len());
+    let sent: Vec<bool> = items
+        .iter()
+        .map(|w| match w {
+            RecordWrite::Begin(b) => begun.insert(b.id()),
+            RecordWrite::Complete(_) => true,
+        })
+        .collect();
+    let begins = || {
+        items.iter().zip(&sent).filter_map(|(w, sent)| match w {
+            RecordWrite::Begin(b) if *sent => Some(b),
+            _ => None,
+        })
+    };
+    let completes = || {
+        items.iter().filter_map(|w| match w {
+            RecordWrite::Complete(c) => Some(c),
+            RecordWrite::Begin(_) => None,
+        })
+    };
+    let together = !completes().any(|c| begun.contains(&c.id()));
+    let rows = match together {
+        true => match pg_records_statement(pool, begins(), completes()).await {
+            Ok(rows) => Some(rows),
+            Err(e) if super::postgres::rolled_back(&e) => None,
+            Err(e) => return Err(e.into()),
+        },
+        false => None,
+    };
+    let rows = match rows {
+        Some(rows) => rows,
+        None => {
+            let mut rows = pg_records_statement(pool, std::iter::empty(), completes()).await?;
+            rows.extend(pg_records_statement(pool, begins(), std::iter::empty()).await?);
+            rows
+        }
+    };
+    let rows: HashSet<(bool, Written<'_>)> = rows
+        .iter()
+        .map(|(b, r, m, k, a)| (*b, (r.as_str(), m.as_str(), k.as_str(), *a)))
+        .collect();
+    Ok(items
+        .iter()
+        .zip(&sent)
+        .map(|(w, sent)| *sent && rows.contains(&write_of(w)))
+        .collect())
+}
+
+/// [`PG_RECORDS_BATCH`] with these in-flight records and answers (either
+/// may be none); the rows written and stored, each marked whether it is an
+/// in-flight record.
+async fn pg_records_statement<'a>(
+    pool: &PgPool,
+    begins: impl Iterator<Item = &'a BeginItem> + Clone,
+    completes: impl Iterator<Item = &'a CompleteItem> + Clone,
+) -> Result<Vec<(bool, String, String, String, i64)>, sqlx::Error> {
+    let q = bind_columns!(
+        sqlx::query_as(PG_RECORDS_BATCH),
+        begins.clone(),
         |i| i.route.as_str(),
         |i| i.method.as_str(),
         |i| i.key.as_str(),
@@ -360,10 +473,20 @@ pub(super) async fn pg_begin_batch(
         |i| i.in_flight_ms,
         |i| i.ttl_ms,
         |i| i.attempt,
+    );
+    bind_columns!(
+        q,
+        completes.clone(),
+        |i| i.route.as_str(),
+        |i| i.method.as_str(),
+        |i| i.key.as_str(),
+        |i| i.attempt,
+        |i| i.status,
+        |i| i.headers.as_slice(),
+        |i| &i.body[..],
     )
     .fetch_all(pool)
-    .await?;
-    Ok(answered(&items, &sent, &written, BeginItem::attempt))
+    .await
 }
 
 /// Which items of a fence batch bring their record into it: those whose
@@ -463,30 +586,6 @@ pub(super) async fn sqlite_begin_in(
     Ok(!rows.is_empty())
 }
 
-/// Runs a batch of answers on Postgres.
-pub(super) async fn pg_complete_batch(
-    pool: &PgPool,
-    items: Vec<CompleteItem>,
-) -> Result<Vec<bool>, StoreError> {
-    let done: Vec<(String, String, String, i64)> = bind_columns!(
-        sqlx::query_as(PG_COMPLETE_BATCH),
-        items.iter(),
-        |i| i.route.as_str(),
-        |i| i.method.as_str(),
-        |i| i.key.as_str(),
-        |i| i.attempt,
-        |i| i.status,
-        |i| i.headers.as_slice(),
-        |i| &i.body[..],
-    )
-    .fetch_all(pool)
-    .await?;
-    // Answers for one record may share a batch (a stalled attempt's and
-    // the newer one's): each is judged by its own attempt.
-    let all = vec![true; items.len()];
-    Ok(answered(&items, &all, &done, CompleteItem::attempt))
-}
-
 /// Which items' records came back from a batch statement: those whose
 /// item went into it (`sent`) and whose id and attempt are among the rows
 /// returned.
@@ -507,41 +606,34 @@ fn answered<T>(
         .collect()
 }
 
-/// Runs a batch of in-flight records on SQLite: one transaction, one
-/// statement per record. A repeat of a record in the batch finds the
+/// Runs a batch of record writes on SQLite: one transaction, one
+/// statement per write, in the batch's order — as if each ran alone in
+/// that order. A repeat of a record among the in-flight records finds the
 /// record its first item wrote (live) and is not written.
-pub(super) async fn sqlite_begin_batch(
+pub(super) async fn sqlite_records_batch(
     pool: &SqlitePool,
-    items: Vec<BeginItem>,
+    items: Vec<RecordWrite>,
 ) -> Result<Vec<bool>, StoreError> {
     let mut tx = pool.begin().await?;
     let mut answers = Vec::with_capacity(items.len());
-    for i in &items {
-        answers.push(sqlite_begin_in(&mut tx, i).await?);
-    }
-    tx.commit().await?;
-    Ok(answers)
-}
-
-/// Runs a batch of answers on SQLite: one transaction.
-pub(super) async fn sqlite_complete_batch(
-    pool: &SqlitePool,
-    items: Vec<CompleteItem>,
-) -> Result<Vec<bool>, StoreError> {
-    let mut tx = pool.begin().await?;
-    let mut answers = Vec::with_capacity(items.len());
-    for i in &items {
-        let done = sqlx::query(SQLITE_COMPLETE)
-            .bind(&i.route)
-            .bind(&i.method)
-            .bind(&i.key)
-            .bind(i.attempt)
-            .bind(i.status)
-            .bind(&i.headers)
-            .bind(&i.body[..])
-            .fetch_all(&mut *tx)
-            .await?;
-        answers.push(!done.is_empty());
+    for w in &items {
+        let written = match w {
+            RecordWrite::Begin(i) => sqlite_begin_in(&mut tx, i).await?,
+            RecordWrite::Complete(i) => {
+                let done = sqlx::query(SQLITE_COMPLETE)
+                    .bind(&i.route)
+                    .bind(&i.method)
+                    .bind(&i.key)
+                    .bind(i.attempt)
+                    .bind(i.status)
+                    .bind(&i.headers)
+                    .bind(&i.body[..])
+                    .fetch_all(&mut *tx)
+                    .await?;
+                !done.is_empty()
+            }
+        };
+        answers.push(written);
     }
     tx.commit().await?;
     Ok(answers)
@@ -655,11 +747,11 @@ impl FenceStore {
         Ok(Read { found, expires_in })
     }
 
-    /// Single mode's batchers of idempotency records.
-    fn idem_batchers(&self) -> Option<&IdemBatchers> {
+    /// Single mode's batcher of idempotency records.
+    fn record_batcher(&self) -> Option<&RecordBatcher> {
         match self {
-            FenceStore::Postgres(s) => s.idem_batchers(),
-            FenceStore::Sqlite(s) => Some(s.idem_batchers()),
+            FenceStore::Postgres(s) => s.record_batcher(),
+            FenceStore::Sqlite(s) => Some(s.record_batcher()),
         }
     }
 
@@ -679,10 +771,9 @@ impl FenceStore {
     /// record is durable.
     pub async fn idem_begin(&self, begin: &Begin<'_>) -> Result<bool, StoreError> {
         self.check_writer()?;
-        if let Some(b) = self.idem_batchers() {
+        if let Some(b) = self.record_batcher() {
             return b
-                .begin
-                .submit(BeginItem::of(begin))
+                .submit(RecordWrite::Begin(BeginItem::of(begin)))
                 .await
                 .map_err(|e| self.explain(e));
         }
@@ -721,7 +812,7 @@ impl FenceStore {
     ) -> Result<bool, StoreError> {
         let headers = serde_json::to_vec(&answer.headers)
             .map_err(|e| StoreError::Other(format!("cannot encode an answer's headers: {e}")))?;
-        if let Some(b) = self.idem_batchers() {
+        if let Some(b) = self.record_batcher() {
             if headers.len() + answer.body.len() <= BATCHED_ANSWER_BYTES {
                 self.check_writer()?;
                 let item = CompleteItem {
@@ -733,7 +824,10 @@ impl FenceStore {
                     headers,
                     body: answer.body.clone(),
                 };
-                return b.complete.submit(item).await.map_err(|e| self.explain(e));
+                return b
+                    .submit(RecordWrite::Complete(item))
+                    .await
+                    .map_err(|e| self.explain(e));
             }
         }
         let changed = self

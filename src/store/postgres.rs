@@ -114,7 +114,7 @@ pub struct PgStore {
     batcher: Option<super::batch::Fences>,
     /// Group commit of Idempotency-Key records, in single mode only (see
     /// `store::idempotency`).
-    idem: Option<super::idempotency::IdemBatchers>,
+    idem: Option<super::idempotency::RecordBatcher>,
     /// `shared` mode: admissions and leaves of fenced writes across every
     /// instance, group-committed on connections of their own.
     admissions: Option<Arc<super::admissions::Admissions>>,
@@ -167,12 +167,10 @@ impl PgStore {
         let batcher = single.then(|| batcher!(super::batch::Fences, record_batch));
         let admissions = (!single).then(|| Arc::new(admissions(&opts, cfg, &view)));
         let idem = single.then(|| {
-            use super::batch::Batcher;
-            use super::idempotency::{pg_begin_batch, pg_complete_batch, IdemBatchers};
-            IdemBatchers {
-                begin: batcher!(Batcher<_, _>, pg_begin_batch),
-                complete: batcher!(Batcher<_, _>, pg_complete_batch),
-            }
+            batcher!(
+                super::idempotency::RecordBatcher,
+                super::idempotency::pg_records_batch
+            )
         });
         Ok(Self {
             pool,
@@ -223,8 +221,8 @@ impl PgStore {
         }
     }
 
-    /// Single mode: the batchers of Idempotency-Key records.
-    pub(super) fn idem_batchers(&self) -> Option<&super::idempotency::IdemBatchers> {
+    /// Single mode: the batcher of Idempotency-Key records.
+    pub(super) fn record_batcher(&self) -> Option<&super::idempotency::RecordBatcher> {
         self.idem.as_ref()
     }
 
@@ -409,6 +407,18 @@ impl PgStore {
         }
         self.pool.close().await;
     }
+}
+
+/// Whether a failed statement is known to have written nothing: the server
+/// refused it with an `ERROR` (a raised exception, a deadlock, a statement
+/// timeout, a bad value), which rolls back the statement's transaction, and
+/// keeps the session. Any other failure (the connection broke, the gateway
+/// stopped waiting, a `FATAL` that may come after the commit) leaves the
+/// outcome unknown.
+pub(super) fn rolled_back(e: &sqlx::Error) -> bool {
+    e.as_database_error()
+        .and_then(|db| db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
+        .is_some_and(|pg| pg.severity() == sqlx::postgres::PgSeverity::Error)
 }
 
 fn connect_options(url: &str, timeout: Duration) -> Result<PgConnectOptions, StoreError> {

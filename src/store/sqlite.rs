@@ -56,7 +56,7 @@ pub struct SqliteStore {
     /// Group commit for `record`: one transaction (one fsync) per batch.
     batcher: super::batch::Fences,
     /// Group commit of Idempotency-Key records (see `store::idempotency`).
-    idem: super::idempotency::IdemBatchers,
+    idem: super::idempotency::RecordBatcher,
     timeout: Duration,
     /// An exclusive lock on `<file>.lock`, held for the life of the process,
     /// so a second instance cannot write the same file. Dropped with the last
@@ -78,18 +78,11 @@ impl SqliteStore {
             })
         };
         let idem = {
-            use super::idempotency::{sqlite_begin_batch, sqlite_complete_batch, IdemBatchers};
-            let (begin_pool, complete_pool) = (pool.clone(), pool.clone());
-            IdemBatchers {
-                begin: super::batch::Batcher::spawn(256, 1, cfg.timeout, move |items| {
-                    let pool = begin_pool.clone();
-                    async move { sqlite_begin_batch(&pool, items).await }
-                }),
-                complete: super::batch::Batcher::spawn(256, 1, cfg.timeout, move |items| {
-                    let pool = complete_pool.clone();
-                    async move { sqlite_complete_batch(&pool, items).await }
-                }),
-            }
+            let pool = pool.clone();
+            super::batch::Batcher::spawn(256, 1, cfg.timeout, move |items| {
+                let pool = pool.clone();
+                async move { super::idempotency::sqlite_records_batch(&pool, items).await }
+            })
         };
         Ok(Self {
             pool,
@@ -100,8 +93,8 @@ impl SqliteStore {
         })
     }
 
-    /// The batchers of Idempotency-Key records.
-    pub(super) fn idem_batchers(&self) -> &super::idempotency::IdemBatchers {
+    /// The batcher of Idempotency-Key records.
+    pub(super) fn record_batcher(&self) -> &super::idempotency::RecordBatcher {
         &self.idem
     }
 

@@ -1467,6 +1467,141 @@ async fn batched_records_admit_one_first_use_per_key() {
     }
 }
 
+/// Record writes that queue into one batch of records (single mode,
+/// Postgres): a batch with a duplicate of the record `blocker` waits for
+/// the test's lock on that record, and whatever `queue` submits meanwhile
+/// goes into the next batch, whole, once the lock goes. Returns what
+/// `queue`'s tasks answered.
+async fn in_one_batch<T: Send + 'static>(
+    test_store: &TestStore,
+    store: &Arc<fencegate::store::FenceStore>,
+    queue: impl FnOnce() -> Vec<tokio::task::JoinHandle<T>>,
+) -> Vec<T> {
+    let blocker = docs_post("blocker");
+    assert!(store.idem_begin(&long_lived(blocker, 1)).await.unwrap());
+    let holder = PgHolder::begin(
+        &test_store.url,
+        "SELECT 1 FROM idempotency WHERE idem_key = 'blocker' FOR UPDATE",
+    )
+    .await;
+    let s = store.clone();
+    let waiting = tokio::spawn(async move { s.idem_begin(&long_lived(blocker, 2)).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let queued = queue();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    holder.commit().await;
+    assert!(
+        !waiting.await.unwrap().unwrap(),
+        "blocker is live: not taken"
+    );
+    let mut answers = Vec::new();
+    for q in queued {
+        answers.push(q.await.unwrap());
+    }
+    answers
+}
+
+/// A first use's answer and a duplicate's in-flight record of the same
+/// record in one batch of records: the batch runs as two statements,
+/// answers first, since Postgres does not say in which order the parts of
+/// one statement run, nor what one sees of a row the other changed (15
+/// happens to run the in-flight part first, and then gives the same
+/// answers in one statement). The answer is stored, the duplicate finds
+/// the record live and is not written.
+#[tokio::test]
+async fn an_answer_and_a_duplicate_in_one_batch() {
+    use fencegate::store::{Found, StoredAnswer};
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let store = open_store(&test_store).await;
+    let x = docs_post("x");
+    assert!(store.idem_begin(&long_lived(x, 1)).await.unwrap());
+    let answer = StoredAnswer {
+        status: 201,
+        headers: vec![("x-answer".into(), b"first".to_vec())],
+        body: bytes::Bytes::from_static(b"created"),
+    };
+    let stored = answer.clone();
+    let answers = in_one_batch(&test_store, &store, || {
+        let (s1, s2) = (store.clone(), store.clone());
+        vec![
+            tokio::spawn(async move { s1.idem_complete(x, 1, &stored).await.unwrap() }),
+            tokio::spawn(async move { s2.idem_begin(&long_lived(x, 2)).await.unwrap() }),
+        ]
+    })
+    .await;
+    assert_eq!(
+        answers,
+        vec![true, false],
+        "stored; the duplicate not written"
+    );
+    assert_eq!(
+        store.idem_lookup(x, b"fp").await.unwrap(),
+        Found::Done(answer)
+    );
+    store.close().await;
+}
+
+/// A batch of records that Postgres refuses with an `ERROR` (here a
+/// trigger, once; a deadlock with a fence batch is the case in the field)
+/// wrote nothing, so its parts run again alone: the in-flight record is
+/// written and the answer stored, and the client of neither hears of the
+/// refusal. Counted by the trigger: it fired once in the refused
+/// statement, then once in each part.
+#[tokio::test]
+async fn a_refused_batch_of_records_runs_its_parts_alone() {
+    use fencegate::store::{Found, StoredAnswer};
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let store = open_store(&test_store).await;
+    let (a, b) = (docs_post("a"), docs_post("b"));
+    assert!(store.idem_begin(&long_lived(b, 1)).await.unwrap());
+    let mut db = Db::open(&test_store).await;
+    let Db::Pg(pg) = &mut db else {
+        unreachable!("a Postgres store")
+    };
+    sqlx::raw_sql(
+        "CREATE SEQUENCE refusals;
+         CREATE FUNCTION refuse_once() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF nextval('refusals') = 1 THEN RAISE EXCEPTION 'refused once'; END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER refuse_once BEFORE INSERT OR UPDATE ON idempotency FOR EACH ROW
+             WHEN (NEW.idem_key IN ('a', 'b')) EXECUTE FUNCTION refuse_once();",
+    )
+    .execute(&mut *pg)
+    .await
+    .unwrap();
+    let answer = StoredAnswer {
+        status: 200,
+        headers: Vec::new(),
+        body: bytes::Bytes::from_static(b"done"),
+    };
+    let stored = answer.clone();
+    let answers = in_one_batch(&test_store, &store, || {
+        let (s1, s2) = (store.clone(), store.clone());
+        vec![
+            tokio::spawn(async move { s1.idem_begin(&long_lived(a, 1)).await.unwrap() }),
+            tokio::spawn(async move { s2.idem_complete(b, 1, &stored).await.unwrap() }),
+        ]
+    })
+    .await;
+    assert_eq!(answers, vec![true, true], "written; stored");
+    assert!(matches!(
+        store.idem_lookup(a, b"fp").await.unwrap(),
+        Found::InFlight { .. }
+    ));
+    assert_eq!(
+        store.idem_lookup(b, b"fp").await.unwrap(),
+        Found::Done(answer)
+    );
+    let (fired,): (i64,) = sqlx::query_as("SELECT last_value FROM refusals")
+        .fetch_one(&mut *pg)
+        .await
+        .unwrap();
+    assert_eq!(fired, 3, "refused once, then each part alone");
+    store.close().await;
+}
+
 /// A batch of in-flight records that times out on the gateway's side and
 /// may commit later (Postgres holds the table locked past the store
 /// timeout, not past its statement timeout): the first use was answered
