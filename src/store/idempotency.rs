@@ -66,7 +66,7 @@
 //! stored, another duplicate pair beside it): Postgres then refuses one of
 //! the two after `deadlock_timeout`, with an `ERROR`. A batch of records
 //! so refused runs its parts alone, each in primary-key order; a fence
-//! batch so refused fails (its writes are answered 503, never forwarded).
+//! batch with records so refused runs again, once (it wrote nothing).
 //! Shared mode writes its in-flight records with the fence decision
 //! (`fencegate_enter_keyed`) and stores answers one statement each: there
 //! every write already has its own statement.
@@ -530,23 +530,31 @@ pub(super) async fn pg_decide_batch(
         Option<String>,
         Option<i64>,
     );
-    let rows: Vec<Out> = bind_columns!(
-        sqlx::query_as(PG_DECIDE_AND_BEGIN_BATCH)
-            .bind(&keys)
-            .bind(&tokens),
-        records(),
-        |(d, _)| d.key.as_str(),
-        |(d, _)| d.token,
-        |(_, r)| r.route.as_str(),
-        |(_, r)| r.method.as_str(),
-        |(_, r)| r.key.as_str(),
-        |(_, r)| r.fingerprint.as_slice(),
-        |(_, r)| r.in_flight_ms,
-        |(_, r)| r.ttl_ms,
-        |(_, r)| r.attempt,
-    )
-    .fetch_all(pool)
-    .await?;
+    let run = || {
+        bind_columns!(
+            sqlx::query_as(PG_DECIDE_AND_BEGIN_BATCH)
+                .bind(&keys)
+                .bind(&tokens),
+            records(),
+            |(d, _)| d.key.as_str(),
+            |(d, _)| d.token,
+            |(_, r)| r.route.as_str(),
+            |(_, r)| r.method.as_str(),
+            |(_, r)| r.key.as_str(),
+            |(_, r)| r.fingerprint.as_slice(),
+            |(_, r)| r.in_flight_ms,
+            |(_, r)| r.ttl_ms,
+            |(_, r)| r.attempt,
+        )
+        .fetch_all(pool)
+    };
+    // Refused with an `ERROR`, the statement wrote nothing: run it again,
+    // once. A deadlock with a batch of records (see the module docs) is
+    // then not seen by the writes of either batch.
+    let rows: Vec<Out> = match run().await {
+        Err(e) if super::postgres::rolled_back(&e) => run().await?,
+        rows => rows?,
+    };
     let mut answers = Answers::with_capacity(wanted.len());
     let mut records = Vec::new();
     for row in rows {

@@ -1602,6 +1602,44 @@ async fn a_refused_batch_of_records_runs_its_parts_alone() {
     store.close().await;
 }
 
+/// A fence batch with an in-flight record that Postgres refuses with an
+/// `ERROR` (a trigger, once; in the field, a deadlock with a batch of
+/// records) wrote nothing, and runs again: the token is decided and the
+/// record written, and the write never hears of the refusal.
+#[tokio::test]
+async fn a_refused_fence_batch_with_records_runs_again() {
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let store = open_store(&test_store).await;
+    let mut db = Db::open(&test_store).await;
+    let Db::Pg(pg) = &mut db else {
+        unreachable!("a Postgres store")
+    };
+    sqlx::raw_sql(
+        "CREATE SEQUENCE refusals;
+         CREATE FUNCTION refuse_once() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF nextval('refusals') = 1 THEN RAISE EXCEPTION 'refused once'; END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER refuse_once BEFORE INSERT ON idempotency FOR EACH ROW
+             EXECUTE FUNCTION refuse_once();",
+    )
+    .execute(&mut *pg)
+    .await
+    .unwrap();
+    let decided = store
+        .record_keyed("doc:x", 7, &long_lived(docs_post("x"), 1))
+        .await
+        .unwrap();
+    assert_eq!((decided.highest, decided.written), (7, true));
+    let (fired,): (i64,) = sqlx::query_as("SELECT last_value FROM refusals")
+        .fetch_one(&mut *pg)
+        .await
+        .unwrap();
+    assert_eq!(fired, 2, "refused once, then written");
+    store.close().await;
+}
+
 /// A batch of in-flight records that times out on the gateway's side and
 /// may commit later (Postgres holds the table locked past the store
 /// timeout, not past its statement timeout): the first use was answered
