@@ -1467,6 +1467,35 @@ async fn batched_records_admit_one_first_use_per_key() {
     }
 }
 
+/// A trigger on `idempotency` that refuses the first row of `events`
+/// (`INSERT`, `INSERT OR UPDATE`) matching `when` with an `ERROR`, and lets
+/// every later one through; [`refusals`] counts the rows it saw. The count
+/// is a sequence's, which no rollback takes back.
+async fn refuse_once(pg: &mut sqlx::PgConnection, events: &str, when: &str) {
+    sqlx::raw_sql(&format!(
+        "CREATE SEQUENCE refusals;
+         CREATE FUNCTION refuse_once() RETURNS trigger LANGUAGE plpgsql AS $$
+         BEGIN
+             IF nextval('refusals') = 1 THEN RAISE EXCEPTION 'refused once'; END IF;
+             RETURN NEW;
+         END $$;
+         CREATE TRIGGER refuse_once BEFORE {events} ON idempotency FOR EACH ROW
+             WHEN ({when}) EXECUTE FUNCTION refuse_once();"
+    ))
+    .execute(pg)
+    .await
+    .unwrap();
+}
+
+/// How many rows [`refuse_once`]'s trigger saw.
+async fn refusals(pg: &mut sqlx::PgConnection) -> i64 {
+    let (seen,): (i64,) = sqlx::query_as("SELECT last_value FROM refusals")
+        .fetch_one(pg)
+        .await
+        .unwrap();
+    seen
+}
+
 /// Record writes that queue into one batch of records (single mode,
 /// Postgres): a batch with a duplicate of the record `blocker` waits for
 /// the test's lock on that record, and whatever `queue` submits meanwhile
@@ -1558,19 +1587,7 @@ async fn a_refused_batch_of_records_runs_its_parts_alone() {
     let Db::Pg(pg) = &mut db else {
         unreachable!("a Postgres store")
     };
-    sqlx::raw_sql(
-        "CREATE SEQUENCE refusals;
-         CREATE FUNCTION refuse_once() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN
-             IF nextval('refusals') = 1 THEN RAISE EXCEPTION 'refused once'; END IF;
-             RETURN NEW;
-         END $$;
-         CREATE TRIGGER refuse_once BEFORE INSERT OR UPDATE ON idempotency FOR EACH ROW
-             WHEN (NEW.idem_key IN ('a', 'b')) EXECUTE FUNCTION refuse_once();",
-    )
-    .execute(&mut *pg)
-    .await
-    .unwrap();
+    refuse_once(pg, "INSERT OR UPDATE", "NEW.idem_key IN ('a', 'b')").await;
     let answer = StoredAnswer {
         status: 200,
         headers: Vec::new(),
@@ -1594,10 +1611,7 @@ async fn a_refused_batch_of_records_runs_its_parts_alone() {
         store.idem_lookup(b, b"fp").await.unwrap(),
         Found::Done(answer)
     );
-    let (fired,): (i64,) = sqlx::query_as("SELECT last_value FROM refusals")
-        .fetch_one(&mut *pg)
-        .await
-        .unwrap();
+    let fired = refusals(pg).await;
     assert_eq!(fired, 3, "refused once, then each part alone");
     store.close().await;
 }
@@ -1614,28 +1628,13 @@ async fn a_refused_fence_batch_with_records_runs_again() {
     let Db::Pg(pg) = &mut db else {
         unreachable!("a Postgres store")
     };
-    sqlx::raw_sql(
-        "CREATE SEQUENCE refusals;
-         CREATE FUNCTION refuse_once() RETURNS trigger LANGUAGE plpgsql AS $$
-         BEGIN
-             IF nextval('refusals') = 1 THEN RAISE EXCEPTION 'refused once'; END IF;
-             RETURN NEW;
-         END $$;
-         CREATE TRIGGER refuse_once BEFORE INSERT ON idempotency FOR EACH ROW
-             EXECUTE FUNCTION refuse_once();",
-    )
-    .execute(&mut *pg)
-    .await
-    .unwrap();
+    refuse_once(pg, "INSERT", "true").await;
     let decided = store
         .record_keyed("doc:x", 7, &long_lived(docs_post("x"), 1))
         .await
         .unwrap();
     assert_eq!((decided.highest, decided.written), (7, true));
-    let (fired,): (i64,) = sqlx::query_as("SELECT last_value FROM refusals")
-        .fetch_one(&mut *pg)
-        .await
-        .unwrap();
+    let fired = refusals(pg).await;
     assert_eq!(fired, 2, "refused once, then written");
     store.close().await;
 }
