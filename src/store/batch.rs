@@ -8,14 +8,15 @@
 //! a batch of one; one arriving while `concurrency` batches are committing
 //! waits for a slot and goes with the next batch.
 //!
-//! Each kind of write has a batcher of its own, from this one mechanism:
-//! fence decisions `(key, token)` answered with the key's highest token
-//! (a first use of an `Idempotency-Key` whose token is new to memory
-//! brings its in-flight record along, written in the same batch), and, in
-//! single mode, the other Idempotency-Key writes (the in-flight record of a
-//! first use whose token memory knows is the key's durable one, and the
-//! answers first uses store after their forwards: see
-//! `store::idempotency`).
+//! The batchers of every kind come from this one mechanism: fence decisions
+//! `(key, token)` answered with the key's highest token (a first use of an
+//! `Idempotency-Key` whose token is new to memory brings its in-flight
+//! record along, written in the same batch), and, in single mode, the
+//! other Idempotency-Key writes, which share batches of records (the
+//! in-flight record of a first use whose token memory knows is the key's
+//! durable one, and the answers first uses store after their forwards: see
+//! `store::idempotency`); shared mode's admissions and leaves are a third
+//! (`admissions`).
 //!
 //! Nothing about durability changes: a batch's answers are sent only after
 //! its statement has committed (synchronous_commit stays on; SQLite commits

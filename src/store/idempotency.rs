@@ -23,14 +23,14 @@
 //! (SQLite) and one commit per batch, every answer sent only once its
 //! batch has committed. (Batches of each kind apart, one of each in
 //! flight, cost Postgres about 15% more CPU per first use, for the same
-//! first uses per second: `bench/profile.sh --keyed`.) A first use whose token the store must
-//! decide, on a key with no other write, brings its in-flight record into
-//! the fence batch itself ([`PG_DECIDE_AND_BEGIN_BATCH`], and the SQLite
-//! batch's transaction): the decision and the record commit together, and
-//! the record is written only if the token is accepted. Other first uses
-//! (the token already the key's durable one, or another write on the key)
-//! write it in a batch of records once admitted. Nothing about
-//! the guarantees changes:
+//! first uses per second: `bench/profile.sh --keyed`.) A first use whose
+//! token the store must decide, on a key with no other write, brings its
+//! in-flight record into the fence batch itself
+//! ([`PG_DECIDE_AND_BEGIN_BATCH`], and the SQLite batch's transaction):
+//! the decision and the record commit together, and the record is written
+//! only if the token is accepted. Other first uses (the token already the
+//! key's durable one, or another write on the key) write it in a batch of
+//! records once admitted. Nothing about the guarantees changes:
 //!
 //! * **recorded durably before forwarding**: a first use is forwarded only
 //!   after its batch committed and reported its record written;
@@ -186,8 +186,8 @@ RETURNING 1");
 
 /// A batch of fence decisions that carries in-flight records (single
 /// mode): the decisions of `RECORD_BATCH` (store::postgres) and the
-/// in-flight records of [`PG_RECORDS_BATCH`] in one statement, so one transaction and
-/// one commit. A record is written only when its item's token is accepted:
+/// in-flight records of [`PG_RECORDS_BATCH`] in one statement, so one
+/// transaction and one commit. A record is written only when its item's token is accepted:
 /// the key's highest token after the fence upsert equals it. So every key's
 /// highest token must come back from the upsert, raised or not: the update
 /// always runs (to the greater of the two tokens, its time changed only
@@ -254,8 +254,8 @@ SELECT NULL::text, NULL::bigint, route, method, idem_key, attempt FROM w";
 /// the other's: against a fence batch's records, the only other
 /// statement that waits for several, a deadlock is possible, and Postgres
 /// then refuses one of the two with an `ERROR` (nothing written); if it
-/// is this one, [`pg_records_batch`] runs the parts alone. Rows come back marked
-/// by their part, each with its record's id and attempt.
+/// is this one, [`pg_records_batch`] runs the parts alone. Rows come back
+/// marked by their part, each with its record's id and attempt.
 const PG_RECORDS_BATCH: &str = "\
 WITH w AS (
     INSERT INTO idempotency AS i
@@ -290,7 +290,7 @@ UNION ALL
 SELECT false, route, method, idem_key, attempt FROM c";
 
 /// Answers larger than this (body and encoded headers) are stored by a
-/// statement of their own, not in a batch: a batch of answers then stays
+/// statement of their own, not in a batch: a batch of records then stays
 /// within `MAX_BATCH` times this.
 const BATCHED_ANSWER_BYTES: usize = 64 * 1024;
 

@@ -16,7 +16,7 @@
 //! * `admissions`: shared mode: which fenced writes may go, across every
 //!   instance on one Postgres.
 //! * `sqlite`: the embedded store for a single instance.
-//! * [`batch`]: group commit: concurrent decisions in one statement.
+//! * [`batch`]: group commit: concurrent writes of one kind in one statement.
 //! * [`readiness`]: `/readyz`'s view of the store; the durability check.
 //! * `idempotency`: `Idempotency-Key` records.
 //! * `lock_fences`: the fences of the Redis and Redlock lock backends.
