@@ -231,7 +231,7 @@ hz = int(sys.argv[5])
 fg = int(sys.argv[3]) / hz * 1e6 / max(ok, 1)
 pg = int(sys.argv[4]) / hz * 1e6 / max(ok, 1)
 other = stats["requests"] - ok
-note = f"  ({other} not 2xx)" if other else ""
+note = f"  ({other} not 2xx: {stats['s409']} 409, {stats['sother']} other)" if other else ""
 print(f"{sys.argv[2]:<10} {ok / secs:>10,.0f} {fg:>18.1f} {pg:>18.1f}{note}")
 EOF
 }
