@@ -444,15 +444,10 @@ pub(super) async fn pg_records_batch(
             rows
         }
     };
-    let rows: HashSet<(bool, Written<'_>)> = rows
+    let rows = rows
         .iter()
-        .map(|(b, r, m, k, a)| (*b, (r.as_str(), m.as_str(), k.as_str(), *a)))
-        .collect();
-    Ok(items
-        .iter()
-        .zip(&sent)
-        .map(|(w, sent)| *sent && rows.contains(&write_of(w)))
-        .collect())
+        .map(|(b, r, m, k, a)| (*b, (r.as_str(), m.as_str(), k.as_str(), *a)));
+    Ok(answered(&items, &sent, rows, write_of))
 }
 
 /// [`PG_RECORDS_BATCH`] with these in-flight records and answers (either
@@ -567,7 +562,10 @@ pub(super) async fn pg_decide_batch(
         }
     }
     // Only items sent carry a record; the others' id is never looked at.
-    let written = answered(&items, &sent, &records, |d| {
+    let rows = records
+        .iter()
+        .map(|(r, m, k, a)| (r.as_str(), m.as_str(), k.as_str(), *a));
+    let written = answered(&items, &sent, rows, |d| {
         d.record
             .as_deref()
             .map_or(("", "", "", 0), BeginItem::attempt)
@@ -595,18 +593,16 @@ pub(super) async fn sqlite_begin_in(
 }
 
 /// Which items' records came back from a batch statement: those whose
-/// item went into it (`sent`) and whose id and attempt are among the rows
+/// item went into it (`sent`) and whose row, as `written` names it (id
+/// and attempt, and in a batch of records the part), is among the rows
 /// returned.
-fn answered<T>(
-    items: &[T],
+fn answered<'a, T, R: Eq + std::hash::Hash>(
+    items: &'a [T],
     sent: &[bool],
-    rows: &[(String, String, String, i64)],
-    written: impl Fn(&T) -> Written<'_>,
+    rows: impl IntoIterator<Item = R>,
+    written: impl Fn(&'a T) -> R,
 ) -> Vec<bool> {
-    let rows: HashSet<Written<'_>> = rows
-        .iter()
-        .map(|(r, m, k, a)| (r.as_str(), m.as_str(), k.as_str(), *a))
-        .collect();
+    let rows: HashSet<R> = rows.into_iter().collect();
     items
         .iter()
         .zip(sent)

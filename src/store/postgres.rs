@@ -114,7 +114,7 @@ pub struct PgStore {
     batcher: Option<super::batch::Fences>,
     /// Group commit of Idempotency-Key records, in single mode only (see
     /// `store::idempotency`).
-    idem: Option<super::idempotency::RecordBatcher>,
+    records: Option<super::idempotency::RecordBatcher>,
     /// `shared` mode: admissions and leaves of fenced writes across every
     /// instance, group-committed on connections of their own.
     admissions: Option<Arc<super::admissions::Admissions>>,
@@ -166,7 +166,7 @@ impl PgStore {
         }
         let batcher = single.then(|| batcher!(super::batch::Fences, record_batch));
         let admissions = (!single).then(|| Arc::new(admissions(&opts, cfg, &view)));
-        let idem = single.then(|| {
+        let records = single.then(|| {
             batcher!(
                 super::idempotency::RecordBatcher,
                 super::idempotency::pg_records_batch
@@ -175,7 +175,7 @@ impl PgStore {
         Ok(Self {
             pool,
             batcher,
-            idem,
+            records,
             admissions,
             timeout: cfg.timeout,
             owner,
@@ -223,7 +223,7 @@ impl PgStore {
 
     /// Single mode: the batcher of Idempotency-Key records.
     pub(super) fn record_batcher(&self) -> Option<&super::idempotency::RecordBatcher> {
-        self.idem.as_ref()
+        self.records.as_ref()
     }
 
     /// One decision, with the in-flight record of a first use if there is

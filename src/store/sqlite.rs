@@ -56,7 +56,7 @@ pub struct SqliteStore {
     /// Group commit for `record`: one transaction (one fsync) per batch.
     batcher: super::batch::Fences,
     /// Group commit of Idempotency-Key records (see `store::idempotency`).
-    idem: super::idempotency::RecordBatcher,
+    records: super::idempotency::RecordBatcher,
     timeout: Duration,
     /// An exclusive lock on `<file>.lock`, held for the life of the process,
     /// so a second instance cannot write the same file. Dropped with the last
@@ -77,7 +77,7 @@ impl SqliteStore {
                 async move { record_batch(&pool, items).await }
             })
         };
-        let idem = {
+        let records = {
             let pool = pool.clone();
             super::batch::Batcher::spawn(256, 1, cfg.timeout, move |items| {
                 let pool = pool.clone();
@@ -87,7 +87,7 @@ impl SqliteStore {
         Ok(Self {
             pool,
             batcher,
-            idem,
+            records,
             timeout: cfg.timeout,
             _owner: Arc::new(owner),
         })
@@ -95,7 +95,7 @@ impl SqliteStore {
 
     /// The batcher of Idempotency-Key records.
     pub(super) fn record_batcher(&self) -> &super::idempotency::RecordBatcher {
-        &self.idem
+        &self.records
     }
 
     /// See `PgStore::decide`; nothing here can lose the right to write.
