@@ -161,8 +161,13 @@ async fn pool(path: &Path, timeout: Duration) -> Result<SqlitePool, StoreError> 
         .journal_mode(SqliteJournalMode::Wal)
         .synchronous(SqliteSynchronous::Full)
         .busy_timeout(timeout);
+    // One connection: SQLite has one writer at a time anyway. It is not
+    // pinged before each use (sqlx's default): a connection to a file
+    // cannot break unseen as a socket can, and the ping is a round trip to
+    // the connection's thread before every statement.
     SqlitePoolOptions::new()
         .max_connections(1)
+        .test_before_acquire(false)
         .acquire_timeout(timeout)
         .connect_with(opts)
         .await

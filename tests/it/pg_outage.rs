@@ -1,10 +1,15 @@
 //! Postgres goes away: fenced writes fail closed with 503 promptly, reads
 //! still flow, `/readyz` says 503, and writes recover by themselves when
-//! Postgres is back — with no stale write accepted afterwards.
+//! Postgres is back — with no stale write accepted afterwards. And the
+//! gateway's connections are cut while in steady use: the same, without
+//! a restart.
 
 use std::time::{Duration, Instant};
 
+use sqlx::{Connection, PgConnection};
+
 use crate::support::app::{docs_route, problem, TestApp};
+use crate::support::db::{Backend, TestStore};
 use crate::support::pg::PrivatePg;
 use crate::support::upstream::Upstream;
 
@@ -66,4 +71,69 @@ async fn postgres_outage_fails_closed_and_recovers() {
     app.assert_stale("/docs/a", "11", "stale", 12).await;
     let ready = app.admin_get("/readyz").await;
     assert_eq!(ready.status(), 200);
+}
+
+/// Connections in steady use are not pinged before each statement (only
+/// those idle for a second are), so a write can meet one that Postgres (a
+/// restart, a pooler, an operator's `pg_terminate_backend`) cut a moment
+/// ago. Such a write fails closed: 503, nothing forwarded. The broken
+/// connections are not used again, so writes go through after a few
+/// refusals, each forwarded once, and no stale write is accepted after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_cut_in_use_fail_closed_and_are_replaced() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let app = TestApp::spawn(&store.url, &docs_route(&up.url())).await;
+    // Several connections in use at once, each used just now.
+    let paths: Vec<String> = (0..8).map(|i| format!("/docs/w{i}")).collect();
+    let warm: Vec<_> = paths
+        .iter()
+        .map(|path| app.put(path, Some("1"), "warm"))
+        .collect();
+    for resp in futures_util::future::join_all(warm).await {
+        assert_eq!(resp.status(), 200);
+    }
+    assert_eq!(app.put("/docs/a", Some("1"), "first").await.status(), 200);
+
+    let mut admin = PgConnection::connect(&store.url).await.unwrap();
+    let (cut,): (i64,) = sqlx::query_as(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .fetch_one(&mut admin)
+    .await
+    .unwrap();
+    assert!(cut >= 2, "the gateway's connections were cut ({cut})");
+
+    // At once, well within a second of their last use: rising tokens, one
+    // write at a time, until one is accepted.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut accepted = Vec::new();
+    let mut token: i64 = 1;
+    while accepted.is_empty() {
+        token += 1;
+        let body = format!("after the cut {token}");
+        let resp = app.put("/docs/a", Some(&token.to_string()), &body).await;
+        match resp.status().as_u16() {
+            200 => accepted.push(body),
+            503 => {
+                problem(resp, 503).await;
+            }
+            other => panic!("a write after the cut was answered {other}"),
+        }
+        assert!(
+            Instant::now() < deadline,
+            "writes did not recover within 30 s of the cut"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // Only accepted writes reached the upstream, once each.
+    let applied: Vec<String> = up
+        .applied_on("/docs/a")
+        .iter()
+        .map(|w| String::from_utf8_lossy(&w.body).into_owned())
+        .collect();
+    assert_eq!(applied, ["first".to_string(), accepted[0].clone()]);
+    // The token accepted is durable: an older one is refused.
+    app.assert_stale("/docs/a", "1", "stale", token).await;
 }
