@@ -1,6 +1,7 @@
 //! An in-process gateway for tests: `Application::build` on port 0.
 
 use std::net::SocketAddr;
+use std::time::{Duration, Instant};
 
 use fencegate::app::{Application, StartError};
 use fencegate::config::Config;
@@ -135,6 +136,32 @@ impl TestApp {
             req = req.header("x-fence-token", t);
         }
         req.send().await.expect("gateway answered")
+    }
+
+    /// PUTs `body` with `token` on `path` until the answer is not 503, for
+    /// up to `limit`: a write while the store recovers. Every 503 must be
+    /// a problem document (nothing is forwarded then); the first other
+    /// answer is returned.
+    pub async fn put_until_not_503(
+        &self,
+        path: &str,
+        token: &str,
+        body: &str,
+        limit: Duration,
+    ) -> reqwest::Response {
+        let deadline = Instant::now() + limit;
+        loop {
+            let resp = self.put(path, Some(token), body).await;
+            if resp.status() != 503 {
+                return resp;
+            }
+            problem(resp, 503).await;
+            assert!(
+                Instant::now() < deadline,
+                "{path} {token}: still 503 after {limit:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
     }
 
     /// A write of `token` on `path` that must be refused as stale: 409,
