@@ -554,9 +554,8 @@ async fn writable(conn: &mut PgConnection) -> Result<Result<(), ReadOnly>, sqlx:
 /// already, since a connection can break between a ping and the statement
 /// too: nothing of such a statement is forwarded (its writes are refused
 /// with 503), and sqlx's own ping when the connection is given back finds
-/// it broken and closes it. Measured with `bench/profile.sh --keyed` and
-/// `log_min_duration_statement = 0`, four alternated pairs: a batch of
-/// records every 2.03 ms instead of 2.47 (mean), first uses +10%.
+/// it broken and closes it. What the ping cost: `bench/analysis.md`, "A
+/// round trip less per batch".
 fn checked_pool(view: &Arc<ServerView>, max: u32, timeout: Duration) -> PgPoolOptions {
     let view = view.clone();
     PgPoolOptions::new()
