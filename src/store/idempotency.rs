@@ -75,7 +75,7 @@ use std::collections::{HashMap, HashSet};
 use std::time::Duration;
 
 use bytes::Bytes;
-use sqlx::{PgPool, SqliteConnection, SqlitePool};
+use sqlx::{PgConnection, SqliteConnection, SqlitePool};
 
 use super::batch::{in_item_order, max_per_key, Answers, Batcher, Decided, Decision};
 use super::sql::{on_backend, sqlite_now_ms};
@@ -398,7 +398,7 @@ fn write_of(w: &RecordWrite) -> (bool, Written<'_>) {
 /// and may be retried); a stored answer whose batch fails is safe, only
 /// not known to its gateway, which then neither remembers nor counts it.
 pub(super) async fn pg_records_batch(
-    pool: &PgPool,
+    conn: &mut PgConnection,
     items: Vec<RecordWrite>,
 ) -> Result<Vec<bool>, StoreError> {
     // A record repeated among the in-flight records (concurrent
@@ -429,7 +429,7 @@ pub(super) async fn pg_records_batch(
     };
     let together = !completes().any(|c| begun.contains(&c.id()));
     let rows = match together {
-        true => match pg_records_statement(pool, begins(), completes()).await {
+        true => match pg_records_statement(conn, begins(), completes()).await {
             Ok(rows) => Some(rows),
             Err(e) if super::postgres::rolled_back(&e) => None,
             Err(e) => return Err(e.into()),
@@ -439,8 +439,8 @@ pub(super) async fn pg_records_batch(
     let rows = match rows {
         Some(rows) => rows,
         None => {
-            let mut rows = pg_records_statement(pool, std::iter::empty(), completes()).await?;
-            rows.extend(pg_records_statement(pool, begins(), std::iter::empty()).await?);
+            let mut rows = pg_records_statement(conn, std::iter::empty(), completes()).await?;
+            rows.extend(pg_records_statement(conn, begins(), std::iter::empty()).await?);
             rows
         }
     };
@@ -454,7 +454,7 @@ pub(super) async fn pg_records_batch(
 /// may be none); the rows written and stored, each marked whether it is an
 /// in-flight record.
 async fn pg_records_statement<'a>(
-    pool: &PgPool,
+    conn: &mut PgConnection,
     begins: impl Iterator<Item = &'a BeginItem> + Clone,
     completes: impl Iterator<Item = &'a CompleteItem> + Clone,
 ) -> Result<Vec<(bool, String, String, String, i64)>, sqlx::Error> {
@@ -480,7 +480,7 @@ async fn pg_records_statement<'a>(
         |i| i.headers.as_slice(),
         |i| &i.body[..],
     )
-    .fetch_all(pool)
+    .fetch_all(conn)
     .await
 }
 
@@ -504,7 +504,7 @@ pub(super) fn records_sent(items: &[Decision], wanted: &HashMap<&str, i64>) -> V
 /// Runs a batch of fence decisions with in-flight records on Postgres
 /// ([`PG_DECIDE_AND_BEGIN_BATCH`]).
 pub(super) async fn pg_decide_batch(
-    pool: &PgPool,
+    conn: &mut PgConnection,
     items: Vec<Decision>,
 ) -> Result<Vec<Option<Decided>>, StoreError> {
     let wanted = max_per_key(&items);
@@ -525,7 +525,7 @@ pub(super) async fn pg_decide_batch(
         Option<String>,
         Option<i64>,
     );
-    let run = || {
+    let query = || {
         bind_columns!(
             sqlx::query_as(PG_DECIDE_AND_BEGIN_BATCH)
                 .bind(&keys)
@@ -541,13 +541,12 @@ pub(super) async fn pg_decide_batch(
             |(_, r)| r.ttl_ms,
             |(_, r)| r.attempt,
         )
-        .fetch_all(pool)
     };
     // Refused with an `ERROR`, the statement wrote nothing: run it again,
     // once. A deadlock with a batch of records (see the module docs) is
     // then not seen by the writes of either batch.
-    let rows: Vec<Out> = match run().await {
-        Err(e) if super::postgres::rolled_back(&e) => run().await?,
+    let rows: Vec<Out> = match query().fetch_all(&mut *conn).await {
+        Err(e) if super::postgres::rolled_back(&e) => query().fetch_all(&mut *conn).await?,
         rows => rows?,
     };
     let mut answers = Answers::with_capacity(wanted.len());

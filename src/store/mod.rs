@@ -13,6 +13,8 @@
 //! # Layout
 //!
 //! * `postgres`: the production store, failover included.
+//! * `link`: connections a Postgres batcher keeps for itself, outside the
+//!   pool.
 //! * `admissions`: shared mode: which fenced writes may go, across every
 //!   instance on one Postgres.
 //! * `sqlite`: the embedded store for a single instance.
@@ -27,6 +29,7 @@ mod admin;
 mod admissions;
 pub mod batch;
 mod idempotency;
+mod link;
 mod lock_fences;
 mod postgres;
 pub mod readiness;

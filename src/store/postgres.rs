@@ -40,6 +40,7 @@ use tokio::task::JoinHandle;
 
 use super::admissions::Entered;
 use super::batch::{Decided, Decision};
+use super::link::Links;
 use super::readiness::{Probe, ServerState, StoreReadiness, WriterLock, PROBE};
 use super::{bounded, StoreError};
 use crate::config::{redact_url, StoreConfig};
@@ -109,7 +110,7 @@ const BATCHES_IN_FLIGHT: usize = 1;
 /// (see [`checked_pool`]): long enough that connections in steady use are
 /// never pinged, short enough that one a restart or failover broke while
 /// the gateway was quiet is found out before a write meets it.
-const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
+pub(super) const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
 
 #[derive(Clone)]
 pub struct PgStore {
@@ -120,6 +121,9 @@ pub struct PgStore {
     /// Group commit of Idempotency-Key records, in single mode only (see
     /// `store::idempotency`).
     records: Option<super::idempotency::RecordBatcher>,
+    /// The connections of the single-mode batchers, one set each: kept
+    /// here to be closed with the pool.
+    links: Vec<Arc<Links>>,
     /// `shared` mode: admissions and leaves of fenced writes across every
     /// instance, group-committed on connections of their own.
     admissions: Option<Arc<super::admissions::Admissions>>,
@@ -158,14 +162,28 @@ impl PgStore {
             None
         };
         warn_of_durability(&pool, cfg.timeout).await;
-        // Every batcher runs its batches on the pool, and each outcome tells
-        // the view whether the server still takes writes.
+        // Every batcher runs its batches on connections of its own (see
+        // `link`), and each outcome tells the view whether the server still
+        // takes writes.
+        let mut links = Vec::new();
         macro_rules! batcher {
             ($batcher:ty, $run:path) => {{
-                let (pool, view) = (pool.clone(), view.clone());
+                let mine = Arc::new(Links::new(opts.clone(), view.clone(), cfg.timeout));
+                links.push(mine.clone());
+                let view = view.clone();
                 <$batcher>::spawn(MAX_BATCH, BATCHES_IN_FLIGHT, cfg.timeout, move |items| {
-                    let (pool, view) = (pool.clone(), view.clone());
-                    async move { view.learn($run(&pool, items).await) }
+                    let (links, view) = (mine.clone(), view.clone());
+                    async move {
+                        let run = async {
+                            let mut link = links.take().await?;
+                            let answers = $run(&mut link, items).await;
+                            if answers.is_ok() {
+                                link.keep();
+                            }
+                            answers
+                        };
+                        view.learn(run.await)
+                    }
                 })
             }};
         }
@@ -181,6 +199,7 @@ impl PgStore {
             pool,
             batcher,
             records,
+            links,
             admissions,
             timeout: cfg.timeout,
             owner,
@@ -410,6 +429,9 @@ impl PgStore {
             a.drain().await;
             a.pool().close().await;
         }
+        for l in &self.links {
+            l.close().await;
+        }
         self.pool.close().await;
     }
 }
@@ -488,10 +510,10 @@ impl std::fmt::Display for ReadOnly {
 /// It only explains failures (what a 503 and `/readyz` say): no decision
 /// relies on it.
 #[derive(Default)]
-struct ServerView(AtomicU8);
+pub(super) struct ServerView(AtomicU8);
 
 impl ServerView {
-    fn saw(&self, read_only: Option<ReadOnly>) {
+    pub(super) fn saw(&self, read_only: Option<ReadOnly>) {
         let code = match read_only {
             None => 0,
             Some(ReadOnly::InRecovery) => 1,
@@ -526,7 +548,7 @@ impl ServerView {
 }
 
 /// Asks a connection whether its server takes writes.
-async fn writable(conn: &mut PgConnection) -> Result<Result<(), ReadOnly>, sqlx::Error> {
+pub(super) async fn writable(conn: &mut PgConnection) -> Result<Result<(), ReadOnly>, sqlx::Error> {
     let (in_recovery, read_only): (bool, bool) =
         sqlx::query_as(WRITABLE).fetch_one(&mut *conn).await?;
     Ok(if in_recovery {
@@ -921,18 +943,18 @@ fn admissions(
 /// (and, for a batch that carries in-flight records, which were written:
 /// see `store::idempotency`).
 async fn record_batch(
-    pool: &PgPool,
+    conn: &mut PgConnection,
     items: Vec<Decision>,
 ) -> Result<Vec<Option<Decided>>, StoreError> {
     if items.iter().any(|d| d.record.is_some()) {
-        return super::idempotency::pg_decide_batch(pool, items).await;
+        return super::idempotency::pg_decide_batch(conn, items).await;
     }
     let wanted = super::batch::max_per_key(&items);
     let (keys, tokens): (Vec<&str>, Vec<i64>) = wanted.iter().map(|(k, t)| (*k, *t)).unzip();
     let rows: Vec<(String, i64)> = sqlx::query_as(RECORD_BATCH)
         .bind(&keys)
         .bind(&tokens)
-        .fetch_all(pool)
+        .fetch_all(&mut *conn)
         .await?;
     let mut answers = super::batch::Answers::with_capacity(wanted.len());
     answers.extend(rows);
@@ -948,7 +970,7 @@ async fn record_batch(
             "SELECT resource_key, highest_token FROM fences WHERE resource_key = ANY($1)",
         )
         .bind(&recheck)
-        .fetch_all(pool)
+        .fetch_all(&mut *conn)
         .await?;
         answers.extend(fresh);
     }

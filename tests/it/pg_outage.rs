@@ -120,3 +120,53 @@ async fn connections_cut_in_use_fail_closed_and_are_replaced() {
         .collect();
     assert_eq!(applied, ["first", "after the cut"]);
 }
+
+/// Connections cut while the gateway is quiet (a Postgres restart at
+/// night, a pooler recycling its server connections) are found out before
+/// a write meets them: each connection idle for a second is pinged before
+/// it is used again, the batchers' own connections as much as the pool's.
+/// So once the gateway has its single-writer lock back, the first write
+/// after the quiet spell is accepted at once, with no 503. (A connection
+/// used without that check fails the write that meets it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_cut_while_idle_are_replaced_before_a_write_meets_them() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let app = TestApp::spawn(&store.url, &docs_route(&up.url())).await;
+    assert_eq!(app.put("/docs/a", Some("1"), "first").await.status(), 200);
+
+    let mut admin = PgConnection::connect(&store.url).await.unwrap();
+    let (cut,): (i64,) = sqlx::query_as(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .fetch_one(&mut admin)
+    .await
+    .unwrap();
+    assert!(cut >= 2, "the gateway's connections were cut ({cut})");
+
+    // The writer lock's session was cut too: wait until it is held again
+    // (`/readyz` runs on the pool, never on the batchers' connections).
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while app.admin_get("/readyz").await.status() != 200 {
+        assert!(Instant::now() < deadline, "/readyz never recovered");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Past the idle threshold of every connection the write will use.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    assert_eq!(
+        app.put("/docs/a", Some("2"), "after the quiet")
+            .await
+            .status(),
+        200,
+        "the first write after the quiet spell met a dead connection"
+    );
+    app.assert_stale("/docs/a", "1", "stale", 2).await;
+    let applied: Vec<String> = up
+        .applied_on("/docs/a")
+        .iter()
+        .map(|w| String::from_utf8_lossy(&w.body).into_owned())
+        .collect();
+    assert_eq!(applied, ["first", "after the quiet"]);
+}
