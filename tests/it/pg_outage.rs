@@ -86,15 +86,7 @@ async fn connections_cut_in_use_fail_closed_and_are_replaced() {
     }
     assert_eq!(app.put("/docs/a", Some("1"), "first").await.status(), 200);
 
-    let mut admin = PgConnection::connect(&store.url).await.unwrap();
-    let (cut,): (i64,) = sqlx::query_as(
-        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
-         WHERE datname = current_database() AND pid <> pg_backend_pid()",
-    )
-    .fetch_one(&mut admin)
-    .await
-    .unwrap();
-    assert!(cut >= 2, "the gateway's connections were cut ({cut})");
+    cut_connections(&store.url).await;
 
     // At once, well within a second of their last use: until a write is
     // accepted. One token throughout: a 503 whose decision committed
@@ -135,15 +127,7 @@ async fn connections_cut_while_idle_are_replaced_before_a_write_meets_them() {
     let app = TestApp::spawn(&store.url, &docs_route(&up.url())).await;
     assert_eq!(app.put("/docs/a", Some("1"), "first").await.status(), 200);
 
-    let mut admin = PgConnection::connect(&store.url).await.unwrap();
-    let (cut,): (i64,) = sqlx::query_as(
-        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
-         WHERE datname = current_database() AND pid <> pg_backend_pid()",
-    )
-    .fetch_one(&mut admin)
-    .await
-    .unwrap();
-    assert!(cut >= 2, "the gateway's connections were cut ({cut})");
+    cut_connections(&store.url).await;
 
     // The writer lock's session was cut too: wait until it is held again
     // (`/readyz` runs on the pool, never on the batchers' connections).
@@ -169,4 +153,18 @@ async fn connections_cut_while_idle_are_replaced_before_a_write_meets_them() {
         .map(|w| String::from_utf8_lossy(&w.body).into_owned())
         .collect();
     assert_eq!(applied, ["first", "after the quiet"]);
+}
+
+/// Cuts every connection to the test's database but the caller's own, as
+/// `pg_terminate_backend` from an operator or a pooler would.
+async fn cut_connections(url: &str) {
+    let mut admin = PgConnection::connect(url).await.unwrap();
+    let (cut,): (i64,) = sqlx::query_as(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .fetch_one(&mut admin)
+    .await
+    .unwrap();
+    assert!(cut >= 2, "the gateway's connections were cut ({cut})");
 }
