@@ -10,41 +10,43 @@
 //! Postgres needs for its commits. A [`Links`] hands its connections out
 //! and takes them back with neither.
 //!
-//! What the pool's checks were for still holds:
-//! - a new connection is asked whether its server takes writes before a
-//!   batch uses it (as `checked_pool`'s are), and refused if not;
-//! - one idle for `PING_AFTER_IDLE` is pinged before it is used again:
-//!   that is where a connection broken by a restart or failover hides;
+//! The pool's checks still hold, as a connection comes from the pool:
+//! - a batcher's connection is taken from the pool once and detached
+//!   from it (`checked_pool`: its server was asked whether it takes
+//!   writes when it was opened, with the pool's retries until its acquire
+//!   timeout, and one idle for `PING_AFTER_IDLE` was pinged); the pool may
+//!   then open another in its place;
+//! - one idle here for `PING_AFTER_IDLE` is pinged before it is used
+//!   again: that is where a connection broken by a restart or failover
+//!   hides;
+//! - one kept for the pool's `max_lifetime` is replaced;
 //! - one whose batch failed, or whose batch was abandoned mid-statement
 //!   (the batcher's timeout drops the batch's future), is closed, never
 //!   used again: its session's state is unknown. sqlx's release ping is
 //!   how the pool found such connections; here a connection goes back only
 //!   when its batch said it is fine ([`Link::keep`]).
+//!
+//! Taking a connection from the pool waits behind the pool's other users
+//! (reads, the lock API) when all of `pool_size` are busy; it happens only
+//! when a batcher has no connection (the first batch, and after one was
+//! closed), never per batch.
 
 use std::ops::{Deref, DerefMut};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use sqlx::postgres::PgConnectOptions;
-use sqlx::{Connection, PgConnection};
+use sqlx::{Connection, PgConnection, PgPool};
 
-use super::postgres::{writable, ServerView, PING_AFTER_IDLE};
-
-/// How long a connection is kept before it is replaced (sqlx's pool's
-/// default `max_lifetime`): a backend's caches grow with its age, and a
-/// connection that lives forever never sees a changed server setting.
-const MAX_LIFETIME: Duration = Duration::from_secs(30 * 60);
+use super::postgres::PING_AFTER_IDLE;
 
 /// Connections to one server for one batcher: at most as many as it has
 /// batches in flight, since each batch takes one and gives it back.
 pub struct Links {
-    opts: PgConnectOptions,
-    /// Told what each new connection found about writability, as the
-    /// pool's connections tell it.
-    view: Arc<ServerView>,
-    /// Bound on opening a connection, retries included (the store's
-    /// timeout, as the pool's acquire timeout is).
-    timeout: Duration,
+    /// Where new connections come from, checked (see the module docs).
+    pool: PgPool,
+    /// How long a connection is kept before it is replaced: the pool's
+    /// `max_lifetime`, counted from when a batcher took it.
+    max_lifetime: Option<Duration>,
     /// Connections not in a batch. A std mutex: it is held only to push or
     /// pop, never across an await.
     idle: Mutex<Vec<Idle>>,
@@ -52,7 +54,7 @@ pub struct Links {
 
 struct Idle {
     conn: PgConnection,
-    opened: Instant,
+    taken: Instant,
     since: Instant,
 }
 
@@ -61,25 +63,28 @@ struct Idle {
 pub struct Link<'a> {
     links: &'a Links,
     conn: PgConnection,
-    opened: Instant,
+    taken: Instant,
 }
 
 impl Links {
-    pub fn new(opts: PgConnectOptions, view: Arc<ServerView>, timeout: Duration) -> Self {
+    pub fn new(pool: PgPool) -> Self {
         Self {
-            opts,
-            view,
-            timeout,
+            max_lifetime: pool.options().get_max_lifetime(),
+            pool,
             idle: Mutex::new(Vec::new()),
         }
     }
 
     /// A connection for one batch: an idle one (pinged if it idled for
-    /// `PING_AFTER_IDLE`), or a new one checked for writability.
+    /// `PING_AFTER_IDLE`), or one detached from the pool. Past the pool's
+    /// acquire timeout, `PoolTimedOut`, which the store explains with what
+    /// its view of the server saw.
     pub async fn take(&self) -> Result<Link<'_>, sqlx::Error> {
-        loop {
-            let Some(mut idle) = self.pop() else { break };
-            if idle.opened.elapsed() >= MAX_LIFETIME {
+        while let Some(mut idle) = self.pop() {
+            if self
+                .max_lifetime
+                .is_some_and(|max| idle.taken.elapsed() >= max)
+            {
                 let _ = idle.conn.close().await;
                 continue;
             }
@@ -87,14 +92,14 @@ impl Links {
                 // Broken while idle: not worth a graceful close.
                 continue;
             }
-            return Ok(self.link(idle.conn, idle.opened));
+            return Ok(self.link(idle.conn, idle.taken));
         }
-        let conn = self.open().await?;
+        let conn = self.pool.acquire().await?.detach();
         Ok(self.link(conn, Instant::now()))
     }
 
-    /// Closes the idle connections (a batch still running closes its own
-    /// when it ends, as nothing takes it back after a shutdown's drain).
+    /// Closes the idle connections. One in a batch when this runs is given
+    /// back when its batch ends and dropped with the batcher.
     pub async fn close(&self) {
         while let Some(idle) = self.pop() {
             let _ = idle.conn.close().await;
@@ -105,52 +110,12 @@ impl Links {
         self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop()
     }
 
-    fn link(&self, conn: PgConnection, opened: Instant) -> Link<'_> {
+    fn link(&self, conn: PgConnection, taken: Instant) -> Link<'_> {
         Link {
             links: self,
             conn,
-            opened,
+            taken,
         }
-    }
-
-    /// Opens a connection to a writable server, retrying as sqlx's pool
-    /// does (a refused connection, a transient error, a server that takes
-    /// no writes) with a growing pause, until the timeout; past it,
-    /// `PoolTimedOut`, which the store explains with what the view saw.
-    async fn open(&self) -> Result<PgConnection, sqlx::Error> {
-        let until = Instant::now() + self.timeout;
-        let mut pause = Duration::from_millis(10);
-        loop {
-            let left = until.saturating_duration_since(Instant::now());
-            match tokio::time::timeout(left, self.connect()).await {
-                Err(_) => return Err(sqlx::Error::PoolTimedOut),
-                Ok(Ok(Some(conn))) => return Ok(conn),
-                // Read-only: the view says so; a failover may be on its way.
-                Ok(Ok(None)) => {}
-                Ok(Err(sqlx::Error::Io(e)))
-                    if e.kind() == std::io::ErrorKind::ConnectionRefused => {}
-                Ok(Err(sqlx::Error::Database(e))) if e.is_transient_in_connect_phase() => {}
-                Ok(Err(e)) => return Err(e),
-            }
-            let left = until.saturating_duration_since(Instant::now());
-            if left.is_zero() {
-                return Err(sqlx::Error::PoolTimedOut);
-            }
-            tokio::time::sleep(pause.min(left)).await;
-            pause = (pause * 2).min(self.timeout / 5);
-        }
-    }
-
-    /// One connection attempt; `None` if the server takes no writes.
-    async fn connect(&self) -> Result<Option<PgConnection>, sqlx::Error> {
-        let mut conn = PgConnection::connect_with(&self.opts).await?;
-        let answer = writable(&mut conn).await?;
-        self.view.saw(answer.err());
-        if answer.is_ok() {
-            return Ok(Some(conn));
-        }
-        let _ = conn.close().await;
-        Ok(None)
     }
 }
 
@@ -165,7 +130,7 @@ impl Link<'_> {
             .unwrap_or_else(|p| p.into_inner())
             .push(Idle {
                 conn: self.conn,
-                opened: self.opened,
+                taken: self.taken,
                 since: now,
             });
     }

@@ -168,7 +168,7 @@ impl PgStore {
         let mut links = Vec::new();
         macro_rules! batcher {
             ($batcher:ty, $run:path) => {{
-                let mine = Arc::new(Links::new(opts.clone(), view.clone(), cfg.timeout));
+                let mine = Arc::new(Links::new(pool.clone()));
                 links.push(mine.clone());
                 let view = view.clone();
                 <$batcher>::spawn(MAX_BATCH, BATCHES_IN_FLIGHT, cfg.timeout, move |items| {
@@ -510,10 +510,10 @@ impl std::fmt::Display for ReadOnly {
 /// It only explains failures (what a 503 and `/readyz` say): no decision
 /// relies on it.
 #[derive(Default)]
-pub(super) struct ServerView(AtomicU8);
+struct ServerView(AtomicU8);
 
 impl ServerView {
-    pub(super) fn saw(&self, read_only: Option<ReadOnly>) {
+    fn saw(&self, read_only: Option<ReadOnly>) {
         let code = match read_only {
             None => 0,
             Some(ReadOnly::InRecovery) => 1,
@@ -548,7 +548,7 @@ impl ServerView {
 }
 
 /// Asks a connection whether its server takes writes.
-pub(super) async fn writable(conn: &mut PgConnection) -> Result<Result<(), ReadOnly>, sqlx::Error> {
+async fn writable(conn: &mut PgConnection) -> Result<Result<(), ReadOnly>, sqlx::Error> {
     let (in_recovery, read_only): (bool, bool) =
         sqlx::query_as(WRITABLE).fetch_one(&mut *conn).await?;
     Ok(if in_recovery {

@@ -196,6 +196,15 @@ impl Upstream {
         self.shared.lock().applied.clone()
     }
 
+    /// The bodies of the applied writes on `path`, in the order they were
+    /// applied.
+    pub fn bodies_on(&self, path: &str) -> Vec<String> {
+        self.applied_on(path)
+            .iter()
+            .map(|a| String::from_utf8_lossy(&a.body).into_owned())
+            .collect()
+    }
+
     /// The applied writes on `path` (compared with the path without query),
     /// in the order they were applied.
     pub fn applied_on(&self, path: &str) -> Vec<Applied> {
