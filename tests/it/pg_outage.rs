@@ -3,13 +3,25 @@
 //! Postgres is back — with no stale write accepted afterwards. And the
 //! gateway's connections are cut while in steady use: the same, without
 //! a restart.
+//!
+//! Then one statement at a time is cut while it waits inside Postgres
+//! (queued behind a test's transaction, its backend terminated): a fence
+//! batch, a batch of Idempotency-Key records, a fence batch with its
+//! record, a shared-mode leave. And shared mode's connections are cut in
+//! steady use, and while a write is at the upstream. Whatever the cut
+//! statement carried is answered 503 and never forwarded; later attempts
+//! recover by themselves; no write reaches the upstream twice, out of
+//! order, or with a stale token.
 
 use std::time::{Duration, Instant};
 
 use sqlx::{Connection, PgConnection};
 
-use crate::support::app::{docs_route, problem, TestApp};
-use crate::support::db::{Backend, TestStore};
+use crate::support::app::{
+    config_sections, docs_route, problem, until_not_503, TestApp, SHARED_STORE,
+};
+use crate::support::db::{Backend, PgHolder, TestStore};
+use crate::support::fenced_put;
 use crate::support::pg::PrivatePg;
 use crate::support::upstream::Upstream;
 
@@ -164,4 +176,602 @@ async fn cut_connections(url: &str) {
     .await
     .unwrap();
     assert!(cut >= 2, "the gateway's connections were cut ({cut})");
+}
+
+/// Waits until a backend of the test database at `url` waits on a lock (a
+/// gateway's statement queued behind a test's [`PgHolder`], which is idle
+/// in its transaction, not waiting), for up to 10 s, then terminates every
+/// such backend mid-statement, as `pg_terminate_backend` from an operator
+/// or a pooler would. Answers the statements cut.
+async fn cut_waiting(url: &str) -> Vec<String> {
+    let mut admin = PgConnection::connect(url).await.unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        // Materialized: the backends are chosen first, and only those are
+        // terminated.
+        let cut: Vec<(String,)> = sqlx::query_as(
+            "WITH waiting AS MATERIALIZED ( \
+                 SELECT pid, query FROM pg_stat_activity \
+                  WHERE datname = current_database() AND pid <> pg_backend_pid() \
+                    AND wait_event_type = 'Lock') \
+             SELECT query FROM waiting WHERE pg_terminate_backend(pid)",
+        )
+        .fetch_all(&mut admin)
+        .await
+        .unwrap();
+        if !cut.is_empty() {
+            return cut.into_iter().map(|(query,)| query).collect();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no statement of the gateway's waited on the test's lock"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// One statement on the test database at `url`, from a connection of the
+/// test's own: what the store itself holds, whatever the gateway's memory
+/// says.
+async fn on_store<T>(url: &str, sql: &str) -> T
+where
+    T: Send + Unpin + for<'r> sqlx::FromRow<'r, sqlx::postgres::PgRow>,
+{
+    let mut conn = PgConnection::connect(url).await.unwrap();
+    let row = sqlx::query_as(sql).fetch_one(&mut conn).await.unwrap();
+    let _ = conn.close().await;
+    row
+}
+
+/// The highest token the store itself holds for `key`.
+async fn durable(url: &str, key: &str) -> Option<i64> {
+    let (highest,): (Option<i64>,) = on_store(
+        url,
+        &format!("SELECT (SELECT highest_token FROM fences WHERE resource_key = '{key}')"),
+    )
+    .await;
+    highest
+}
+
+/// How many requests (any method, any answer) reached the upstream on
+/// `path`.
+fn arrivals(up: &Upstream, path: &str) -> usize {
+    up.requests().iter().filter(|r| r.path() == path).count()
+}
+
+/// How many requests reached the upstream with `Idempotency-Key: key`.
+fn arrivals_keyed(up: &Upstream, key: &str) -> usize {
+    up.requests()
+        .iter()
+        .filter(|r| r.header("idempotency-key") == Some(key))
+        .count()
+}
+
+/// Each of the 503s `refused` (problem types) said that the store could
+/// not decide, or that the key was busy behind an older write: nothing
+/// else refuses a newer token.
+fn assert_unavailable_or_busy(refused: &[String]) {
+    let allowed = [
+        "urn:fencegate:problem:store-unavailable",
+        "urn:fencegate:problem:key-busy",
+    ];
+    assert!(
+        refused.iter().all(|t| allowed.contains(&t.as_str())),
+        "{refused:?}"
+    );
+}
+
+/// A keyed fenced PUT to `app`, to send (or to spawn).
+fn keyed_put(
+    app: &TestApp,
+    path: &str,
+    token: &str,
+    key: &str,
+    body: &str,
+) -> reqwest::RequestBuilder {
+    fenced_put(&app.http, app.url(path), token, body.to_string()).header("idempotency-key", key)
+}
+
+/// A single-mode gateway on `store` with `route`, whose store calls may
+/// take 20 s: a statement that a test's lock holds up is still waiting when
+/// the test cuts it, so the cut ends it, not the gateway giving up.
+async fn patient_gateway(store: &TestStore, route: &str) -> TestApp {
+    let text = config_sections("", &store.url, "timeout_ms = 20000\n", route);
+    TestApp::from_text(&text).await
+}
+
+/// A test's transaction inserting, and holding uncommitted, an expired
+/// record of `idem_key` on the route `docs` and method PUT: a gateway's
+/// insert of the same record waits for it (and, once it commits, takes the
+/// expired record over).
+async fn hold_record(url: &str, idem_key: &str) -> PgHolder {
+    PgHolder::begin(
+        url,
+        &format!(
+            "INSERT INTO idempotency (route, method, idem_key, fingerprint, state, \
+                                      in_flight_until, expires_at) \
+             VALUES ('docs', 'PUT', '{idem_key}', '', 'done', \
+                     now() - interval '1 hour', now() - interval '1 hour')"
+        ),
+    )
+    .await
+}
+
+/// Single mode: the fence batch's statement is cut while it waits inside
+/// Postgres (a transaction of the test holds the key's row, as an
+/// operator's long transaction would, and the gateway's backend waiting
+/// behind it is terminated). The write it carried is answered 503 and
+/// never forwarded: a design that fails open, or reads a broken
+/// connection as "no conflict", forwards it; one that reads it as a
+/// refusal answers 409. The cut rolled the statement back (the store
+/// still holds 5). Once the lock goes, the retry of the same token is
+/// accepted, and that token is in the store itself, not only in memory (a
+/// design that remembered the cut batch's token as durable would admit the
+/// retry from memory without recording it); an older token is refused;
+/// the upstream saw each accepted write once. The cut connection is not
+/// used again (kept, it would fail every later batch, and the retries
+/// would never stop being 503).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_batch_cut_mid_statement_fails_closed_and_recovers() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let app = patient_gateway(&store, &docs_route(&up.url())).await;
+    assert_eq!(app.put("/docs/x", Some("5"), "five").await.status(), 200);
+
+    let holder = PgHolder::begin(
+        &store.url,
+        "SELECT 1 FROM fences WHERE resource_key = 'doc:x' FOR UPDATE",
+    )
+    .await;
+    let seven = {
+        let req = fenced_put(&app.http, app.url("/docs/x"), "7", "seven");
+        tokio::spawn(async move { req.send().await })
+    };
+    let cut = cut_waiting(&store.url).await;
+    assert!(
+        cut.iter().all(|q| q.contains("INSERT INTO fences")),
+        "the fence batch was cut: {cut:?}"
+    );
+    let resp = seven.await.unwrap().expect("gateway answered");
+    let body = problem(resp, 503).await;
+    assert_eq!(
+        body["type"], "urn:fencegate:problem:store-unavailable",
+        "{body}"
+    );
+    assert_eq!(
+        durable(&store.url, "doc:x").await,
+        Some(5),
+        "the cut statement rolled back"
+    );
+    assert_eq!(
+        up.bodies_on("/docs/x"),
+        ["five"],
+        "the cut write was not forwarded"
+    );
+    holder.commit().await;
+
+    let limit = Duration::from_secs(30);
+    let resp = app
+        .put_until_not_503("/docs/x", "7", "seven again", limit)
+        .await;
+    assert_eq!(resp.status(), 200, "the retry after the cut");
+    assert_eq!(
+        durable(&store.url, "doc:x").await,
+        Some(7),
+        "the accepted token is in the store"
+    );
+    app.assert_stale("/docs/x", "6", "six", 7).await;
+    assert_eq!(up.bodies_on("/docs/x"), ["five", "seven again"]);
+    assert_eq!(
+        arrivals(&up, "/docs/x"),
+        2,
+        "requests that arrived on /docs/x"
+    );
+    assert!(up.violations().is_empty(), "{:?}", up.violations());
+}
+
+/// Single mode, `idempotency = "required"`: a first use whose token memory
+/// knows as the key's durable one writes its in-flight record in a batch
+/// of records, on its own connection. That batch's statement is cut while
+/// it waits inside Postgres (a transaction of the test is inserting the
+/// same record). The first use is answered 503 and not forwarded: a design
+/// that forwards without a durable record (fails open) sends it here and
+/// again on the retry. The cut rolled the record back, so the retry with
+/// the same key and payload is the key's first use: forwarded once, then
+/// replayed. A design that took the failed insert for a live record (a
+/// duplicate) would answer the retry "in progress", then "outcome
+/// unknown", for a request that never left; one that kept the broken
+/// connection would answer 503 for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_of_records_cut_mid_statement_is_forwarded_once_on_retry() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let route = format!("{}idempotency = \"required\"\n", docs_route(&up.url()));
+    let app = patient_gateway(&store, &route).await;
+    // Token 5 becomes the key's durable token, in memory too.
+    let warm = keyed_put(&app, "/docs/k", "5", "warm", "warm").send().await;
+    assert_eq!(warm.expect("gateway answered").status(), 200);
+
+    let holder = cut_first_use(&store, &app, &up, "/docs/k", "5", "order-1", |q| {
+        q.contains("INTO idempotency") && !q.contains("INTO fences")
+    })
+    .await;
+    let (records,): (i64,) = on_store(
+        &store.url,
+        "SELECT count(*) FROM idempotency WHERE idem_key = 'order-1'",
+    )
+    .await;
+    assert_eq!(records, 0, "the cut statement wrote no record");
+    holder.commit().await;
+
+    retry_is_forwarded_once(&app, &up, "/docs/k", "5", "order-1").await;
+    assert_eq!(up.bodies_on("/docs/k"), ["warm", "A"]);
+    let stale = keyed_put(&app, "/docs/k", "4", "older", "B").send().await;
+    let answer = problem(stale.expect("gateway answered"), 409).await;
+    assert_eq!(answer["highest_token"], 5, "{answer}");
+    assert_eq!(
+        arrivals(&up, "/docs/k"),
+        2,
+        "requests that arrived on /docs/k"
+    );
+}
+
+/// Single mode, `idempotency = "optional"`: a first use whose token the
+/// store must decide brings its in-flight record into the fence batch, one
+/// statement and one commit for both. That statement is cut while it waits
+/// inside Postgres (its fence part has run; its record part waits for a
+/// transaction of the test inserting the same record). The first use is
+/// answered 503 and not forwarded, and the cut took both parts back: the
+/// store still holds the old token and no record. The retry with the same
+/// key and payload is then the key's first use, forwarded once and
+/// replayed after, and its token is in the store itself. A design that
+/// wrote the decision and the record in separate commits, and forwarded on
+/// the decision alone, or took the failed record for a duplicate, fails
+/// here as in the test above.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_batch_with_its_record_cut_mid_statement_is_forwarded_once_on_retry() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let route = format!("{}idempotency = \"optional\"\n", docs_route(&up.url()));
+    let app = patient_gateway(&store, &route).await;
+    assert_eq!(app.put("/docs/n", Some("5"), "five").await.status(), 200);
+
+    let holder = cut_first_use(&store, &app, &up, "/docs/n", "7", "order-2", |q| {
+        q.contains("INTO fences") && q.contains("INTO idempotency")
+    })
+    .await;
+    assert_eq!(
+        durable(&store.url, "doc:n").await,
+        Some(5),
+        "the decision went back with the record"
+    );
+    holder.commit().await;
+
+    retry_is_forwarded_once(&app, &up, "/docs/n", "7", "order-2").await;
+    assert_eq!(
+        durable(&store.url, "doc:n").await,
+        Some(7),
+        "the accepted token is in the store"
+    );
+    app.assert_stale("/docs/n", "6", "six", 7).await;
+    assert_eq!(up.bodies_on("/docs/n"), ["five", "A"]);
+    assert_eq!(
+        arrivals(&up, "/docs/n"),
+        2,
+        "requests that arrived on /docs/n"
+    );
+}
+
+/// Sends a first use of `key` (token `token`, body "A") on `path` while a
+/// transaction of the test holds its record, and cuts the statement that
+/// waits behind it, which `cut_is` must recognize. The first use must be
+/// answered 503 store-unavailable and not forwarded. Answers the holder,
+/// still in its transaction.
+async fn cut_first_use(
+    store: &TestStore,
+    app: &TestApp,
+    up: &Upstream,
+    path: &str,
+    token: &str,
+    key: &str,
+    cut_is: impl Fn(&str) -> bool,
+) -> PgHolder {
+    let holder = hold_record(&store.url, key).await;
+    let first = {
+        let req = keyed_put(app, path, token, key, "A");
+        tokio::spawn(async move { req.send().await })
+    };
+    let cut = cut_waiting(&store.url).await;
+    assert!(cut.iter().all(|q| cut_is(q)), "the statement cut: {cut:?}");
+    let resp = first.await.unwrap().expect("gateway answered");
+    let body = problem(resp, 503).await;
+    assert_eq!(
+        body["type"], "urn:fencegate:problem:store-unavailable",
+        "{body}"
+    );
+    assert_eq!(
+        arrivals_keyed(up, key),
+        0,
+        "the first use was not forwarded"
+    );
+    holder
+}
+
+/// The retry of a first use that was cut (same key, same payload): after
+/// 503s while the store recovers, it is the key's first use, forwarded;
+/// the same request again is replayed; the key reached the upstream once.
+async fn retry_is_forwarded_once(app: &TestApp, up: &Upstream, path: &str, token: &str, key: &str) {
+    let limit = Duration::from_secs(30);
+    let (retry, refused) = until_not_503(limit, || keyed_put(app, path, token, key, "A")).await;
+    assert_eq!(retry.status(), 200, "the retry after 503s {refused:?}");
+    assert!(
+        retry.headers().get("idempotent-replayed").is_none(),
+        "the retry is the key's first use"
+    );
+    let again = keyed_put(app, path, token, key, "A").send().await;
+    let again = again.expect("gateway answered");
+    assert_eq!(again.status(), 200);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(arrivals_keyed(up, key), 1, "forwarded once");
+}
+
+/// `n` shared-mode instances on `store`, their route's `timeout_ms` at
+/// `route_timeout_ms` (an in-flight marker lasts a second longer), with
+/// `store_extra` (whole lines) in their `[store]`.
+async fn shared_gateways(
+    store: &TestStore,
+    up: &Upstream,
+    n: usize,
+    route_timeout_ms: u64,
+    store_extra: &str,
+) -> Vec<TestApp> {
+    let route = format!("{}timeout_ms = {route_timeout_ms}\n", docs_route(&up.url()));
+    let mut apps = Vec::new();
+    for _ in 0..n {
+        let store_lines = format!("{SHARED_STORE}{store_extra}");
+        let text = config_sections("", &store.url, &store_lines, &route);
+        apps.push(TestApp::from_text(&text).await);
+    }
+    apps
+}
+
+/// Shared mode: writes whose admissions are not counted in flight any more
+/// (their leaves written), read from the store itself.
+async fn until_all_left(url: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (in_flight,): (i64,) = on_store(
+            url,
+            "SELECT count(*) FROM fences WHERE inflight > 0 OR draining > 0",
+        )
+        .await;
+        if in_flight == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{in_flight} keys still count writes in flight"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Shared mode, two instances: their connections are cut while in steady
+/// use (each used a moment ago, so not pinged before its next statement;
+/// every write's leave was written first, so nothing is counted in flight).
+/// Writes that meet a cut connection fail closed: 503, nothing forwarded.
+/// The broken connections are dropped, so each instance accepts writes
+/// again by itself, without a restart; the accepted token is then the
+/// threshold on both instances (an older one is 409, from the store), and
+/// the upstream saw each accepted write once. A design that kept broken
+/// connections in its pools would never recover; one that read a failed
+/// admission as a refusal would answer 409 to the newer token; one that
+/// failed open would forward during the cut.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_mode_connections_cut_in_use_fail_closed_and_are_replaced() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let apps = shared_gateways(&store, &up, 2, 3000, "").await;
+    // Several connections in use at once on each instance.
+    let warm: Vec<_> = (0..8)
+        .map(|i| {
+            let app = &apps[i % 2];
+            fenced_put(&app.http, app.url(&format!("/docs/w{i}")), "1", "warm").send()
+        })
+        .collect();
+    for resp in futures_util::future::join_all(warm).await {
+        assert_eq!(resp.expect("gateway answered").status(), 200);
+    }
+    assert_eq!(
+        apps[0].put("/docs/a", Some("1"), "first").await.status(),
+        200
+    );
+    until_all_left(&store.url).await;
+
+    cut_connections(&store.url).await;
+
+    // A stale token first, through the instance that has not seen the
+    // key, so that the store decides it: 503 while it meets broken
+    // connections (never forwarded, as a design that fails open would),
+    // then 409.
+    let limit = Duration::from_secs(30);
+    let resp = apps[1]
+        .put_until_not_503("/docs/a", "0", "stale", limit)
+        .await;
+    let answer = problem(resp, 409).await;
+    assert_eq!(answer["highest_token"], 1, "{answer}");
+    // One token throughout: a 503 whose admission committed before its
+    // answer was lost counts a writer of 2, which 2 may join.
+    let resp = apps[0]
+        .put_until_not_503("/docs/a", "2", "after the cut", limit)
+        .await;
+    assert_eq!(resp.status(), 200, "a write after the cut");
+    for app in &apps {
+        let resp = app.put_until_not_503("/docs/a", "1", "stale", limit).await;
+        let answer = problem(resp, 409).await;
+        assert_eq!(answer["highest_token"], 2, "{answer}");
+    }
+    // The other instance writes again too.
+    let resp = apps[1]
+        .put_until_not_503("/docs/w1", "2", "after the cut", limit)
+        .await;
+    assert_eq!(resp.status(), 200, "the other instance after the cut");
+    assert_eq!(up.bodies_on("/docs/a"), ["first", "after the cut"]);
+    assert_eq!(
+        arrivals(&up, "/docs/a"),
+        2,
+        "requests that arrived on /docs/a"
+    );
+    assert_eq!(up.bodies_on("/docs/w1"), ["warm", "after the cut"]);
+    assert!(up.violations().is_empty(), "{:?}", up.violations());
+}
+
+/// Shared mode, two instances: every connection is cut while a write of
+/// token 5 (through the first instance) is admitted and held at the
+/// upstream. Its leave may be lost with them (then its key stays closed to
+/// newer tokens until its in-flight marker ends), or written on a new
+/// connection. Token 6, sent through both instances from the moment of
+/// the cut, is answered 503 (the store unreachable, or the key busy behind
+/// 5), never forwarded, until 5 is done: at the upstream, 6 never arrived
+/// while 5 was still in flight there (the recorder's check), and it was
+/// applied after 5, once. Then 5 is stale on both instances, and no stale
+/// write reached the upstream. A design whose per-key ordering lived in the
+/// connections (a session lock held for the forward, which the cut
+/// releases), or that let a write go when the store could not be asked,
+/// would forward 6 beside 5.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_mode_connections_cut_while_a_write_is_at_the_upstream() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    // 5 is held 2 s at the upstream, well inside the route's 6 s; 6 gives up
+    // waiting behind it after 200 ms (503 key-busy), and asks again.
+    let apps = shared_gateways(&store, &up, 2, 6000, "key_lock_wait_ms = 200\n").await;
+    let five = up
+        .held_write(apps[0].url("/docs/h"), "5", "five", 2000)
+        .await;
+    assert_eq!(up.in_flight(), 1, "5 is at the upstream");
+    // The other instance's connections in use too, a moment before the cut.
+    let other = apps[1].put("/docs/other", Some("1"), "other").await;
+    assert_eq!(other.status(), 200);
+
+    cut_connections(&store.url).await;
+    assert_eq!(up.in_flight(), 1, "5 was at the upstream when the cut came");
+
+    // 6 while 5 is held, then until it is accepted: through both instances,
+    // first through the other one, which holds no write of the key and so
+    // has nothing but the store to wait behind.
+    let limit = Duration::from_secs(30);
+    let mut attempt = 0;
+    let (six, refused) = until_not_503(limit, || {
+        attempt += 1;
+        let app = &apps[attempt % 2];
+        fenced_put(&app.http, app.url("/docs/h"), "6", "six")
+    })
+    .await;
+    assert_eq!(six.status(), 200, "6 after 503s {refused:?}");
+    assert_eq!(five.await.unwrap().unwrap(), 200, "5 was answered");
+    assert_unavailable_or_busy(&refused);
+    assert!(up.violations().is_empty(), "{:?}", up.violations());
+    let tokens: Vec<_> = up.applied_on("/docs/h").iter().map(|a| a.token).collect();
+    assert_eq!(tokens, vec![Some(5), Some(6)]);
+    for app in &apps {
+        let resp = app.put_until_not_503("/docs/h", "5", "stale", limit).await;
+        let answer = problem(resp, 409).await;
+        assert_eq!(answer["highest_token"], 6, "{answer}");
+    }
+    assert_eq!(
+        arrivals(&up, "/docs/h"),
+        2,
+        "requests that arrived on /docs/h"
+    );
+}
+
+/// Shared mode, two instances: the leave of a write of token 5 is cut
+/// while its statement waits inside Postgres (a transaction of the test
+/// holds the key's row when 5's answer ends, and the backend waiting
+/// behind it is terminated). The gateway cannot know whether a cut leave
+/// committed (a `FATAL` may come after the commit), and a leave counted
+/// twice could open a key under another write of the same token: so it is
+/// not written again, 5 stays counted in flight (read in the store), and
+/// the key stays closed to token 6 until 5's in-flight marker ends: 503
+/// key-busy, nothing forwarded. Then 6 is admitted, not before the marker's
+/// end (a lower bound taken from the store's clock), once; 5 is stale on
+/// both instances. A design that wrote a failed leave again, or that
+/// forgot a key's writers when their connection broke, admits 6 at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shared_mode_a_leave_cut_mid_statement_keeps_the_key_closed_until_the_marker_ends() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    // Markers of 11 s: long enough that 6 surely asks while 5's runs.
+    let apps = shared_gateways(&store, &up, 2, 10_000, "key_lock_wait_ms = 200\n").await;
+    let five = up
+        .held_write(apps[0].url("/docs/l"), "5", "five", 1000)
+        .await;
+    let holder = PgHolder::begin(
+        &store.url,
+        "SELECT 1 FROM fences WHERE resource_key = 'doc:l' FOR UPDATE",
+    )
+    .await;
+    assert_eq!(
+        up.in_flight(),
+        1,
+        "5 was still at the upstream when the row was locked"
+    );
+    assert_eq!(five.await.unwrap().unwrap(), 200, "5 was answered");
+    let cut = cut_waiting(&store.url).await;
+    assert!(
+        cut.iter().all(|q| q.contains("fencegate_admit_batch")),
+        "5's leave was cut: {cut:?}"
+    );
+    // Before the store's clock is read: with the time left on 5's marker,
+    // a lower bound of its end.
+    let asked = Instant::now();
+    let (in_flight, left_ms): (i32, i64) = on_store(
+        &store.url,
+        "SELECT inflight, \
+                GREATEST(0, EXTRACT(EPOCH FROM (writer_until - now())) * 1000)::bigint \
+           FROM fences WHERE resource_key = 'doc:l'",
+    )
+    .await;
+    assert_eq!(in_flight, 1, "the cut leave was not written");
+    let marker_ends = asked + Duration::from_millis(left_ms as u64);
+    holder.commit().await;
+
+    let limit = Duration::from_secs(30);
+    let mut attempt = 0;
+    let (six, refused) = until_not_503(limit, || {
+        attempt += 1;
+        let app = &apps[attempt % 2];
+        fenced_put(&app.http, app.url("/docs/l"), "6", "six")
+    })
+    .await;
+    assert_eq!(six.status(), 200, "6 after 503s {refused:?}");
+    assert!(
+        refused
+            .iter()
+            .any(|t| t == "urn:fencegate:problem:key-busy"),
+        "the key stayed closed behind 5's marker: {refused:?}"
+    );
+    assert_unavailable_or_busy(&refused);
+    let requests = up.requests();
+    let six = requests
+        .iter()
+        .find(|r| r.path() == "/docs/l" && r.header("x-fence-token") == Some("6"))
+        .expect("6 arrived");
+    assert!(
+        six.arrived >= marker_ends,
+        "6 reached the upstream {:?} before 5's marker ended",
+        marker_ends.saturating_duration_since(six.arrived)
+    );
+    for app in &apps {
+        app.assert_stale("/docs/l", "5", "stale", 6).await;
+    }
+    assert!(up.violations().is_empty(), "{:?}", up.violations());
+    let tokens: Vec<_> = up.applied_on("/docs/l").iter().map(|a| a.token).collect();
+    assert_eq!(tokens, vec![Some(5), Some(6)]);
+    assert_eq!(
+        arrivals(&up, "/docs/l"),
+        2,
+        "requests that arrived on /docs/l"
+    );
 }

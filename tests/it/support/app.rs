@@ -8,6 +8,8 @@ use fencegate::config::Config;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;
 
+use super::fenced_put;
+
 /// A `[[routes]]` entry as TOML.
 pub fn route(name: &str, path: &str, upstream: &str, key: &str) -> String {
     format!(
@@ -149,19 +151,8 @@ impl TestApp {
         body: &str,
         limit: Duration,
     ) -> reqwest::Response {
-        let deadline = Instant::now() + limit;
-        loop {
-            let resp = self.put(path, Some(token), body).await;
-            if resp.status() != 503 {
-                return resp;
-            }
-            problem(resp, 503).await;
-            assert!(
-                Instant::now() < deadline,
-                "{path} {token}: still 503 after {limit:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
+        let request = || fenced_put(&self.http, self.url(path), token, body.to_string());
+        until_not_503(limit, request).await.0
     }
 
     /// A write of `token` on `path` that must be refused as stale: 409,
@@ -231,4 +222,28 @@ pub async fn problem(resp: reqwest::Response, status: u16) -> serde_json::Value 
         assert!(body[field].is_string(), "problem lacks {field}: {body}");
     }
     body
+}
+
+/// Sends what `request` builds until the answer is not 503, for up to
+/// `limit`: every 503 must be a problem document. Answers the first other
+/// answer, and the problem types of the 503s before it.
+pub async fn until_not_503(
+    limit: Duration,
+    mut request: impl FnMut() -> reqwest::RequestBuilder,
+) -> (reqwest::Response, Vec<String>) {
+    let deadline = Instant::now() + limit;
+    let mut refused = Vec::new();
+    loop {
+        let resp = request().send().await.expect("gateway answered");
+        if resp.status() != 503 {
+            return (resp, refused);
+        }
+        let body = problem(resp, 503).await;
+        refused.push(body["type"].as_str().unwrap_or_default().to_string());
+        assert!(
+            Instant::now() < deadline,
+            "still 503 after {limit:?}: {refused:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
