@@ -643,11 +643,12 @@ async fn shared_mode_connections_cut_in_use_fail_closed_and_are_replaced() {
 async fn shared_mode_connections_cut_while_a_write_is_at_the_upstream() {
     let store = TestStore::new(Backend::Postgres).await;
     let up = Upstream::start().await;
-    // 5 is held 2 s at the upstream, well inside the route's 6 s; 6 gives up
-    // waiting behind it after 200 ms (503 key-busy), and asks again.
+    // 5 is held 4 s at the upstream (room for the cut on a loaded
+    // machine), inside the route's 6 s; 6 gives up waiting behind it after
+    // 200 ms (503 key-busy), and asks again.
     let apps = shared_gateways(&store, &up, 2, 6000, "key_lock_wait_ms = 200\n").await;
     let five = up
-        .held_write(apps[0].url("/docs/h"), "5", "five", 2000)
+        .held_write(apps[0].url("/docs/h"), "5", "five", 4000)
         .await;
     assert_eq!(up.in_flight(), 1, "5 is at the upstream");
     // The other instance's connections in use too, a moment before the cut.
@@ -702,10 +703,11 @@ async fn shared_mode_connections_cut_while_a_write_is_at_the_upstream() {
 async fn shared_mode_a_leave_cut_mid_statement_keeps_the_key_closed_until_the_marker_ends() {
     let store = TestStore::new(Backend::Postgres).await;
     let up = Upstream::start().await;
-    // Markers of 11 s: long enough that 6 surely asks while 5's runs.
+    // Markers of 11 s: long enough that 6 surely asks while 5's runs. 5 is
+    // held 2.5 s: room to lock its row before it ends, on a loaded machine.
     let apps = shared_gateways(&store, &up, 2, 10_000, "key_lock_wait_ms = 200\n").await;
     let five = up
-        .held_write(apps[0].url("/docs/l"), "5", "five", 1000)
+        .held_write(apps[0].url("/docs/l"), "5", "five", 2500)
         .await;
     let holder = PgHolder::begin(
         &store.url,
