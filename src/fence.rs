@@ -219,9 +219,9 @@ impl Fence {
     ///
     /// The decision and the record are written in one transaction, with
     /// one commit: shared mode writes both in one statement (each write has
-    /// its own statement there anyway), and single mode puts the record
-    /// into the fence batch that decides the token, so it commits with that
-    /// batch's decisions. A crash leaves both or neither. In single mode the
+    /// its own statement there anyway), and single mode puts the decision
+    /// with the record into a batch of records, so it commits with that
+    /// batch's records and answers. A crash leaves both or neither. In single mode the
     /// record is a batch of its own, once the write is admitted, when memory
     /// already knows the token is the key's durable one (then no fence
     /// statement is written at all) or another write is on the key (below);

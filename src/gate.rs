@@ -416,11 +416,14 @@ impl Ticket {
     /// ticket was taken. Then, in single mode, this write's admission
     /// almost never waits once the store accepted its token: a write that
     /// arrives after it and goes to the store is decided in the same batch
-    /// or a later one (the fence batcher runs one batch at a time), so a
-    /// lower token is refused there, an equal one runs alongside, and a
-    /// higher one makes this one stale. (A later arrival can overtake it on
-    /// the way to the batcher, rarely; then it waits as usual.) A hint for
-    /// planning, never something the ordering relies on.
+    /// or a later one (each batcher runs one batch at a time), so a lower
+    /// token is refused there, an equal one runs alongside, and a higher
+    /// one makes this one stale. (A later arrival can overtake it on the
+    /// way to the store, rarely: on the way to the batcher, or in a batch
+    /// of another kind, as a keyed first use's decision goes into a batch
+    /// of records and a plain write's into a fence batch; then it waits as
+    /// usual.) A hint for planning, never something the ordering relies
+    /// on.
     pub fn alone(&self) -> bool {
         self.alone
     }

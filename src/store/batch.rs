@@ -9,12 +9,11 @@
 //! waits for a slot and goes with the next batch.
 //!
 //! The batchers of every kind come from this one mechanism: fence decisions
-//! `(key, token)` answered with the key's highest token (a first use of an
-//! `Idempotency-Key` whose token is new to memory brings its in-flight
-//! record along, written in the same batch), and, in single mode, the
-//! other Idempotency-Key writes, which share batches of records (the
-//! in-flight record of a first use whose token memory knows is the key's
-//! durable one, and the answers first uses store after their forwards: see
+//! `(key, token)` answered with the key's highest token, and, in single
+//! mode, the writes of `Idempotency-Key` first uses, which share batches of
+//! records (a first use's in-flight record, with its fence decision when
+//! memory does not know its token is the key's durable one, and the
+//! answers first uses store after their forwards: see
 //! `store::idempotency`); shared mode's admissions and leaves are a third
 //! (`admissions`).
 //!
@@ -34,7 +33,6 @@ use std::time::Duration;
 use tokio::runtime::Handle;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
-use super::idempotency::BeginItem;
 use super::{bounded, StoreError};
 
 /// The answers of one fence batch: each key's highest token after the batch.
@@ -254,67 +252,29 @@ impl<T: Send + 'static, A: Send + 'static> Batcher<T, A> {
     }
 }
 
-/// One fence decision of a batch: `token` for `key`, and, for the first
-/// use of an `Idempotency-Key` whose token the store must decide (single
-/// mode), its in-flight record, written in the same statement or
-/// transaction as the decision, and only if the token is accepted (see
-/// `store::idempotency`).
+/// One fence decision of a batch: `token` for `key`.
 pub struct Decision {
     pub(super) key: String,
     pub(super) token: i64,
-    /// Boxed: most decisions carry none, and every item of every batch
-    /// goes through the batcher's channel.
-    pub(super) record: Option<Box<BeginItem>>,
 }
 
-/// What a batch decided for one item.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Decided {
-    /// The key's highest token after the batch: equal to the item's token
-    /// iff it was accepted.
-    pub highest: i64,
-    /// The item's record was written (false without one, when the token
-    /// was refused, or when a live record of the key exists).
-    pub written: bool,
+/// Fence decisions (keys may repeat), each answered with its key's highest
+/// token after the batch (equal to the item's token iff it was accepted);
+/// `None` when the batch lost the key's answer.
+pub type Fences = Batcher<Decision, Option<i64>>;
+
+/// A fence batch's answers in its items' order.
+pub fn in_item_order(items: &[Decision], answers: &Answers) -> Vec<Option<i64>> {
+    items.iter().map(|d| answers.get(&d.key).copied()).collect()
 }
 
-/// Fence decisions (keys may repeat), each answered with what the batch
-/// decided; `None` when the batch lost the key's answer.
-pub type Fences = Batcher<Decision, Option<Decided>>;
-
-/// A fence batch's answers in its items' order, with which items' records
-/// were written (`written`, by item; all false for a batch without
-/// records).
-pub fn in_item_order(
-    items: &[Decision],
-    answers: &Answers,
-    written: impl Fn(usize, &Decision) -> bool,
-) -> Vec<Option<Decided>> {
-    items
-        .iter()
-        .enumerate()
-        .map(|(n, d)| {
-            answers.get(&d.key).map(|&highest| Decided {
-                highest,
-                written: written(n, d),
-            })
-        })
-        .collect()
-}
-
-/// Records `token` for `key` as part of the next fence batch, with
-/// `record` if there is one; answers once the batch has committed.
-pub(super) async fn decide(
-    fences: &Fences,
-    key: &str,
-    token: i64,
-    record: Option<Box<BeginItem>>,
-) -> Result<Decided, StoreError> {
+/// Records `token` for `key` as part of the next fence batch; answers the
+/// key's highest token once the batch has committed.
+pub(super) async fn decide(fences: &Fences, key: &str, token: i64) -> Result<i64, StoreError> {
     fences
         .submit(Decision {
             key: key.to_string(),
             token,
-            record,
         })
         .await?
         .ok_or_else(|| StoreError::Other("a batch lost a key's answer".into()))
@@ -348,12 +308,13 @@ fn deliver<A: Send + 'static>(homes: Homes<A>) {
     }
 }
 
-/// The highest token requested per key in a batch.
-pub fn max_per_key(items: &[Decision]) -> HashMap<&str, i64> {
+/// The highest token requested per key in a batch, from its items' keys
+/// and tokens.
+pub fn max_per_key<'a>(items: impl IntoIterator<Item = (&'a str, i64)>) -> HashMap<&'a str, i64> {
     let mut m: HashMap<&str, i64> = HashMap::new();
-    for d in items {
-        let e = m.entry(d.key.as_str()).or_insert(d.token);
-        *e = (*e).max(d.token);
+    for (key, token) in items {
+        let e = m.entry(key).or_insert(token);
+        *e = (*e).max(token);
     }
     m
 }

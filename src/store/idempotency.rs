@@ -25,12 +25,15 @@
 //! flight, cost Postgres about 15% more CPU per first use, for the same
 //! first uses per second: `bench/profile.sh --keyed`.) A first use whose
 //! token the store must decide, on a key with no other write, brings its
-//! in-flight record into the fence batch itself
-//! ([`PG_DECIDE_AND_BEGIN_BATCH`], and the SQLite batch's transaction):
+//! fence decision into the batch of records with its in-flight record:
 //! the decision and the record commit together, and the record is written
-//! only if the token is accepted. Other first uses (the token already the
-//! key's durable one, or another write on the key) write it in a batch of
-//! records once admitted. Nothing about the guarantees changes:
+//! only if the token is accepted. (They used to go into a fence batch,
+//! with the answer in a batch of records: two commits on two connections
+//! per batch period, and Postgres's CPU per such first use at 57–61 µs
+//! against 38–40 µs when both of a first use's writes go into batches of
+//! records: bench/analysis.md.) Other first uses (the token already the
+//! key's durable one, or another write on the key) write their record in
+//! a batch of records once admitted. Nothing about the guarantees changes:
 //!
 //! * **recorded durably before forwarding**: a first use is forwarded only
 //!   after its batch committed and reported its record written;
@@ -58,15 +61,17 @@
 //!
 //! Rows are locked in primary-key order by each part of every batch
 //! statement (an in-flight insert locks a live record it conflicts with,
-//! an answer the record it completes), and a fence batch with records
-//! locks its fence rows first, in key order, as no other statement locks a
-//! record before a fence. A batch of records does not order its answers'
-//! rows among its in-flight records', so it and a fence batch can deadlock
-//! on records of both (a duplicate of a first use whose answer is being
-//! stored, another duplicate pair beside it): Postgres then refuses one of
-//! the two after `deadlock_timeout`, with an `ERROR`. A batch of records
-//! so refused runs its parts alone, each in primary-key order; a fence
-//! batch with records so refused runs again, once (it wrote nothing).
+//! an answer the record it completes), and a batch of records with fence
+//! decisions locks its fence rows first, in key order, as no statement
+//! locks a record before a fence (fence batches lock fences only). A batch
+//! of records does not order its answers' rows among its in-flight
+//! records', so two of them can deadlock on records of both (a duplicate
+//! of a first use whose answer is being stored, another duplicate pair
+//! beside it) — which takes two in flight at once: one batch at a time
+//! runs, but one that timed out on our side may still run on the server.
+//! Postgres then refuses one of the two after `deadlock_timeout`, with an
+//! `ERROR`, and a batch of records so refused runs its parts alone, each
+//! in primary-key order, answers first.
 //! Shared mode writes its in-flight records with the fence decision
 //! (`fencegate_enter_keyed`) and stores answers one statement each: there
 //! every write already has its own statement.
@@ -77,7 +82,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use sqlx::{PgConnection, SqliteConnection, SqlitePool};
 
-use super::batch::{in_item_order, max_per_key, Answers, Batcher, Decided, Decision};
+use super::batch::{max_per_key, Answers, Batcher};
 use super::sql::{on_backend, sqlite_now_ms};
 use super::{bounded, FenceStore, StoreError};
 
@@ -184,57 +189,96 @@ ON CONFLICT (route, method, idem_key) DO UPDATE
  WHERE idempotency.expires_at <= ", sqlite_now_ms!(), "
 RETURNING 1");
 
-/// A batch of fence decisions that carries in-flight records (single
-/// mode): the decisions of `RECORD_BATCH` (store::postgres) and the
-/// in-flight records of [`PG_RECORDS_BATCH`] in one statement, so one
-/// transaction and one commit. A record is written only when its item's token is accepted:
-/// the key's highest token after the fence upsert equals it. So every key's
-/// highest token must come back from the upsert, raised or not: the update
-/// always runs (to the greater of the two tokens, its time changed only
-/// when raised), which also locks the row, so the value returned is the
-/// committed one even with another transaction on the key. Fence rows are
-/// locked in key order, then records in primary-key order, as every other
-/// statement that locks both kinds does (none locks a record before a
-/// fence), so no two can deadlock. Rows come back as fence answers (key
-/// and token) or written records (id and attempt).
-const PG_DECIDE_AND_BEGIN_BATCH: &str = "\
+/// The text of [`PG_RECORDS_BATCH`] (`decide`) and
+/// [`PG_RECORDS_ONLY_BATCH`] (`plain`): one statement, with or without its
+/// fence part.
+macro_rules! records_batch {
+    (plain) => {
+        records_batch!(@ "WITH ", "", "")
+    };
+    (decide) => {
+        records_batch!(@ "\
 WITH f AS (
     INSERT INTO fences AS f (resource_key, highest_token, updated_at)
-    SELECT k, max(t), now() FROM UNNEST($1::text[], $2::bigint[]) AS i(k, t)
+    SELECT k, max(t), now() FROM UNNEST($17::text[], $18::bigint[]) AS d(k, t)
      GROUP BY k ORDER BY k
     ON CONFLICT (resource_key) DO UPDATE
         SET highest_token = GREATEST(f.highest_token, EXCLUDED.highest_token),
             updated_at = CASE WHEN f.highest_token < EXCLUDED.highest_token
                               THEN now() ELSE f.updated_at END
     RETURNING f.resource_key, f.highest_token),
-w AS (
+",
+            "
+      LEFT JOIN f ON f.resource_key = b.fk
+     WHERE b.fk IS NULL OR f.highest_token = b.ft",
+            "
+UNION ALL
+SELECT 2, resource_key, NULL::text, NULL::text, highest_token FROM f")
+    };
+    (@ $head:literal, $join:literal, $tail:literal) => {
+        concat!(
+            $head,
+            "w AS (
     INSERT INTO idempotency AS i
            (route, method, idem_key, fingerprint, state, in_flight_until, expires_at, attempt)
-    SELECT b.r, b.m, b.k, b.f, 'in_flight', now() + b.fl * interval '1 millisecond',
+    SELECT b.r, b.m, b.k, b.fp, 'in_flight', now() + b.fl * interval '1 millisecond',
            now() + GREATEST(b.fl, b.t) * interval '1 millisecond', b.a
-      FROM UNNEST($3::text[], $4::bigint[], $5::text[], $6::text[], $7::text[], $8::bytea[],
-                  $9::bigint[], $10::bigint[], $11::bigint[])
-           AS b(fk, ft, r, m, k, f, fl, t, a)
-      JOIN f ON f.resource_key = b.fk AND f.highest_token = b.ft
+      FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bytea[], $5::bigint[], $6::bigint[],
+                  $7::bigint[], $8::text[], $9::bigint[]) AS b(r, m, k, fp, fl, t, a, fk, ft)",
+            $join,
+            "
      ORDER BY b.r, b.m, b.k
     ON CONFLICT (route, method, idem_key) DO UPDATE
        SET fingerprint = EXCLUDED.fingerprint, state = 'in_flight',
            in_flight_until = EXCLUDED.in_flight_until, expires_at = EXCLUDED.expires_at,
            attempt = EXCLUDED.attempt, status = NULL, headers = NULL, body = NULL
      WHERE i.expires_at <= now()
+    RETURNING i.route, i.method, i.idem_key, i.attempt),
+locked AS (
+    SELECT i.ctid AS row, b.s, b.h, b.bd
+      FROM UNNEST($10::text[], $11::text[], $12::text[], $13::bigint[], $14::int[],
+                  $15::bytea[], $16::bytea[]) AS b(r, m, k, a, s, h, bd)
+      JOIN idempotency i
+        ON i.route = b.r AND i.method = b.m AND i.idem_key = b.k AND i.attempt = b.a
+     WHERE i.state = 'in_flight'
+     ORDER BY i.route, i.method, i.idem_key
+       FOR UPDATE OF i),
+c AS (
+    UPDATE idempotency i SET state = 'done', status = l.s, headers = l.h, body = l.bd
+      FROM locked l
+     WHERE i.ctid = l.row AND i.state = 'in_flight'
     RETURNING i.route, i.method, i.idem_key, i.attempt)
-SELECT resource_key, highest_token, NULL::text, NULL::text, NULL::text, NULL::bigint FROM f
+SELECT 0, route, method, idem_key, attempt FROM w
 UNION ALL
-SELECT NULL::text, NULL::bigint, route, method, idem_key, attempt FROM w";
+SELECT 1, route, method, idem_key, attempt FROM c",
+            $tail
+        )
+    };
+}
 
-/// A batch of in-flight records and answers (single mode): one statement,
-/// so one transaction and one commit for both kinds.
+/// A batch of records (single mode): fence decisions, in-flight records
+/// and answers in one statement, so one transaction and one commit for
+/// all three kinds.
 ///
-/// * In-flight records (`w`): [`PG_BEGIN`] for many. Records repeated in
-///   the batch are sent once ([`pg_records_batch`]: a statement may not
-///   insert and then update one row), and written in primary-key order,
-///   which is also the order the live records they conflict with are
-///   locked in. Only the records written come back.
+/// * Fence decisions (`f`): the first uses whose token memory does not
+///   know is their key's durable one, one row per key with its highest
+///   token asked. Every key's highest token must come back, raised or
+///   not, for the records below: the update always runs (to the greater
+///   of the two tokens, its time changed only when raised), which also
+///   locks the row, so the value returned is the committed one even with
+///   another transaction on the key (a plain fence batch, or one of ours
+///   that timed out and commits late).
+/// * In-flight records (`w`): [`PG_BEGIN`] for many. A record that comes
+///   with a decision (its key and token in the last two columns) is
+///   written only if its token is accepted, that is, equal to its key's
+///   highest token after `f`; the others (those columns `NULL`) are
+///   written as they are. Records repeated in the batch are sent once
+///   ([`pg_records_batch`]: a statement may not insert and then update
+///   one row), and written in primary-key order, which is also the order
+///   the live records they conflict with are locked in. `w` reads all of
+///   `f` before it writes a row (it sorts its rows first), so fence rows
+///   are locked before records, as in every statement that locks both.
+///   Only the records written come back.
 /// * Answers (`locked`, `c`): each stored in its attempt's record if that
 ///   is still in flight. The records are locked in primary-key order
 ///   first, each with its answer alongside, then updated by the row
@@ -246,48 +290,26 @@ SELECT NULL::text, NULL::bigint, route, method, idem_key, attempt FROM w";
 ///   key and attempt cost twice the time (`EXPLAIN (ANALYZE, BUFFERS)`, 64
 ///   answers: 1.6–1.9 ms against 0.7–0.8 ms).
 ///
-/// No record id is sent in both parts ([`pg_records_batch`]): the parts
-/// then touch disjoint rows, and neither needs to see, or lock, what the
-/// other writes (the parts of one statement share its snapshot, and
-/// Postgres does not say in which order they run). Each part locks its
-/// rows in primary-key order, but one part's rows are not ordered among
-/// the other's: against a fence batch's records, the only other
-/// statement that waits for several, a deadlock is possible, and Postgres
-/// then refuses one of the two with an `ERROR` (nothing written); if it
-/// is this one, [`pg_records_batch`] runs the parts alone. Rows come back
-/// marked by their part, each with its record's id and attempt.
-const PG_RECORDS_BATCH: &str = "\
-WITH w AS (
-    INSERT INTO idempotency AS i
-           (route, method, idem_key, fingerprint, state, in_flight_until, expires_at, attempt)
-    SELECT r, m, k, f, 'in_flight', now() + fl * interval '1 millisecond',
-           now() + GREATEST(fl, t) * interval '1 millisecond', a
-      FROM UNNEST($1::text[], $2::text[], $3::text[], $4::bytea[], $5::bigint[], $6::bigint[],
-                  $7::bigint[]) AS b(r, m, k, f, fl, t, a)
-     ORDER BY r, m, k
-    ON CONFLICT (route, method, idem_key) DO UPDATE
-       SET fingerprint = EXCLUDED.fingerprint, state = 'in_flight',
-           in_flight_until = EXCLUDED.in_flight_until, expires_at = EXCLUDED.expires_at,
-           attempt = EXCLUDED.attempt, status = NULL, headers = NULL, body = NULL
-     WHERE i.expires_at <= now()
-    RETURNING i.route, i.method, i.idem_key, i.attempt),
-locked AS (
-    SELECT i.ctid AS row, b.s, b.h, b.bd
-      FROM UNNEST($8::text[], $9::text[], $10::text[], $11::bigint[], $12::int[],
-                  $13::bytea[], $14::bytea[]) AS b(r, m, k, a, s, h, bd)
-      JOIN idempotency i
-        ON i.route = b.r AND i.method = b.m AND i.idem_key = b.k AND i.attempt = b.a
-     WHERE i.state = 'in_flight'
-     ORDER BY i.route, i.method, i.idem_key
-       FOR UPDATE OF i),
-c AS (
-    UPDATE idempotency i SET state = 'done', status = l.s, headers = l.h, body = l.bd
-      FROM locked l
-     WHERE i.ctid = l.row AND i.state = 'in_flight'
-    RETURNING i.route, i.method, i.idem_key, i.attempt)
-SELECT true, route, method, idem_key, attempt FROM w
-UNION ALL
-SELECT false, route, method, idem_key, attempt FROM c";
+/// No record id is sent in both `w` and the answers
+/// ([`pg_records_batch`]): the parts then touch disjoint rows, and neither
+/// needs to see, or lock, what the other writes (the parts of one
+/// statement share its snapshot, and Postgres does not say in which order
+/// they run). Each part locks its rows in primary-key order, but the
+/// answers' rows are not ordered among the in-flight records': against
+/// another batch of records (one that timed out on our side and still
+/// runs on the server), a deadlock is possible, and Postgres then refuses
+/// one of the two with an `ERROR` (nothing written); if it is this one,
+/// [`pg_records_batch`] runs the parts alone. Rows come back marked by
+/// their part: 0 a record written, 1 an answer stored (each with the
+/// record's id and attempt), 2 a fence decision (its key, and its highest
+/// token in the last column).
+const PG_RECORDS_BATCH: &str = records_batch!(decide);
+
+/// [`PG_RECORDS_BATCH`] for a batch without fence decisions (`$17` and
+/// `$18` not bound, `$8` and `$9` all `NULL`): the same statement without
+/// its fence part, which costs Postgres even when it has no rows (about 2.5
+/// µs per first use in batches of about 30 items, `bench/ab.sh`).
+const PG_RECORDS_ONLY_BATCH: &str = records_batch!(plain);
 
 /// Answers larger than this (body and encoded headers) are stored by a
 /// statement of their own, not in a batch: a batch of records then stays
@@ -351,21 +373,59 @@ impl CompleteItem {
     }
 }
 
+/// A fence decision with the in-flight record of its first use, owned, as
+/// a batch carries it.
+pub(super) struct DecideItem {
+    key: String,
+    token: i64,
+    begin: BeginItem,
+}
+
 /// A write to a record, as single mode's batches of records carry it.
 pub(super) enum RecordWrite {
-    /// An in-flight record before its forward; answered whether it was
-    /// written (false: a live record of the key exists).
+    /// An in-flight record before its forward, its token known to be its
+    /// key's durable one; answered whether it was written (false: a live
+    /// record of the key exists).
     Begin(BeginItem),
-    /// An answer after it; answered whether it was stored (false: the
-    /// record is no longer this attempt's in flight).
+    /// A fence decision on `token` for `key` and, if the token is
+    /// accepted, the in-flight record of its first use; answered with the
+    /// key's highest token after the batch and whether the record was
+    /// written (false: the token was refused, or a live record of the key
+    /// exists).
+    Decide(DecideItem),
+    /// An answer after the forward; answered whether it was stored
+    /// (false: the record is no longer this attempt's in flight).
     Complete(CompleteItem),
 }
 
+/// What a batch of records answers one write (see [`RecordWrite`]'s
+/// variants).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Recorded {
+    /// The in-flight record was written, or the answer stored.
+    written: bool,
+    /// A decision's key's highest token after the batch; `None` for the
+    /// other writes, and for a decision whose key's answer the batch lost.
+    highest: Option<i64>,
+}
+
+/// A first use's decision as the store made it ([`FenceStore::record_keyed`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Decided {
+    /// The key's highest token after the batch: equal to the item's token
+    /// iff it was accepted.
+    pub highest: i64,
+    /// The first use's in-flight record was written (false when the token
+    /// was refused, or when a live record of the key exists).
+    pub written: bool,
+}
+
 /// Single mode's group commit of idempotency records: in-flight records
-/// and answers go into the same batches, one statement (Postgres) or one
-/// transaction (SQLite) and one commit for both kinds, instead of one
-/// batch of each kind in flight at a time.
-pub(super) type RecordBatcher = Batcher<RecordWrite, bool>;
+/// (with their fence decisions, where the store must decide) and answers
+/// go into the same batches, one statement (Postgres) or one transaction
+/// (SQLite) and one commit for all, instead of one batch of each kind in
+/// flight at a time.
+pub(super) type RecordBatcher = Batcher<RecordWrite, Recorded>;
 
 /// `$query` with one array bound per column, the column `$col` of every row
 /// of `$rows` (evaluated once a column): the batch statements `unnest` the
@@ -376,12 +436,20 @@ macro_rules! bind_columns {
     };
 }
 
-/// A record write's id and attempt, and whether it is an in-flight record
-/// (a batch of both kinds answers each by its own kind's rows).
-fn write_of(w: &RecordWrite) -> (bool, Written<'_>) {
+/// Which part of a batch of records writes what (the first column of
+/// [`PG_RECORDS_BATCH`]'s rows).
+const PART_BEGIN: i32 = 0;
+const PART_COMPLETE: i32 = 1;
+const PART_DECIDE: i32 = 2;
+
+/// A record write's id and attempt, and its part (a batch answers each
+/// write by its own part's rows).
+fn write_of(w: &RecordWrite) -> (i32, Written<'_>) {
     match w {
-        RecordWrite::Begin(b) => (true, b.attempt()),
-        RecordWrite::Complete(c) => (false, c.attempt()),
+        RecordWrite::Begin(b) | RecordWrite::Decide(DecideItem { begin: b, .. }) => {
+            (PART_BEGIN, b.attempt())
+        }
+        RecordWrite::Complete(c) => (PART_COMPLETE, c.attempt()),
     }
 }
 
@@ -400,36 +468,19 @@ fn write_of(w: &RecordWrite) -> (bool, Written<'_>) {
 pub(super) async fn pg_records_batch(
     conn: &mut PgConnection,
     items: Vec<RecordWrite>,
-) -> Result<Vec<bool>, StoreError> {
-    // A record repeated among the in-flight records (concurrent
-    // duplicates): its first item goes into the statement, the others lose
-    // to it — whether the first writes the record or finds a live one,
-    // they are duplicates. Answers for one record may share a batch (a
-    // stalled attempt's and the newer one's): each goes in, and is judged
-    // by its own attempt.
-    let mut begun = HashSet::with_capacity(items.len());
-    let sent: Vec<bool> = items
-        .iter()
-        .map(|w| match w {
-            RecordWrite::Begin(b) => begun.insert(b.id()),
-            RecordWrite::Complete(_) => true,
-        })
-        .collect();
-    let begins = || {
-        items.iter().zip(&sent).filter_map(|(w, sent)| match w {
-            RecordWrite::Begin(b) if *sent => Some(b),
-            _ => None,
-        })
-    };
+) -> Result<Vec<Recorded>, StoreError> {
+    let batch = Plan::of(&items);
+    let begins = || batch.begins(&items);
     let completes = || {
         items.iter().filter_map(|w| match w {
             RecordWrite::Complete(c) => Some(c),
-            RecordWrite::Begin(_) => None,
+            _ => None,
         })
     };
-    let together = !completes().any(|c| begun.contains(&c.id()));
+    let decisions = || batch.wanted.iter().map(|(k, t)| (*k, *t));
+    let together = !completes().any(|c| batch.begun.contains(&c.id()));
     let rows = match together {
-        true => match pg_records_statement(conn, begins(), completes()).await {
+        true => match pg_records_statement(conn, begins(), completes(), decisions()).await {
             Ok(rows) => Some(rows),
             Err(e) if super::postgres::rolled_back(&e) => None,
             Err(e) => return Err(e.into()),
@@ -439,37 +490,148 @@ pub(super) async fn pg_records_batch(
     let rows = match rows {
         Some(rows) => rows,
         None => {
-            let mut rows = pg_records_statement(conn, std::iter::empty(), completes()).await?;
-            rows.extend(pg_records_statement(conn, begins(), std::iter::empty()).await?);
+            use std::iter::empty;
+            let mut rows = Vec::new();
+            if completes().next().is_some() {
+                rows = pg_records_statement(conn, empty(), completes(), empty()).await?;
+            }
+            if begins().next().is_some() || !batch.wanted.is_empty() {
+                rows.extend(pg_records_statement(conn, begins(), empty(), decisions()).await?);
+            }
             rows
         }
     };
-    let rows = rows
-        .iter()
-        .map(|(b, r, m, k, a)| (*b, (r.as_str(), m.as_str(), k.as_str(), *a)));
-    Ok(answered(&items, &sent, rows, write_of))
+    let mut highest = Answers::with_capacity(batch.wanted.len());
+    let mut written = Vec::with_capacity(rows.len());
+    for (part, r, m, k, a) in &rows {
+        match (*part, m, k) {
+            (PART_DECIDE, None, None) => {
+                highest.insert(r.clone(), *a);
+            }
+            (PART_BEGIN | PART_COMPLETE, Some(m), Some(k)) => {
+                written.push((*part, (r.as_str(), m.as_str(), k.as_str(), *a)))
+            }
+            _ => return Err(StoreError::Other("a batch answered a malformed row".into())),
+        }
+    }
+    let written = answered(&items, &batch.sent, written, write_of);
+    Ok(batch.recorded(&items, written, &highest))
 }
 
-/// [`PG_RECORDS_BATCH`] with these in-flight records and answers (either
-/// may be none); the rows written and stored, each marked whether it is an
-/// in-flight record.
+/// What a batch of records sends of its items.
+struct Plan<'a> {
+    /// Per item: whether its write goes into the statement (see
+    /// [`Plan::of`]).
+    sent: Vec<bool>,
+    /// The records of the in-flight records sent.
+    begun: HashSet<(&'a str, &'a str, &'a str)>,
+    /// The highest token asked per key by the batch's decisions.
+    wanted: HashMap<&'a str, i64>,
+}
+
+impl<'a> Plan<'a> {
+    /// Answers go in, each: answers for one record may share a batch (a
+    /// stalled attempt's and the newer one's), and each is judged by its
+    /// own attempt. Of the in-flight records, a record repeated in the
+    /// batch (concurrent duplicates) goes in once, with its first item —
+    /// whether that writes the record or finds a live one, the others are
+    /// duplicates — and a decision's record goes in only with the highest
+    /// token asked for its key (a lower one is refused, whatever the store
+    /// holds). The others of that key and token share its fate: refused
+    /// with it, or duplicates of it.
+    fn of(items: &'a [RecordWrite]) -> Self {
+        let wanted = max_per_key(items.iter().filter_map(|w| match w {
+            RecordWrite::Decide(d) => Some((d.key.as_str(), d.token)),
+            _ => None,
+        }));
+        let mut begun = HashSet::with_capacity(items.len());
+        let sent = items
+            .iter()
+            .map(|w| match w {
+                RecordWrite::Begin(b) => begun.insert(b.id()),
+                RecordWrite::Decide(d) => {
+                    wanted.get(d.key.as_str()) == Some(&d.token) && begun.insert(d.begin.id())
+                }
+                RecordWrite::Complete(_) => true,
+            })
+            .collect();
+        Self {
+            sent,
+            begun,
+            wanted,
+        }
+    }
+
+    /// The in-flight records sent, each with its decision's key and token
+    /// if it has one.
+    fn begins(
+        &self,
+        items: &'a [RecordWrite],
+    ) -> impl Iterator<Item = (&'a BeginItem, Option<(&'a str, i64)>)> + Clone + '_ {
+        items
+            .iter()
+            .zip(&self.sent)
+            .filter_map(|(w, sent)| match w {
+                RecordWrite::Begin(b) if *sent => Some((b, None)),
+                RecordWrite::Decide(d) if *sent => {
+                    Some((&d.begin, Some((d.key.as_str(), d.token))))
+                }
+                _ => None,
+            })
+    }
+
+    /// Each item's answer: `written` by item, and for a decision its key's
+    /// highest token from `highest`.
+    fn recorded(
+        &self,
+        items: &[RecordWrite],
+        written: Vec<bool>,
+        highest: &Answers,
+    ) -> Vec<Recorded> {
+        items
+            .iter()
+            .zip(written)
+            .map(|(w, written)| Recorded {
+                written,
+                highest: match w {
+                    RecordWrite::Decide(d) => highest.get(&d.key).copied(),
+                    _ => None,
+                },
+            })
+            .collect()
+    }
+}
+
+/// [`PG_RECORDS_BATCH`] with these in-flight records (each with its
+/// decision's key and token, if it has one), answers and decisions (any
+/// may be none; [`PG_RECORDS_ONLY_BATCH`] without decisions); the rows
+/// written, stored and decided, each marked with its part.
 async fn pg_records_statement<'a>(
     conn: &mut PgConnection,
-    begins: impl Iterator<Item = &'a BeginItem> + Clone,
+    begins: impl Iterator<Item = (&'a BeginItem, Option<(&'a str, i64)>)> + Clone,
     completes: impl Iterator<Item = &'a CompleteItem> + Clone,
-) -> Result<Vec<(bool, String, String, String, i64)>, sqlx::Error> {
+    decisions: impl Iterator<Item = (&'a str, i64)> + Clone,
+) -> Result<Vec<(i32, String, Option<String>, Option<String>, i64)>, sqlx::Error> {
+    let decide = decisions.clone().next().is_some();
+    let sql = if decide {
+        PG_RECORDS_BATCH
+    } else {
+        PG_RECORDS_ONLY_BATCH
+    };
     let q = bind_columns!(
-        sqlx::query_as(PG_RECORDS_BATCH),
+        sqlx::query_as(sql),
         begins.clone(),
-        |i| i.route.as_str(),
-        |i| i.method.as_str(),
-        |i| i.key.as_str(),
-        |i| i.fingerprint.as_slice(),
-        |i| i.in_flight_ms,
-        |i| i.ttl_ms,
-        |i| i.attempt,
+        |(i, _)| i.route.as_str(),
+        |(i, _)| i.method.as_str(),
+        |(i, _)| i.key.as_str(),
+        |(i, _)| i.fingerprint.as_slice(),
+        |(i, _)| i.in_flight_ms,
+        |(i, _)| i.ttl_ms,
+        |(i, _)| i.attempt,
+        |(_, d)| d.map(|(k, _)| k),
+        |(_, d)| d.map(|(_, t)| t),
     );
-    bind_columns!(
+    let q = bind_columns!(
         q,
         completes.clone(),
         |i| i.route.as_str(),
@@ -479,97 +641,12 @@ async fn pg_records_statement<'a>(
         |i| i.status,
         |i| i.headers.as_slice(),
         |i| &i.body[..],
-    )
-    .fetch_all(conn)
-    .await
-}
-
-/// Which items of a fence batch bring their record into it: those whose
-/// token is the batch's highest for their key (a lower one is refused,
-/// whatever the store holds), and of those the first of each record (a
-/// statement may not insert and then update one row). The others of a
-/// record have its key's token too, so they share its fence's fate, and
-/// lose to it if it is accepted: they are duplicates.
-pub(super) fn records_sent(items: &[Decision], wanted: &HashMap<&str, i64>) -> Vec<bool> {
-    let mut seen = HashSet::with_capacity(items.len());
-    items
-        .iter()
-        .map(|d| match &d.record {
-            Some(r) => wanted.get(d.key.as_str()) == Some(&d.token) && seen.insert(r.id()),
-            None => false,
-        })
-        .collect()
-}
-
-/// Runs a batch of fence decisions with in-flight records on Postgres
-/// ([`PG_DECIDE_AND_BEGIN_BATCH`]).
-pub(super) async fn pg_decide_batch(
-    conn: &mut PgConnection,
-    items: Vec<Decision>,
-) -> Result<Vec<Option<Decided>>, StoreError> {
-    let wanted = max_per_key(&items);
-    let sent = records_sent(&items, &wanted);
-    let (keys, tokens): (Vec<&str>, Vec<i64>) = wanted.iter().map(|(k, t)| (*k, *t)).unzip();
-    let records = || {
-        items
-            .iter()
-            .zip(&sent)
-            .filter(|(_, sent)| **sent)
-            .filter_map(|(d, _)| d.record.as_ref().map(|r| (d, r)))
-    };
-    type Out = (
-        Option<String>,
-        Option<i64>,
-        Option<String>,
-        Option<String>,
-        Option<String>,
-        Option<i64>,
     );
-    let query = || {
-        bind_columns!(
-            sqlx::query_as(PG_DECIDE_AND_BEGIN_BATCH)
-                .bind(&keys)
-                .bind(&tokens),
-            records(),
-            |(d, _)| d.key.as_str(),
-            |(d, _)| d.token,
-            |(_, r)| r.route.as_str(),
-            |(_, r)| r.method.as_str(),
-            |(_, r)| r.key.as_str(),
-            |(_, r)| r.fingerprint.as_slice(),
-            |(_, r)| r.in_flight_ms,
-            |(_, r)| r.ttl_ms,
-            |(_, r)| r.attempt,
-        )
+    let q = match decide {
+        true => bind_columns!(q, decisions.clone(), |(k, _)| k, |(_, t)| t),
+        false => q,
     };
-    // Refused with an `ERROR`, the statement wrote nothing: run it again,
-    // once. A deadlock with a batch of records (see the module docs) is
-    // then not seen by the writes of either batch.
-    let rows: Vec<Out> = match query().fetch_all(&mut *conn).await {
-        Err(e) if super::postgres::rolled_back(&e) => query().fetch_all(&mut *conn).await?,
-        rows => rows?,
-    };
-    let mut answers = Answers::with_capacity(wanted.len());
-    let mut records = Vec::new();
-    for row in rows {
-        match row {
-            (Some(key), Some(highest), ..) => {
-                answers.insert(key, highest);
-            }
-            (None, None, Some(r), Some(m), Some(k), Some(a)) => records.push((r, m, k, a)),
-            _ => return Err(StoreError::Other("a batch answered a malformed row".into())),
-        }
-    }
-    // Only items sent carry a record; the others' id is never looked at.
-    let rows = records
-        .iter()
-        .map(|(r, m, k, a)| (r.as_str(), m.as_str(), k.as_str(), *a));
-    let written = answered(&items, &sent, rows, |d| {
-        d.record
-            .as_deref()
-            .map_or(("", "", "", 0), BeginItem::attempt)
-    });
-    Ok(in_item_order(&items, &answers, |n, _| written[n]))
+    q.fetch_all(conn).await
 }
 
 /// Writes one in-flight record within a SQLite transaction; whether it
@@ -609,19 +686,34 @@ fn answered<'a, T, R: Eq + std::hash::Hash>(
         .collect()
 }
 
-/// Runs a batch of record writes on SQLite: one transaction, one
-/// statement per write, in the batch's order — as if each ran alone in
-/// that order. A repeat of a record among the in-flight records finds the
-/// record its first item wrote (live) and is not written.
+/// Runs a batch of record writes on SQLite: one transaction, the
+/// decisions first (one statement per key, with its highest token asked),
+/// then one statement per write, in the batch's order — as if each ran
+/// alone in that order after the decisions. Which writes go in is what
+/// [`Plan::of`] says, as on Postgres; a repeat of a record among the
+/// in-flight records finds the record its first item wrote (live) and is
+/// not written.
 pub(super) async fn sqlite_records_batch(
     pool: &SqlitePool,
     items: Vec<RecordWrite>,
-) -> Result<Vec<bool>, StoreError> {
+) -> Result<Vec<Recorded>, StoreError> {
+    let batch = Plan::of(&items);
     let mut tx = pool.begin().await?;
-    let mut answers = Vec::with_capacity(items.len());
-    for w in &items {
-        let written = match w {
+    let mut highest = Answers::with_capacity(batch.wanted.len());
+    for (&key, &token) in &batch.wanted {
+        highest.insert(
+            key.to_string(),
+            super::sqlite::decide_in(&mut tx, key, token).await?,
+        );
+    }
+    let mut written = Vec::with_capacity(items.len());
+    for (w, sent) in items.iter().zip(&batch.sent) {
+        let done = match w {
             RecordWrite::Begin(i) => sqlite_begin_in(&mut tx, i).await?,
+            RecordWrite::Decide(d) => {
+                let accepted = highest.get(&d.key) == Some(&d.token);
+                *sent && accepted && sqlite_begin_in(&mut tx, &d.begin).await?
+            }
             RecordWrite::Complete(i) => {
                 let done = sqlx::query(SQLITE_COMPLETE)
                     .bind(&i.route)
@@ -636,10 +728,10 @@ pub(super) async fn sqlite_records_batch(
                 !done.is_empty()
             }
         };
-        answers.push(written);
+        written.push(done);
     }
     tx.commit().await?;
-    Ok(answers)
+    Ok(batch.recorded(&items, written, &highest))
 }
 
 const PG_COMPLETE: &str = "\
@@ -767,6 +859,43 @@ impl FenceStore {
         }
     }
 
+    /// Single mode: [`FenceStore::record`] for the first use of an
+    /// `Idempotency-Key`, with its in-flight record, in a batch of records:
+    /// one transaction and commit for the decision and the record, which
+    /// is written only if the token is accepted. `written` is false when
+    /// the token was refused or a live record of the key exists (a
+    /// concurrent duplicate got there first): the caller must not forward.
+    /// Both answers are durable.
+    pub async fn record_keyed(
+        &self,
+        key: &str,
+        token: i64,
+        record: &Begin<'_>,
+    ) -> Result<Decided, StoreError> {
+        self.check_writer()?;
+        let Some(b) = self.record_batcher() else {
+            return Err(StoreError::Other(
+                "record_keyed is for single mode; shared mode decides in enter".into(),
+            ));
+        };
+        let item = DecideItem {
+            key: key.to_string(),
+            token,
+            begin: BeginItem::of(record),
+        };
+        let done = b
+            .submit(RecordWrite::Decide(item))
+            .await
+            .map_err(|e| self.explain(e))?;
+        let highest = done
+            .highest
+            .ok_or_else(|| StoreError::Other("a batch lost a key's answer".into()))?;
+        Ok(Decided {
+            highest,
+            written: done.written,
+        })
+    }
+
     /// Writes the in-flight record of `begin` before its request is
     /// forwarded (group-committed in single mode: see the module docs).
     /// False when a live record exists already (a concurrent duplicate got
@@ -778,6 +907,7 @@ impl FenceStore {
             return b
                 .submit(RecordWrite::Begin(BeginItem::of(begin)))
                 .await
+                .map(|r| r.written)
                 .map_err(|e| self.explain(e));
         }
         let timeout = self.timeout();
@@ -830,6 +960,7 @@ impl FenceStore {
                 return b
                     .submit(RecordWrite::Complete(item))
                     .await
+                    .map(|r| r.written)
                     .map_err(|e| self.explain(e));
             }
         }

@@ -43,7 +43,7 @@ use crate::config::{StoreBackend, StoreConfig, StoreMode};
 
 pub use admin::{prefix_end, FenceRecord, Page, ResetRecord};
 pub use admissions::{Entered, InFlight};
-pub use idempotency::{Begin, Found, Read, RecordId, StoredAnswer, PURGE_BATCH};
+pub use idempotency::{Begin, Decided, Found, Read, RecordId, StoredAnswer, PURGE_BATCH};
 pub use postgres::{PgStore, ReadOnly, OWNER_LEASE};
 pub use readiness::StoreReadiness;
 pub use sqlite::SqliteStore;
@@ -127,23 +127,7 @@ impl FenceStore {
     /// highest token after the statement (equal to `token` iff accepted).
     /// The returned value is durable: the statement has committed.
     pub async fn record(&self, key: &str, token: i64) -> Result<i64, StoreError> {
-        Ok(dispatch!(self, s => s.decide(key, token, None).await)?.highest)
-    }
-
-    /// Single mode: [`FenceStore::record`] for the first use of an
-    /// `Idempotency-Key`, with its in-flight record written in the same
-    /// batch, so in the same transaction and commit, and only if the token
-    /// is accepted. `written` is false when a live record of the key
-    /// exists (a concurrent duplicate got there first): the caller must not
-    /// forward. Both answers are durable.
-    pub async fn record_keyed(
-        &self,
-        key: &str,
-        token: i64,
-        record: &Begin<'_>,
-    ) -> Result<batch::Decided, StoreError> {
-        let item = Box::new(idempotency::BeginItem::of(record));
-        dispatch!(self, s => s.decide(key, token, Some(item)).await)
+        dispatch!(self, s => s.decide(key, token).await)
     }
 
     /// The bound on every operation (`[store] timeout_ms`).

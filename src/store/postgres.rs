@@ -39,7 +39,7 @@ use sqlx::{Connection, PgConnection, PgPool};
 use tokio::task::JoinHandle;
 
 use super::admissions::Entered;
-use super::batch::{Decided, Decision};
+use super::batch::Decision;
 use super::link::Links;
 use super::readiness::{Probe, ServerState, StoreReadiness, WriterLock, PROBE};
 use super::{bounded, StoreError};
@@ -250,17 +250,12 @@ impl PgStore {
         self.records.as_ref()
     }
 
-    /// One decision, with the in-flight record of a first use if there is
-    /// one, group-committed with concurrent ones (see `batch`).
-    pub(super) async fn decide(
-        &self,
-        key: &str,
-        token: i64,
-        record: Option<Box<super::idempotency::BeginItem>>,
-    ) -> Result<Decided, StoreError> {
+    /// One decision, group-committed with concurrent ones (see `batch`):
+    /// the key's highest token after it.
+    pub(super) async fn decide(&self, key: &str, token: i64) -> Result<i64, StoreError> {
         self.check_owner()?;
         match &self.batcher {
-            Some(b) => super::batch::decide(b, key, token, record)
+            Some(b) => super::batch::decide(b, key, token)
                 .await
                 .map_err(|e| self.explain(e)),
             // Shared mode decides in `enter`, with the key's lock held.
@@ -939,17 +934,12 @@ fn admissions(
     Admissions::new(pool, batcher, cfg.key_lock_wait, cfg.timeout)
 }
 
-/// Runs one batch of decisions and answers each item's key's highest token
-/// (and, for a batch that carries in-flight records, which were written:
-/// see `store::idempotency`).
+/// Runs one batch of decisions and answers each item's key's highest token.
 async fn record_batch(
     conn: &mut PgConnection,
     items: Vec<Decision>,
-) -> Result<Vec<Option<Decided>>, StoreError> {
-    if items.iter().any(|d| d.record.is_some()) {
-        return super::idempotency::pg_decide_batch(conn, items).await;
-    }
-    let wanted = super::batch::max_per_key(&items);
+) -> Result<Vec<Option<i64>>, StoreError> {
+    let wanted = super::batch::max_per_key(items.iter().map(|d| (d.key.as_str(), d.token)));
     let (keys, tokens): (Vec<&str>, Vec<i64>) = wanted.iter().map(|(k, t)| (*k, *t)).unzip();
     let rows: Vec<(String, i64)> = sqlx::query_as(RECORD_BATCH)
         .bind(&keys)
@@ -974,5 +964,5 @@ async fn record_batch(
         .await?;
         answers.extend(fresh);
     }
-    Ok(super::batch::in_item_order(&items, &answers, |_, _| false))
+    Ok(super::batch::in_item_order(&items, &answers))
 }

@@ -21,10 +21,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::SqlitePool;
+use sqlx::{SqliteConnection, SqlitePool};
 
-use super::batch::{Decided, Decision};
-use super::idempotency::BeginItem;
+use super::batch::Decision;
 use super::sql::sqlite_now_ms;
 use super::{bounded, StoreError};
 use crate::config::StoreConfig;
@@ -99,13 +98,8 @@ impl SqliteStore {
     }
 
     /// See `PgStore::decide`; nothing here can lose the right to write.
-    pub(super) async fn decide(
-        &self,
-        key: &str,
-        token: i64,
-        item: Option<Box<BeginItem>>,
-    ) -> Result<Decided, StoreError> {
-        super::batch::decide(&self.batcher, key, token, item).await
+    pub(super) async fn decide(&self, key: &str, token: i64) -> Result<i64, StoreError> {
+        super::batch::decide(&self.batcher, key, token).await
     }
 
     /// See `PgStore::begin_run`.
@@ -219,41 +213,36 @@ pub async fn migrate_path(path: &Path) -> Result<(), StoreError> {
 async fn record_batch(
     pool: &SqlitePool,
     items: Vec<Decision>,
-) -> Result<Vec<Option<Decided>>, StoreError> {
-    let wanted = super::batch::max_per_key(&items);
-    let sent = super::idempotency::records_sent(&items, &wanted);
+) -> Result<Vec<Option<i64>>, StoreError> {
+    let wanted = super::batch::max_per_key(items.iter().map(|d| (d.key.as_str(), d.token)));
     let mut tx = pool.begin().await?;
     let mut answers = super::batch::Answers::with_capacity(wanted.len());
     for (&key, &token) in &wanted {
-        let raised: Option<i64> = sqlx::query_scalar(RECORD)
-            .bind(key)
-            .bind(token)
-            .fetch_optional(&mut *tx)
-            .await?;
-        let highest = match raised {
-            Some(h) => h,
-            None => {
-                sqlx::query_scalar("SELECT highest_token FROM fences WHERE resource_key = ?1")
-                    .bind(key)
-                    .fetch_one(&mut *tx)
-                    .await?
-            }
-        };
-        answers.insert(key.to_string(), highest);
-    }
-    // First uses' in-flight records, in the same transaction, for the
-    // tokens it accepted (see `store::idempotency`).
-    let mut written = vec![false; items.len()];
-    for (n, d) in items.iter().enumerate() {
-        let Some(record) = d.record.as_ref().filter(|_| sent[n]) else {
-            continue;
-        };
-        if answers.get(d.key.as_str()) == Some(&d.token) {
-            written[n] = super::idempotency::sqlite_begin_in(&mut tx, record).await?;
-        }
+        answers.insert(key.to_string(), decide_in(&mut tx, key, token).await?);
     }
     tx.commit().await?;
-    Ok(super::batch::in_item_order(&items, &answers, |n, _| {
-        written[n]
-    }))
+    Ok(super::batch::in_item_order(&items, &answers))
+}
+
+/// Records `token` for `key` within a transaction unless a higher one is
+/// recorded: the key's highest token after it.
+pub(super) async fn decide_in(
+    conn: &mut SqliteConnection,
+    key: &str,
+    token: i64,
+) -> Result<i64, StoreError> {
+    let raised: Option<i64> = sqlx::query_scalar(RECORD)
+        .bind(key)
+        .bind(token)
+        .fetch_optional(&mut *conn)
+        .await?;
+    Ok(match raised {
+        Some(h) => h,
+        None => {
+            sqlx::query_scalar("SELECT highest_token FROM fences WHERE resource_key = ?1")
+                .bind(key)
+                .fetch_one(&mut *conn)
+                .await?
+        }
+    })
 }

@@ -1570,15 +1570,94 @@ async fn an_answer_and_a_duplicate_in_one_batch() {
     store.close().await;
 }
 
+/// A plain answer to store: 200, no headers, `done`.
+fn done_answer() -> fencegate::store::StoredAnswer {
+    fencegate::store::StoredAnswer {
+        status: 200,
+        headers: Vec::new(),
+        body: bytes::Bytes::from_static(b"done"),
+    }
+}
+
+/// Every kind of write in one batch of records (single mode, Postgres:
+/// one statement): two first uses' decisions on one key with their
+/// records (tokens 7 and 9), a first use's record whose token memory knew
+/// (no decision), and an answer. Only the higher token's record is
+/// written, and the lower decision hears the key's highest token (9) and
+/// that its record was not; the plain record is written and the answer
+/// stored; the key ends at 9. A statement that wrote a record for every
+/// decision, or judged a record by its own token alone, fails here.
+#[tokio::test]
+async fn decisions_records_and_answers_in_one_batch() {
+    use fencegate::store::Found;
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let store = open_store(&test_store).await;
+    let (lower, higher, plain, done) = (
+        docs_post("lower"),
+        docs_post("higher"),
+        docs_post("plain"),
+        docs_post("done"),
+    );
+    assert!(store.idem_begin(&long_lived(done, 1)).await.unwrap());
+    let answer = done_answer();
+    let stored = answer.clone();
+    let answers = in_one_batch(&test_store, &store, || {
+        let s = [store.clone(), store.clone(), store.clone(), store.clone()];
+        let [s1, s2, s3, s4] = s;
+        vec![
+            tokio::spawn(async move {
+                let d = s1.record_keyed("doc:m", 7, &long_lived(lower, 1)).await;
+                let d = d.unwrap();
+                (Some(d.highest), d.written)
+            }),
+            tokio::spawn(async move {
+                let d = s2.record_keyed("doc:m", 9, &long_lived(higher, 1)).await;
+                let d = d.unwrap();
+                (Some(d.highest), d.written)
+            }),
+            tokio::spawn(
+                async move { (None, s3.idem_begin(&long_lived(plain, 1)).await.unwrap()) },
+            ),
+            tokio::spawn(async move { (None, s4.idem_complete(done, 1, &stored).await.unwrap()) }),
+        ]
+    })
+    .await;
+    assert_eq!(
+        answers,
+        vec![
+            (Some(9), false),
+            (Some(9), true),
+            (None, true),
+            (None, true)
+        ],
+        "the lower token refused, the higher written; the plain record written; the answer stored"
+    );
+    assert_eq!(
+        store.idem_lookup(lower, b"fp").await.unwrap(),
+        Found::Absent
+    );
+    for id in [higher, plain] {
+        let found = store.idem_lookup(id, b"fp").await.unwrap();
+        assert!(matches!(found, Found::InFlight { .. }), "{found:?}");
+    }
+    assert_eq!(
+        store.idem_lookup(done, b"fp").await.unwrap(),
+        Found::Done(answer)
+    );
+    assert_eq!(store.record("doc:m", 0).await.unwrap(), 9);
+    store.close().await;
+}
+
 /// A batch of records that Postgres refuses with an `ERROR` (here a
-/// trigger, once; a deadlock with a fence batch is the case in the field)
+/// trigger, once; in the field, a deadlock with another batch of records,
+/// one that timed out on the gateway's side and still runs on the server)
 /// wrote nothing, so its parts run again alone: the in-flight record is
 /// written and the answer stored, and the client of neither hears of the
 /// refusal. Counted by the trigger: it fired once in the refused
 /// statement, then once in each part.
 #[tokio::test]
 async fn a_refused_batch_of_records_runs_its_parts_alone() {
-    use fencegate::store::{Found, StoredAnswer};
+    use fencegate::store::Found;
     let test_store = TestStore::new(Backend::Postgres).await;
     let store = open_store(&test_store).await;
     let (a, b) = (docs_post("a"), docs_post("b"));
@@ -1588,11 +1667,7 @@ async fn a_refused_batch_of_records_runs_its_parts_alone() {
         unreachable!("a Postgres store")
     };
     refuse_once(pg, "INSERT OR UPDATE", "NEW.idem_key IN ('a', 'b')").await;
-    let answer = StoredAnswer {
-        status: 200,
-        headers: Vec::new(),
-        body: bytes::Bytes::from_static(b"done"),
-    };
+    let answer = done_answer();
     let stored = answer.clone();
     let answers = in_one_batch(&test_store, &store, || {
         let (s1, s2) = (store.clone(), store.clone());
@@ -1616,12 +1691,13 @@ async fn a_refused_batch_of_records_runs_its_parts_alone() {
     store.close().await;
 }
 
-/// A fence batch with an in-flight record that Postgres refuses with an
-/// `ERROR` (a trigger, once; in the field, a deadlock with a batch of
-/// records) wrote nothing, and runs again: the token is decided and the
-/// record written, and the write never hears of the refusal.
+/// A batch of records with a fence decision and its in-flight record that
+/// Postgres refuses with an `ERROR` (a trigger, once; in the field, a
+/// deadlock with another batch of records) wrote nothing, and runs again
+/// (its part with records, the only one it has): the token is decided and
+/// the record written, and the write never hears of the refusal.
 #[tokio::test]
-async fn a_refused_fence_batch_with_records_runs_again() {
+async fn a_refused_batch_of_records_with_a_decision_runs_again() {
     let test_store = TestStore::new(Backend::Postgres).await;
     let store = open_store(&test_store).await;
     let mut db = Db::open(&test_store).await;
