@@ -61,14 +61,16 @@
 //!
 //! Rows are locked in primary-key order by each part of every batch
 //! statement (an in-flight insert locks a live record it conflicts with,
-//! an answer the record it completes), and a batch of records with fence
-//! decisions locks its fence rows first, in key order, as no statement
-//! locks a record before a fence (fence batches lock fences only). A batch
-//! of records does not order its answers' rows among its in-flight
-//! records', so two of them can deadlock on records of both (a duplicate
-//! of a first use whose answer is being stored, another duplicate pair
-//! beside it) — which takes two in flight at once: one batch at a time
-//! runs, but one that timed out on our side may still run on the server.
+//! an answer the record it completes), and fence rows in key order (a
+//! batch of records with fence decisions locks them before its in-flight
+//! records). Fence batches lock fence rows only, so no fence batch and
+//! batch of records can deadlock: their only common rows are fences, which
+//! both lock in key order. A batch of records does not order its answers'
+//! rows among its in-flight records', so two batches of records can
+//! deadlock on records of both (a duplicate of a first use whose answer is
+//! being stored, another duplicate pair beside it) — which takes two in
+//! flight at once: one batch at a time runs, but one that timed out on our
+//! side may still run on the server.
 //! Postgres then refuses one of the two after `deadlock_timeout`, with an
 //! `ERROR`, and a batch of records so refused runs its parts alone, each
 //! in primary-key order, answers first.
