@@ -18,7 +18,8 @@
 # seeded with token 1 (and the answer `replay` replays stored), then
 # `wrk -t2 -c64 -d<S>s` of each scenario in turn. CPU per 2xx answer is taken
 # from /proc: fencegate's process, and every Postgres server process alive at
-# the end of the run (backends a gateway opens during it included).
+# the end of the run (backends a gateway opens during it included; see
+# `pg_ticks_since` in bench/lib.sh).
 #
 # Why a script: an A/B by hand is easily wrong. A gateway stopped with a
 # signal drains before it exits; one still draining when the next round's
@@ -35,9 +36,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=bench/lib.sh
 . "$REPO/bench/lib.sh"
 export PATH="$PATH:/usr/sbin:/sbin"
-for tool in nginx wrk psql python3; do
-    command -v "$tool" >/dev/null 2>&1 || { echo "ab.sh: $tool is not installed" >&2; exit 1; }
-done
+require_tools ab.sh nginx wrk psql curl python3
 
 ROUNDS=2 SECONDS_PER=8 MODE=single STORE_LINES=""
 BINS=() SCENARIOS=()
@@ -83,20 +82,7 @@ cleanup() {
 }
 trap cleanup EXIT
 
-mkdir -p "$W/up/logs"
-cat > "$W/up/nginx.conf" <<EOF
-worker_processes 2;
-pid $W/up/nginx.pid;
-error_log $W/up/logs/error.log warn;
-events { worker_connections 4096; }
-http {
-    access_log off;
-    keepalive_requests 1000000;
-    client_body_temp_path $W/up/cb; proxy_temp_path $W/up/p;
-    fastcgi_temp_path $W/up/f; uwsgi_temp_path $W/up/u; scgi_temp_path $W/up/s;
-    server { listen 127.0.0.1:$P_UP; location / { return 200 "ok"; } }
-}
-EOF
+nginx_conf "$W" up "server { listen 127.0.0.1:$P_UP; location / { return 200 \"ok\"; } }"
 nginx -p "$W/up" -c "$W/up/nginx.conf" -g 'daemon off;' & NGX=$!
 
 cat > "$W/fencegate.toml" <<EOF
@@ -111,24 +97,6 @@ $STORE_LINES
 enabled = false
 EOF
 fg_routes "$P_UP" >> "$W/fencegate.toml"
-
-HZ=$(getconf CLK_TCK)
-ticks() { # CPU clock ticks (user + system) of the given processes
-    local t=0 p f
-    for p in "$@"; do
-        read -r -a f < "/proc/$p/stat" 2>/dev/null || continue
-        t=$((t + f[13] + f[14]))
-    done
-    echo "$t"
-}
-# Every Postgres server process now, with its ticks: a process that started
-# during a run counts whole at its end (it had none at the start).
-pg_snapshot() {
-    local p
-    for p in $(pgrep -u postgres -x postgres || true); do
-        echo "$p $(ticks "$p")"
-    done
-}
 
 echo "bench/ab.sh: ${#BINS[@]} binaries x $ROUNDS rounds, $MODE mode, wrk -t2 -c64 -d${SECONDS_PER}s; outputs in $W"
 printf '%-3s %-28s %-7s %10s %12s %12s %s\n' rnd binary mode "2xx/s" "fg us/2xx" "pg us/2xx" note
@@ -153,30 +121,12 @@ for round in $(seq 1 "$ROUNDS"); do
             before=$(ticks "$FG"); pg_snapshot > "$W/pg_before"
             wrk -t2 -c64 -d"${SECONDS_PER}s" -s "$REPO/bench/fenced.lua" "http://127.0.0.1:$P_FG" \
                 -- "$sc" 10000 "$prefix" 2 > "$W/wrk.txt"
-            after=$(ticks "$FG"); pg_snapshot > "$W/pg_after"
-            python3 - "$W/wrk.txt" "$W/pg_before" "$W/pg_after" "$((after - before))" "$HZ" \
-                "$round" "$(basename "$bin")" "$sc" <<'EOF'
-import json, re, sys
-text = open(sys.argv[1]).read()
-stats = json.loads(next(l for l in text.splitlines() if l.startswith("BENCHJSON "))[10:])
-secs = float(re.search(r"requests in ([\d.]+)s", text).group(1))
-def snap(path):
-    return {int(p): int(t) for p, t in (l.split() for l in open(path) if l.strip())}
-before, after = snap(sys.argv[2]), snap(sys.argv[3])
-pg = sum(t - before.get(p, 0) for p, t in after.items())
-hz, ok = int(sys.argv[5]), stats["s2xx"]
-fg_us = int(sys.argv[4]) / hz * 1e6 / max(ok, 1)
-pg_us = pg / hz * 1e6 / max(ok, 1)
-other = stats["requests"] - ok
-note = f"{other} not 2xx" if other and sys.argv[8] != "stale" else ""
-if sys.argv[8] == "stale":
-    # Every answer is a 409: the rate and CPU are per answer.
-    ok = stats["requests"]
-    fg_us = int(sys.argv[4]) / hz * 1e6 / max(ok, 1)
-    pg_us = pg / hz * 1e6 / max(ok, 1)
-    note = "per 409"
-print(f"{sys.argv[6]:<3} {sys.argv[7][:28]:<28} {sys.argv[8]:<7} {ok / secs:>10,.0f} {fg_us:>12.1f} {pg_us:>12.1f} {note}")
-EOF
+            after=$(ticks "$FG")
+            per=2xx
+            [ "$sc" = stale ] && per=all   # every answer a 409
+            printf '%-3s %-28s %-7s ' "$round" "$(basename "$bin" | cut -c1-28)" "$sc"
+            python3 "$REPO/bench/util.py" cost "$W/wrk.txt" "$((after - before))" \
+                "$(pg_ticks_since "$W/pg_before")" "$per"
         done
         if grep -q "single-writer lock" "$W/fencegate.log"; then
             echo "    note: this gateway logged about its single-writer lock (see $W/fencegate.log)"

@@ -1,5 +1,6 @@
-# Sourced by bench/run.sh and bench/profile.sh: both measure fencegate on
-# the same routes, so a profile explains the numbers the benchmark gives.
+# Sourced by bench/run.sh, bench/profile.sh and bench/ab.sh: they measure
+# fencegate on the same routes, so a profile or an A/B explains the numbers
+# the benchmark gives; and profile.sh and ab.sh count CPU the same way.
 
 # The [[routes]] of a measured fencegate, to the upstream on port $1.
 fg_routes() { # upstream port
@@ -18,4 +19,74 @@ upstream = "http://127.0.0.1:$1"
 key = "doc:{id}"
 idempotency = "required"
 ROUTES
+}
+
+# Exits unless every tool named is on PATH: the caller's name, the tools.
+require_tools() {
+    local me=$1 tool
+    shift
+    for tool in "$@"; do
+        command -v "$tool" >/dev/null 2>&1 || { echo "$me: $tool is not installed" >&2; exit 1; }
+    done
+}
+
+# An nginx for a measurement: WORKDIR/NAME/nginx.conf with these http-level
+# blocks (2 workers, no access log, keep-alive that never ends a run's
+# connections). Start it with `nginx -p WORKDIR/NAME -c WORKDIR/NAME/nginx.conf`.
+nginx_conf() { # workdir, name, blocks
+    mkdir -p "$1/$2/logs"
+    cat > "$1/$2/nginx.conf" <<EOF
+worker_processes 2;
+pid $1/$2/nginx.pid;
+error_log $1/$2/logs/error.log warn;
+events { worker_connections 4096; }
+http {
+    access_log off;
+    keepalive_requests 1000000;
+    client_body_temp_path $1/$2/cb; proxy_temp_path $1/$2/p;
+    fastcgi_temp_path $1/$2/f; uwsgi_temp_path $1/$2/u; scgi_temp_path $1/$2/s;
+$3
+}
+EOF
+}
+
+# CPU clock ticks (user + system) of one process, from /proc; 0 for one
+# that has ended.
+own_ticks() { # pid
+    local f
+    read -r -a f < "/proc/$1/stat" 2>/dev/null || { echo 0; return; }
+    echo $((f[13] + f[14]))
+}
+
+# CPU clock ticks of a process and its children (nginx's workers).
+ticks() { # pid
+    local t=0 p
+    for p in $1 $(pgrep -P "$1" || true); do
+        t=$((t + $(own_ticks "$p")))
+    done
+    echo "$t"
+}
+
+# Every Postgres server process now (the gateway's backends, and the WAL
+# writer and checkpointer its commits make work), one "pid ticks" line
+# each: what `pg_ticks_since` counts from.
+pg_snapshot() {
+    local p
+    for p in $(pgrep -u postgres -x postgres || true); do
+        echo "$p $(own_ticks "$p")"
+    done
+}
+
+# Postgres's CPU ticks since the `pg_snapshot` in file $1: each server
+# process now, less what it had then. A backend opened since (a batcher's
+# new connection) counts whole; one that ended since is lost.
+pg_ticks_since() { # snapshot file
+    local total=0 p t
+    local -A had=()
+    while read -r p t; do had[$p]=$t; done < "$1"
+    for p in $(pgrep -u postgres -x postgres || true); do
+        t=$(own_ticks "$p")
+        total=$((total + t - ${had[$p]:-0}))
+    done
+    echo "$total"
 }

@@ -55,9 +55,7 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=bench/lib.sh
 . "$REPO/bench/lib.sh"
 export PATH="$PATH:/usr/sbin:/sbin"
-for tool in perf nginx wrk python3; do
-    command -v "$tool" >/dev/null 2>&1 || { echo "profile.sh: $tool is not installed" >&2; exit 1; }
-done
+require_tools profile.sh perf nginx wrk python3
 
 SCENARIO=get
 MODE=single
@@ -79,9 +77,7 @@ if [ -z "$BIN" ]; then
 fi
 
 if [ "$SCENARIO" = instructions ]; then
-    for tool in valgrind callgrind_control callgrind_annotate oha curl; do
-        command -v "$tool" >/dev/null 2>&1 || { echo "profile.sh: $tool is not installed" >&2; exit 1; }
-    done
+    require_tools profile.sh valgrind callgrind_control callgrind_annotate oha curl
 fi
 
 W="$(mktemp -d "${TMPDIR:-/tmp}/fg-profile.XXXXXX")"
@@ -98,24 +94,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-nginx_conf() { # dir, server block
-    mkdir -p "$W/$1/logs"
-    cat > "$W/$1/nginx.conf" <<EOF
-worker_processes 2;
-pid $W/$1/nginx.pid;
-error_log $W/$1/logs/error.log warn;
-events { worker_connections 4096; }
-http {
-    access_log off;
-    keepalive_requests 1000000;
-    client_body_temp_path $W/$1/cb; proxy_temp_path $W/$1/p;
-    fastcgi_temp_path $W/$1/f; uwsgi_temp_path $W/$1/u; scgi_temp_path $W/$1/s;
-$2
-}
-EOF
-}
-nginx_conf up "server { listen 127.0.0.1:$P_UP; location / { return 200 \"ok\"; } }"
-nginx_conf px "upstream backend { server 127.0.0.1:$P_UP; keepalive 64; keepalive_requests 1000000; }
+nginx_conf "$W" up "server { listen 127.0.0.1:$P_UP; location / { return 200 \"ok\"; } }"
+nginx_conf "$W" px "upstream backend { server 127.0.0.1:$P_UP; keepalive 64; keepalive_requests 1000000; }
 server { listen 127.0.0.1:$P_NGX; location / {
     proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection \"\"; } }"
 STORE_URL="sqlite://$W/fences.db"
@@ -190,50 +170,19 @@ if [ "$SCENARIO" = instructions ]; then
     exit 0
 fi
 
-ticks() { # CPU clock ticks (user + system) of a process and its children
-    local t=0 p f
-    for p in $1 $(pgrep -P "$1" || true); do
-        read -r -a f < "/proc/$p/stat" 2>/dev/null || continue   # a child that just ended
-        t=$((t + f[13] + f[14]))
-    done
-    echo "$t"
-}
 HZ=$(getconf CLK_TCK)
-
-# Every server process of the cluster: the gateway's backends, and the WAL
-# writer and checkpointer its commits make work.
-pg_ticks() {
-    local t=0 p f
-    for p in $(pgrep -u postgres -x postgres || true); do
-        read -r -a f < "/proc/$p/stat" 2>/dev/null || continue
-        t=$((t + f[13] + f[14]))
-    done
-    echo "$t"
-}
 
 # One wrk run of bench/fenced.lua and the CPU it cost: label, mode, prefix.
 # Prints 2xx answers per second, and fencegate's and Postgres's CPU per 2xx.
 cpu_run() {
-    local label=$1 mode=$2 prefix=$3 before after pg_before pg_after
-    before=$(ticks "$FG"); pg_before=$(pg_ticks)
+    local label=$1 mode=$2 prefix=$3 before after
+    before=$(ticks "$FG"); pg_snapshot > "$W/pg_before"
     wrk -t2 -c64 -d8s -s "$REPO/bench/fenced.lua" "http://127.0.0.1:$P_FG" \
         -- "$mode" 10000 "$prefix" 2 > "$W/wrk_$label.txt"
-    after=$(ticks "$FG"); pg_after=$(pg_ticks)
-    python3 - "$W/wrk_$label.txt" "$label" "$((after - before))" \
-        "$((pg_after - pg_before))" "$HZ" <<'EOF'
-import json, re, sys
-text = open(sys.argv[1]).read()
-line = next(l for l in text.splitlines() if l.startswith("BENCHJSON "))
-stats = json.loads(line[len("BENCHJSON "):])
-secs = float(re.search(r"requests in ([\d.]+)s", text).group(1))
-ok = stats["s2xx"]
-hz = int(sys.argv[5])
-fg = int(sys.argv[3]) / hz * 1e6 / max(ok, 1)
-pg = int(sys.argv[4]) / hz * 1e6 / max(ok, 1)
-other = stats["requests"] - ok
-note = f"  ({other} not 2xx: {stats['s409']} 409, {stats['sother']} other)" if other else ""
-print(f"{sys.argv[2]:<10} {ok / secs:>10,.0f} {fg:>18.1f} {pg:>18.1f}{note}")
-EOF
+    after=$(ticks "$FG")
+    printf '%-10s ' "$label"
+    python3 "$REPO/bench/util.py" cost "$W/wrk_$label.txt" "$((after - before))" \
+        "$(pg_ticks_since "$W/pg_before")"
 }
 
 # fencegate profiled for 8 s under wrk (whose load must last 12 s: it
@@ -270,7 +219,7 @@ EOF
 )
     [ "$stored" = 200 ] || { echo "profile.sh: storing the replayed answer failed ($stored)" >&2; exit 1; }
     echo "CPU per keyed POST ($MODE mode), wrk -t2 -c64 -d8s (one line per run)"
-    printf '%-10s %10s %18s %18s\n' run "2xx/s" "fencegate us/req" "postgres us/req"
+    printf '%-10s %10s %12s %12s\n' run "2xx/s" "fg us/2xx" "pg us/2xx"
     for round in 1 2 3; do
         cpu_run "fresh-$round" fresh h
         cpu_run "replay-$round" replay h
@@ -284,7 +233,7 @@ fi
 
 if [ "$SCENARIO" = raise ]; then
     echo "CPU per raising fenced write ($MODE mode), wrk -t2 -c64 -d8s (one line per run)"
-    printf '%-10s %10s %18s %18s\n' run "2xx/s" "fencegate us/req" "postgres us/req"
+    printf '%-10s %10s %12s %12s\n' run "2xx/s" "fg us/2xx" "pg us/2xx"
     for round in 1 2 3; do
         cpu_run "raise-$round" raise "r$round-"
     done

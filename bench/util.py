@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Small helpers for bench/run.sh (Python 3 standard library only).
+"""Small helpers for bench/run.sh, profile.sh and ab.sh (Python 3 standard
+library only).
 
     util.py ports N                       N free TCP ports on 127.0.0.1, one a line
     util.py wait-http URL SECONDS [PID]   wait until URL answers 200 (exit 1 on timeout,
@@ -9,6 +10,10 @@
                                           exit 1 unless every answer is 2xx
     util.py rate WRK_OUT                  half of the wrk run's success throughput
                                           (2xx/s; 409/s for a run answered 409 only)
+    util.py cost WRK_OUT FG PG [all]      answers/s of a wrk run of fenced.lua, and CPU
+                                          µs per answer of fencegate and Postgres from
+                                          their clock ticks FG and PG (2xx answers; every
+                                          answer with `all`)
     util.py metric URL NAME [MATCH]       sum of the Prometheus samples of NAME at URL
                                           (only those whose labels contain MATCH)
     util.py vm PID                        VmRSS and VmHWM of PID in KiB: "RSS HWM"
@@ -16,6 +21,7 @@
 
 import http.client
 import json
+import os
 import socket
 import ssl
 import sys
@@ -127,6 +133,25 @@ def rate(path):
     print(max(1, int(good / secs / 2)))
 
 
+def cost(path, fg_ticks, pg_ticks, per="2xx"):
+    """A wrk run of bench/fenced.lua and the CPU it cost: answers per second
+    and fencegate's and Postgres's microseconds per answer, counting 2xx
+    answers (`per` "2xx") or every answer ("all": a run of 409s)."""
+    w = parse_wrk(path)
+    secs = w["duration_us"] / 1e6
+    counted = w["s2xx"] if per == "2xx" else w["requests"]
+    hz = os.sysconf("SC_CLK_TCK")
+    fg = int(fg_ticks) / hz * 1e6 / max(counted, 1)
+    pg = int(pg_ticks) / hz * 1e6 / max(counted, 1)
+    other = w["requests"] - w["s2xx"]
+    note = ""
+    if per == "2xx" and other:
+        note = f"  ({other} not 2xx: {w['s409']} 409, {w['sother']} other)"
+    elif per != "2xx":
+        note = "  (per answer)"
+    print(f"{counted / secs:>10,.0f} {fg:>12.1f} {pg:>12.1f}{note}")
+
+
 def metric(url, name, match=""):
     with urllib.request.urlopen(url, timeout=5) as r:
         text = r.read().decode()
@@ -158,6 +183,8 @@ def main(argv):
         return seed(*args)
     elif cmd == "rate":
         rate(args[0])
+    elif cmd == "cost":
+        cost(*args)
     elif cmd == "metric":
         metric(*args)
     elif cmd == "vm":
