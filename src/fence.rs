@@ -221,10 +221,11 @@ impl Fence {
     /// one commit: shared mode writes both in one statement (each write has
     /// its own statement there anyway), and single mode puts the decision
     /// with the record into a batch of records, so it commits with that
-    /// batch's records and answers. A crash leaves both or neither. In single mode the
-    /// record is a batch of its own, once the write is admitted, when memory
-    /// already knows the token is the key's durable one (then no fence
-    /// statement is written at all) or another write is on the key (below);
+    /// batch's records and answers. A crash leaves both or neither. In
+    /// single mode the record goes without a decision, once the write is
+    /// admitted, when memory already knows the token is the key's durable
+    /// one (then no fence statement is written at all) or another write is
+    /// on the key (below: then the decision is a fence batch's);
     /// a crash between the two leaves a recorded token and no record
     /// (nothing was forwarded: a retry is a first use, forwarded once), and
     /// a crash after the record but before the forward leaves a record that

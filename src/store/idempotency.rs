@@ -471,16 +471,16 @@ pub(super) async fn pg_records_batch(
     conn: &mut PgConnection,
     items: Vec<RecordWrite>,
 ) -> Result<Vec<Recorded>, StoreError> {
-    let batch = Plan::of(&items);
-    let begins = || batch.begins(&items);
+    let plan = Plan::of(&items);
+    let begins = || plan.begins(&items);
     let completes = || {
         items.iter().filter_map(|w| match w {
             RecordWrite::Complete(c) => Some(c),
             _ => None,
         })
     };
-    let decisions = || batch.wanted.iter().map(|(k, t)| (*k, *t));
-    let together = !completes().any(|c| batch.begun.contains(&c.id()));
+    let decisions = || plan.wanted.iter().map(|(k, t)| (*k, *t));
+    let together = !completes().any(|c| plan.begun.contains(&c.id()));
     let rows = match together {
         true => match pg_records_statement(conn, begins(), completes(), decisions()).await {
             Ok(rows) => Some(rows),
@@ -497,13 +497,13 @@ pub(super) async fn pg_records_batch(
             if completes().next().is_some() {
                 rows = pg_records_statement(conn, empty(), completes(), empty()).await?;
             }
-            if begins().next().is_some() || !batch.wanted.is_empty() {
+            if begins().next().is_some() || !plan.wanted.is_empty() {
                 rows.extend(pg_records_statement(conn, begins(), empty(), decisions()).await?);
             }
             rows
         }
     };
-    let mut highest = Answers::with_capacity(batch.wanted.len());
+    let mut highest = Answers::with_capacity(plan.wanted.len());
     let mut written = Vec::with_capacity(rows.len());
     for (part, r, m, k, a) in &rows {
         match (*part, m, k) {
@@ -516,8 +516,8 @@ pub(super) async fn pg_records_batch(
             _ => return Err(StoreError::Other("a batch answered a malformed row".into())),
         }
     }
-    let written = answered(&items, &batch.sent, written, write_of);
-    Ok(batch.recorded(&items, written, &highest))
+    let written = answered(&items, &plan.sent, written, write_of);
+    Ok(recorded(&items, written, &highest))
 }
 
 /// What a batch of records sends of its items.
@@ -581,27 +581,22 @@ impl<'a> Plan<'a> {
                 _ => None,
             })
     }
+}
 
-    /// Each item's answer: `written` by item, and for a decision its key's
-    /// highest token from `highest`.
-    fn recorded(
-        &self,
-        items: &[RecordWrite],
-        written: Vec<bool>,
-        highest: &Answers,
-    ) -> Vec<Recorded> {
-        items
-            .iter()
-            .zip(written)
-            .map(|(w, written)| Recorded {
-                written,
-                highest: match w {
-                    RecordWrite::Decide(d) => highest.get(&d.key).copied(),
-                    _ => None,
-                },
-            })
-            .collect()
-    }
+/// Each item's answer of a batch of records: `written` by item, and for a
+/// decision its key's highest token from `highest`.
+fn recorded(items: &[RecordWrite], written: Vec<bool>, highest: &Answers) -> Vec<Recorded> {
+    items
+        .iter()
+        .zip(written)
+        .map(|(w, written)| Recorded {
+            written,
+            highest: match w {
+                RecordWrite::Decide(d) => highest.get(&d.key).copied(),
+                _ => None,
+            },
+        })
+        .collect()
 }
 
 /// [`PG_RECORDS_BATCH`] with these in-flight records (each with its
@@ -692,26 +687,26 @@ fn answered<'a, T, R: Eq + std::hash::Hash>(
 /// decisions first (one statement per key, with its highest token asked),
 /// then one statement per write, in the batch's order — as if each ran
 /// alone in that order after the decisions. Which writes go in is what
-/// [`Plan::of`] says, as on Postgres; a repeat of a record among the
-/// in-flight records finds the record its first item wrote (live) and is
-/// not written.
+/// [`Plan::of`] says, as on Postgres: a repeat of a record among the
+/// in-flight records is not sent (it would find the record its first item
+/// wrote, or was refused with, and not be written either).
 pub(super) async fn sqlite_records_batch(
     pool: &SqlitePool,
     items: Vec<RecordWrite>,
 ) -> Result<Vec<Recorded>, StoreError> {
-    let batch = Plan::of(&items);
+    let plan = Plan::of(&items);
     let mut tx = pool.begin().await?;
-    let mut highest = Answers::with_capacity(batch.wanted.len());
-    for (&key, &token) in &batch.wanted {
+    let mut highest = Answers::with_capacity(plan.wanted.len());
+    for (&key, &token) in &plan.wanted {
         highest.insert(
             key.to_string(),
             super::sqlite::decide_in(&mut tx, key, token).await?,
         );
     }
     let mut written = Vec::with_capacity(items.len());
-    for (w, sent) in items.iter().zip(&batch.sent) {
+    for (w, sent) in items.iter().zip(&plan.sent) {
         let done = match w {
-            RecordWrite::Begin(i) => sqlite_begin_in(&mut tx, i).await?,
+            RecordWrite::Begin(i) => *sent && sqlite_begin_in(&mut tx, i).await?,
             RecordWrite::Decide(d) => {
                 let accepted = highest.get(&d.key) == Some(&d.token);
                 *sent && accepted && sqlite_begin_in(&mut tx, &d.begin).await?
@@ -733,7 +728,7 @@ pub(super) async fn sqlite_records_batch(
         written.push(done);
     }
     tx.commit().await?;
-    Ok(batch.recorded(&items, written, &highest))
+    Ok(recorded(&items, written, &highest))
 }
 
 const PG_COMPLETE: &str = "\
