@@ -1648,6 +1648,43 @@ async fn decisions_records_and_answers_in_one_batch() {
     store.close().await;
 }
 
+/// A keyed first use's decision waits in a batch of records while a plain
+/// write's higher token is decided by a fence batch, on another
+/// connection, and commits first: the first use's token is then refused
+/// when its batch runs (the key's highest token comes back, and no record
+/// is written), however the two batchers' statements interleave. A batch
+/// of records that judged its token by what memory or its own rows said
+/// would write the record, and its first use would be forwarded under a
+/// stale token.
+#[tokio::test]
+async fn a_plain_decision_that_commits_first_refuses_a_waiting_first_use() {
+    use fencegate::store::Found;
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let store = open_store(&test_store).await;
+    let first = docs_post("first");
+    let answers = in_one_batch(&test_store, &store, || {
+        let (s1, s2) = (store.clone(), store.clone());
+        let keyed = tokio::spawn(async move {
+            let d = s1.record_keyed("doc:p", 7, &long_lived(first, 1)).await;
+            let d = d.unwrap();
+            (d.highest, d.written)
+        });
+        let plain = tokio::spawn(async move { (s2.record("doc:p", 9).await.unwrap(), true) });
+        vec![keyed, plain]
+    })
+    .await;
+    assert_eq!(
+        answers,
+        vec![(9, false), (9, true)],
+        "the first use refused at 9, the plain write accepted"
+    );
+    assert_eq!(
+        store.idem_lookup(first, b"fp").await.unwrap(),
+        Found::Absent
+    );
+    store.close().await;
+}
+
 /// A batch of records that Postgres refuses with an `ERROR` (here a
 /// trigger, once; in the field, a deadlock with another batch of records,
 /// one that timed out on the gateway's side and still runs on the server)
