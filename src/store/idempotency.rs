@@ -61,7 +61,8 @@
 //!
 //! Rows are locked in primary-key order by each part of every batch
 //! statement (an in-flight insert locks a live record it conflicts with,
-//! an answer the record it completes), and fence rows in key order (a
+//! an answer the record it completes, in the order its plan takes: see
+//! [`PG_RECORDS_BATCH`]), and fence rows in key order (a
 //! batch of records with fence decisions locks them before its in-flight
 //! records). Fence batches lock fence rows only, so no fence batch and
 //! batch of records can deadlock: their only common rows are fences, which
@@ -236,19 +237,13 @@ SELECT 2, resource_key, NULL::text, NULL::text, highest_token FROM f")
            attempt = EXCLUDED.attempt, status = NULL, headers = NULL, body = NULL
      WHERE i.expires_at <= now()
     RETURNING i.route, i.method, i.idem_key, i.attempt),
-locked AS (
-    SELECT i.ctid AS row, b.s, b.h, b.bd
-      FROM UNNEST($10::text[], $11::text[], $12::text[], $13::bigint[], $14::int[],
-                  $15::bytea[], $16::bytea[]) AS b(r, m, k, a, s, h, bd)
-      JOIN idempotency i
-        ON i.route = b.r AND i.method = b.m AND i.idem_key = b.k AND i.attempt = b.a
-     WHERE i.state = 'in_flight'
-     ORDER BY i.route, i.method, i.idem_key
-       FOR UPDATE OF i),
 c AS (
-    UPDATE idempotency i SET state = 'done', status = l.s, headers = l.h, body = l.bd
-      FROM locked l
-     WHERE i.ctid = l.row AND i.state = 'in_flight'
+    UPDATE idempotency i SET state = 'done', status = b.s, headers = b.h, body = b.bd
+      FROM (SELECT * FROM UNNEST($10::text[], $11::text[], $12::text[], $13::bigint[],
+                                 $14::int[], $15::bytea[], $16::bytea[]) AS b(r, m, k, a, s, h, bd)
+             ORDER BY r, m, k) b
+     WHERE i.route = b.r AND i.method = b.m AND i.idem_key = b.k AND i.attempt = b.a
+       AND i.state = 'in_flight'
     RETURNING i.route, i.method, i.idem_key, i.attempt)
 SELECT 0, route, method, idem_key, attempt FROM w
 UNION ALL
@@ -281,23 +276,25 @@ SELECT 1, route, method, idem_key, attempt FROM c",
 ///   `f` before it writes a row (it sorts its rows first), so fence rows
 ///   are locked before records, as in every statement that locks both.
 ///   Only the records written come back.
-/// * Answers (`locked`, `c`): each stored in its attempt's record if that
-///   is still in flight. The records are locked in primary-key order
-///   first, each with its answer alongside, then updated by the row
-///   versions locked: once locked they cannot change before the update,
-///   and a record that changed before it was locked (its state, or a
-///   newer attempt) was re-checked against the join and dropped. Only the
-///   records completed come back. The update joins the locked rows by
-///   `ctid` alone (a TID scan per row): joining the batch's rows again by
-///   key and attempt cost twice the time (`EXPLAIN (ANALYZE, BUFFERS)`, 64
-///   answers: 1.6–1.9 ms against 0.7–0.8 ms).
+/// * Answers (`c`): each stored in its attempt's record if that is
+///   still in flight. Only the records completed come back. A record that
+///   changed after the statement's snapshot (its state, or a newer attempt
+///   took it over) is re-read when the update locks it, and dropped by
+///   the same join (read committed's re-check). The update locks each row
+///   as it writes it, in the order its plan visits the batch's rows: a
+///   nested loop over them sorted by primary key, through the key's index.
+///   Postgres does not promise that order; a row taken out of it can only
+///   make a deadlock, which is handled below. Locking the rows first
+///   (`FOR UPDATE` in primary-key order, then an update by `ctid`) cost a
+///   WAL record per answer and 2–3 µs of Postgres per first use
+///   (`bench/ab.sh`, fresh keys), for an order nothing depends on.
 ///
 /// No record id is sent in both `w` and the answers
 /// ([`pg_records_batch`]): the parts then touch disjoint rows, and neither
 /// needs to see, or lock, what the other writes (the parts of one
 /// statement share its snapshot, and Postgres does not say in which order
-/// they run). Each part locks its rows in primary-key order, but the
-/// answers' rows are not ordered among the in-flight records': against
+/// they run). Each part locks its rows in primary-key order (see above),
+/// but the answers' rows are not ordered among the in-flight records': against
 /// another batch of records (one that timed out on our side and still
 /// runs on the server), a deadlock is possible, and Postgres then refuses
 /// one of the two with an `ERROR` (nothing written); if it is this one,
