@@ -85,6 +85,9 @@ pub struct GatewayState {
     /// the worker. Single mode reaches the store only through the batcher's
     /// channel, so its writes stay on the worker.
     pub store_runtime: tokio::runtime::Handle,
+    /// Permits for forgets of unsent first uses' records that wait to try
+    /// again ([`FORGETS_RETRYING`]); shared by every worker.
+    pub forgets: Arc<tokio::sync::Semaphore>,
 }
 
 /// Who sent a request, as the upstream is told (`X-Forwarded-For`,
@@ -936,7 +939,7 @@ impl FencedWrite {
                 Err(e) => {
                     // Nothing was forwarded; the record may have been
                     // written all the same (see `check_keyed`).
-                    forget_later(state, begin.id, attempt);
+                    forget_later(state, begin.id, attempt, begun + lives);
                     return (false, Err(e));
                 }
             }
@@ -948,7 +951,7 @@ impl FencedWrite {
         let record = Some((record_until, store_timeout));
         if let Err(e) = self.may_start(&admission, answer, record) {
             // Nothing was sent: the key's record goes.
-            forget_later(state, id(), attempt);
+            forget_later(state, id(), attempt, expires);
             return (false, Err(e));
         }
         // Phase: forward, then store the answer before returning it.
@@ -1041,11 +1044,23 @@ fn replay(stored: StoredAnswer) -> Response {
 }
 
 /// Forgets `attempt`'s in-flight record of `id`, in the background (the
-/// answer does not wait for it): its request was not sent after all. If
-/// that fails, the record stays in flight until its time runs out and
-/// duplicates hear "outcome unknown" — the safe side.
-fn forget_later(state: &GatewayState, id: RecordId<'_>, attempt: i64) {
+/// answer does not wait for it): its request was not sent after all, and
+/// its record may have been written all the same (a statement that timed
+/// out, or whose reply was lost, after it committed). A retry is then the
+/// key's first use, as the client was told by the 503.
+///
+/// The store is most often what failed the first use, so one try is not
+/// enough: the forget is tried again, after pauses of
+/// [`FORGET_PAUSES`], until it succeeds or `until` (when the record may
+/// have expired) passes. A forget that never succeeds leaves the record in
+/// flight until its time runs out and duplicates hear "outcome unknown" —
+/// the safe side. The attempt keeps a late forget off a newer first use's
+/// record. At most [`FORGETS_RETRYING`] forgets wait to try again at once
+/// (a store down for long under a flood of first uses would otherwise pile
+/// up tasks); one that finds none free tries once only.
+fn forget_later(state: &GatewayState, id: RecordId<'_>, attempt: i64, until: Instant) {
     let store = state.fence.store.clone();
+    let retrying = state.forgets.clone();
     let (route, method, key) = (
         id.route.to_string(),
         id.method.to_string(),
@@ -1057,11 +1072,36 @@ fn forget_later(state: &GatewayState, id: RecordId<'_>, attempt: i64) {
             method: &method,
             key: &key,
         };
-        if let Err(err) = store.idem_forget(id, attempt).await {
-            tracing::warn!(error = %err, "cannot forget an unsent idempotency record; duplicates will see outcome unknown");
+        let mut permit = None;
+        for tried in 0.. {
+            let Err(err) = store.idem_forget(id, attempt).await else {
+                return;
+            };
+            let pause = FORGET_PAUSES[tried.min(FORGET_PAUSES.len() - 1)];
+            if permit.is_none() {
+                permit = retrying.clone().try_acquire_owned().ok();
+            }
+            if permit.is_none() || Instant::now() + pause >= until {
+                tracing::warn!(error = %err, "cannot forget an unsent idempotency record; duplicates will see outcome unknown");
+                return;
+            }
+            tokio::time::sleep(pause).await;
         }
     });
 }
+
+/// The pauses between tries of a failed forget ([`forget_later`]): the
+/// last repeats.
+const FORGET_PAUSES: [Duration; 5] = [
+    Duration::from_millis(100),
+    Duration::from_millis(250),
+    Duration::from_millis(500),
+    Duration::from_secs(1),
+    Duration::from_secs(2),
+];
+
+/// How many forgets may wait to try again at once (see [`forget_later`]).
+pub const FORGETS_RETRYING: usize = 4096;
 
 /// A forwarded first use's record, for its end.
 struct FirstEnd<'a> {
@@ -1092,10 +1132,11 @@ async fn idempotency_answer(
     let resp = match result {
         Ok(resp) => resp,
         // Nothing of it was sent (the connection failed): the key may be
-        // used again.
+        // used again (once forgotten, which is tried in the background when
+        // the store fails now).
         Err(e @ GatewayError::Upstream(UpstreamError::Unreachable { sent: false, .. })) => {
-            if let Err(err) = store.idem_forget(id, attempt).await {
-                tracing::warn!(error = %err, "cannot forget an unsent idempotency record; duplicates will see outcome unknown");
+            if store.idem_forget(id, attempt).await.is_err() {
+                forget_later(state, id, attempt, expires);
             }
             return Err(e);
         }

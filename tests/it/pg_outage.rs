@@ -12,6 +12,13 @@
 //! statement carried is answered 503 and never forwarded; later attempts
 //! recover by themselves; no write reaches the upstream twice, out of
 //! order, or with a stale token.
+//!
+//! Last, a statement commits and its reply is lost on the way back (a
+//! proxy swallows it, then breaks the connection): a fence batch, a batch
+//! with a first use's in-flight record, a batch with its answer. The
+//! gateway cannot know the outcome, and must act on what the store may
+//! hold: a stale token is refused, a request is never forwarded twice, and
+//! a stored answer is replayed.
 
 use std::time::{Duration, Instant};
 
@@ -23,6 +30,7 @@ use crate::support::app::{
 use crate::support::db::{Backend, PgHolder, TestStore};
 use crate::support::fenced_put;
 use crate::support::pg::PrivatePg;
+use crate::support::reply_loss::ReplyLoss;
 use crate::support::upstream::Upstream;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -777,4 +785,228 @@ async fn shared_mode_a_leave_cut_mid_statement_keeps_the_key_closed_until_the_ma
         2,
         "requests that arrived on /docs/l"
     );
+}
+
+// --- Replies lost after a commit ----------------------------------------------
+
+/// A single-mode gateway whose store connections pass through `loss`, with
+/// `route` and store calls that may take 20 s: a statement whose reply is
+/// swallowed is still waiting for it when the test cuts its connection.
+async fn gateway_behind(loss: &ReplyLoss, store: &TestStore, route: &str) -> TestApp {
+    let url = loss.url(&store.url);
+    let text = config_sections("", &url, "timeout_ms = 20000\n", route);
+    TestApp::from_text(&text).await
+}
+
+/// Waits, for up to 10 s, until `sql` (a count, on a connection of the
+/// test's own, not through the proxy) answers 1: the statement whose
+/// reply is being swallowed has committed.
+async fn until_committed(url: &str, what: &str, sql: &str) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (n,): (i64,) = on_store(url, sql).await;
+        if n == 1 {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what} never committed");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Single mode: a fence batch raises `doc:x` from 5 to 7 and commits, and
+/// its reply is lost on the way back; the connection then breaks. The
+/// gateway cannot know the outcome: the write is answered 503 and not
+/// forwarded. The store holds 7, so token 5 must be refused from then on.
+/// Memory last saw 5 as the key's durable token, and a design that took
+/// the broken connection for "nothing written" (a rollback) would admit 5
+/// from memory and forward a stale write: the cut batch-timeout test
+/// cannot show this, as a terminated backend never commits. Token 7 then
+/// goes through, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fence_batch_whose_commit_reply_is_lost_is_not_outrun_by_the_cache() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let loss = ReplyLoss::start(&store.url).await;
+    let app = gateway_behind(&loss, &store, &docs_route(&up.url())).await;
+    assert_eq!(app.put("/docs/x", Some("5"), "five").await.status(), 200);
+    assert_eq!(app.put("/docs/x", Some("5"), "cached").await.status(), 200);
+
+    loss.swallow();
+    let seven = {
+        let req = fenced_put(&app.http, app.url("/docs/x"), "7", "seven".to_string());
+        tokio::spawn(async move { req.send().await })
+    };
+    until_committed(
+        &store.url,
+        "the fence batch raising doc:x to 7",
+        "SELECT count(*) FROM fences WHERE resource_key = 'doc:x' AND highest_token = 7",
+    )
+    .await;
+    loss.cut();
+    let seven = seven.await.unwrap().expect("gateway answered");
+    let body = problem(seven, 503).await;
+    assert_eq!(
+        body["type"], "urn:fencegate:problem:store-unavailable",
+        "{body}"
+    );
+    assert_eq!(
+        up.bodies_on("/docs/x"),
+        ["five", "cached"],
+        "7 not forwarded"
+    );
+
+    let limit = Duration::from_secs(30);
+    let (stale, refused) = until_not_503(limit, || {
+        fenced_put(&app.http, app.url("/docs/x"), "5", "stale".to_string())
+    })
+    .await;
+    let answer = problem(stale, 409).await;
+    assert_eq!(
+        answer["highest_token"], 7,
+        "after 503s {refused:?}: {answer}"
+    );
+    assert_eq!(app.put("/docs/x", Some("7"), "seven").await.status(), 200);
+    assert_eq!(up.bodies_on("/docs/x"), ["five", "cached", "seven"]);
+    assert_eq!(
+        arrivals(&up, "/docs/x"),
+        3,
+        "requests that arrived on /docs/x"
+    );
+    assert!(up.violations().is_empty(), "{:?}", up.violations());
+}
+
+/// Single mode, `idempotency = "required"`: a first use's in-flight record
+/// is written and committed, and the batch's reply is lost. The first use
+/// is answered 503 and not forwarded (the gateway cannot know the record
+/// exists), and the gateway forgets the record it may have written, in
+/// the background: Postgres stays out of reach for half a second after
+/// the reply is lost, so the forget's first tries fail, and it must try
+/// again. The retry with the same key and payload is then the key's
+/// first use (before the forget, "in progress"): forwarded once, replayed
+/// after. A design that forwarded on a record it could not confirm, or
+/// that left the record to be found "in progress", then "outcome unknown",
+/// for a request that never left, fails here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_use_whose_record_reply_is_lost_is_forwarded_once_on_retry() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let loss = ReplyLoss::start(&store.url).await;
+    let route = format!("{}idempotency = \"required\"\n", docs_route(&up.url()));
+    let app = gateway_behind(&loss, &store, &route).await;
+    let warm = keyed_put(&app, "/docs/k", "5", "warm", "warm").send().await;
+    assert_eq!(warm.expect("gateway answered").status(), 200);
+
+    loss.swallow();
+    let first = {
+        let req = keyed_put(&app, "/docs/k", "5", "order-1", "A");
+        tokio::spawn(async move { req.send().await })
+    };
+    until_committed(
+        &store.url,
+        "the in-flight record of order-1",
+        "SELECT count(*) FROM idempotency WHERE idem_key = 'order-1'",
+    )
+    .await;
+    // The server stays out of reach for a while: the forget's first tries
+    // fail too.
+    loss.cut_and_refuse();
+    let first = first.await.unwrap().expect("gateway answered");
+    let body = problem(first, 503).await;
+    assert_eq!(
+        body["type"], "urn:fencegate:problem:store-unavailable",
+        "{body}"
+    );
+    assert_eq!(arrivals_keyed(&up, "order-1"), 0, "not forwarded");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    loss.admit();
+
+    // Until the gateway has forgotten the record, in the background, a
+    // retry finds it in flight (409 in progress); never outcome unknown.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (mut waited, mut in_progress) = (Vec::new(), 0);
+    loop {
+        let limit = deadline.saturating_duration_since(Instant::now());
+        let (retry, refused) =
+            until_not_503(limit, || keyed_put(&app, "/docs/k", "5", "order-1", "A")).await;
+        waited.extend(refused);
+        if retry.status() != 409 {
+            let after = format!("{in_progress} in progress, 503s {waited:?}");
+            assert_eq!(retry.status(), 200, "the retry after {after}");
+            assert!(retry.headers().get("idempotent-replayed").is_none());
+            break;
+        }
+        let body = problem(retry, 409).await;
+        assert_eq!(
+            body["type"], "urn:fencegate:problem:idempotency-in-progress",
+            "after 503s {waited:?}: {body}"
+        );
+        in_progress += 1;
+        assert!(
+            Instant::now() < deadline,
+            "never forgotten: {in_progress} in progress, 503s {waited:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let again = keyed_put(&app, "/docs/k", "5", "order-1", "A").send().await;
+    let again = again.expect("gateway answered");
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(arrivals_keyed(&up, "order-1"), 1, "forwarded once");
+    assert_eq!(up.bodies_on("/docs/k"), ["warm", "A"]);
+}
+
+/// Single mode, `idempotency = "required"`: a first use is forwarded, and
+/// its answer is stored and committed, but the batch's reply is lost. The
+/// gateway cannot know the answer is stored; the answer is still the
+/// truth, and the client gets it. The retry is then replayed from the
+/// store, the same answer: the request reached the upstream once. A design
+/// that took the broken connection for "not stored" and marked the record
+/// "outcome unknown" would refuse the retry with 409 although the store
+/// holds the answer; one that forwarded again would send it twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_whose_commit_reply_is_lost_is_replayed_on_retry() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let loss = ReplyLoss::start(&store.url).await;
+    let route = format!("{}idempotency = \"required\"\n", docs_route(&up.url()));
+    let app = gateway_behind(&loss, &store, &route).await;
+    let warm = keyed_put(&app, "/docs/a", "5", "warm", "warm").send().await;
+    assert_eq!(warm.expect("gateway answered").status(), 200);
+
+    // Held at the upstream for 300 ms: replies are swallowed from then
+    // on, after the in-flight record's reply came back and before the
+    // answer is stored. (Not longer: a batch connection idle for a second
+    // is pinged first, and the ping's reply would be the one lost.)
+    let first = {
+        let req = keyed_put(&app, "/docs/a", "5", "order-2", "A").header("x-test-delay-ms", "300");
+        tokio::spawn(async move { req.send().await })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while up.in_flight() == 0 {
+        assert!(
+            Instant::now() < deadline,
+            "the first use never reached the upstream"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    loss.swallow();
+    until_committed(
+        &store.url,
+        "the answer of order-2",
+        "SELECT count(*) FROM idempotency WHERE idem_key = 'order-2' AND state = 'done'",
+    )
+    .await;
+    loss.cut();
+    let first = first.await.unwrap().expect("gateway answered");
+    assert_eq!(first.status(), 200, "the upstream's answer");
+    assert!(first.headers().get("idempotent-replayed").is_none());
+    let answer = first.bytes().await.expect("the answer's body");
+
+    let limit = Duration::from_secs(30);
+    let (retry, refused) =
+        until_not_503(limit, || keyed_put(&app, "/docs/a", "5", "order-2", "A")).await;
+    assert_eq!(retry.status(), 200, "the retry after 503s {refused:?}");
+    assert_eq!(retry.headers()["idempotent-replayed"], "true");
+    assert_eq!(retry.bytes().await.expect("the replay's body"), answer);
+    assert_eq!(arrivals_keyed(&up, "order-2"), 1, "forwarded once");
+    assert_eq!(up.bodies_on("/docs/a"), ["warm", "A"]);
 }

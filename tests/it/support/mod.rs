@@ -11,6 +11,8 @@ pub mod pki;
 pub mod process;
 pub mod raw_upstream;
 pub mod redis;
+pub mod reply_loss;
+pub mod sessions;
 pub mod upstream;
 
 /// One test per fence store of the case `$case(Backend)`, under the names

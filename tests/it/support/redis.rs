@@ -11,8 +11,10 @@ use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicU16, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use super::sessions::Sessions;
 
 /// The shared Redis: `REDIS_URL`, by default `redis://127.0.0.1:6379`.
 pub fn shared_redis_url() -> String {
@@ -530,7 +532,7 @@ impl SentinelGroup {
 pub struct SwitchProxy {
     pub port: u16,
     target: Arc<AtomicU16>,
-    sessions: Arc<Mutex<Vec<tokio::task::AbortHandle>>>,
+    sessions: Sessions,
     accept: tokio::task::AbortHandle,
 }
 
@@ -541,7 +543,7 @@ impl SwitchProxy {
             .expect("bind the proxy");
         let port = listener.local_addr().expect("proxy address").port();
         let target = Arc::new(AtomicU16::new(target));
-        let sessions: Arc<Mutex<Vec<tokio::task::AbortHandle>>> = Arc::default();
+        let sessions = Sessions::default();
         let accept = {
             let (target, sessions) = (target.clone(), sessions.clone());
             tokio::spawn(async move {
@@ -564,9 +566,7 @@ impl SwitchProxy {
                             let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
                         }
                     });
-                    let mut open = sessions.lock().unwrap_or_else(|e| e.into_inner());
-                    open.retain(|s| !s.is_finished());
-                    open.push(session.abort_handle());
+                    sessions.track(session.abort_handle());
                 }
             })
             .abort_handle()
@@ -594,11 +594,7 @@ impl SwitchProxy {
     pub fn switch(&self, port: u16, cut: bool) {
         self.target.store(port, Ordering::SeqCst);
         if cut {
-            let open =
-                std::mem::take(&mut *self.sessions.lock().unwrap_or_else(|e| e.into_inner()));
-            for s in open {
-                s.abort();
-            }
+            self.sessions.close_all();
         }
     }
 }
@@ -606,13 +602,6 @@ impl SwitchProxy {
 impl Drop for SwitchProxy {
     fn drop(&mut self) {
         self.accept.abort();
-        for s in self
-            .sessions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .drain(..)
-        {
-            s.abort();
-        }
+        self.sessions.close_all();
     }
 }
