@@ -15,10 +15,10 @@
 //!
 //! Last, a statement commits and its reply is lost on the way back (a
 //! proxy swallows it, then breaks the connection): a fence batch, a batch
-//! with a first use's in-flight record, a batch with its answer. The
-//! gateway cannot know the outcome, and must act on what the store may
-//! hold: a stale token is refused, a request is never forwarded twice, and
-//! a stored answer is replayed.
+//! with a first use's in-flight record, a batch with its answer, a
+//! shared-mode admission. The gateway cannot know the outcome, and must
+//! act on what the store may hold: a stale token is refused, a request is
+//! never forwarded twice, and a stored answer is replayed.
 
 use std::time::{Duration, Instant};
 
@@ -1009,4 +1009,69 @@ async fn an_answer_whose_commit_reply_is_lost_is_replayed_on_retry() {
     assert_eq!(retry.bytes().await.expect("the replay's body"), answer);
     assert_eq!(arrivals_keyed(&up, "order-2"), 1, "forwarded once");
     assert_eq!(up.bodies_on("/docs/a"), ["warm", "A"]);
+}
+
+/// Shared mode: a write's admission raises `doc:s` from 5 to 6 and enters
+/// its in-flight marker, commits, and its reply is lost. The write is
+/// answered 503 and not forwarded; its marker is never left (the gateway
+/// cannot know it was entered), so it counts until it ends. Token 5 is
+/// refused from then on: the store holds 6, whatever this instance last
+/// saw. Token 6 again is admitted (writers of one token may run together)
+/// and forwarded once; the upstream never sees 5 after 6, nor two
+/// writes at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shared_admission_whose_commit_reply_is_lost_is_not_forwarded() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let loss = ReplyLoss::start(&store.url).await;
+    let route = format!("{}timeout_ms = 1000\n", docs_route(&up.url()));
+    let text = config_sections("", &loss.url(&store.url), SHARED_STORE, &route);
+    let app = TestApp::from_text(&text).await;
+    assert_eq!(app.put("/docs/s", Some("5"), "five").await.status(), 200);
+    until_all_left(&store.url).await;
+
+    loss.swallow();
+    let six = {
+        let req = fenced_put(&app.http, app.url("/docs/s"), "6", "lost".to_string());
+        tokio::spawn(async move { req.send().await })
+    };
+    until_committed(
+        &store.url,
+        "the admission raising doc:s to 6",
+        "SELECT count(*) FROM fences \
+          WHERE resource_key = 'doc:s' AND highest_token = 6 AND inflight = 1",
+    )
+    .await;
+    loss.cut();
+    let six = six.await.unwrap().expect("gateway answered");
+    let body = problem(six, 503).await;
+    assert_eq!(
+        body["type"], "urn:fencegate:problem:store-unavailable",
+        "{body}"
+    );
+    assert_eq!(up.bodies_on("/docs/s"), ["five"], "6 not forwarded");
+
+    let limit = Duration::from_secs(30);
+    let (stale, refused) = until_not_503(limit, || {
+        fenced_put(&app.http, app.url("/docs/s"), "5", "stale".to_string())
+    })
+    .await;
+    let answer = problem(stale, 409).await;
+    assert_eq!(
+        answer["highest_token"], 6,
+        "after 503s {refused:?}: {answer}"
+    );
+    let (again, refused) = until_not_503(limit, || {
+        fenced_put(&app.http, app.url("/docs/s"), "6", "six".to_string())
+    })
+    .await;
+    assert_eq!(again.status(), 200, "6 again after 503s {refused:?}");
+    assert_unavailable_or_busy(&refused);
+    assert_eq!(up.bodies_on("/docs/s"), ["five", "six"]);
+    assert_eq!(
+        arrivals(&up, "/docs/s"),
+        2,
+        "requests that arrived on /docs/s"
+    );
+    assert!(up.violations().is_empty(), "{:?}", up.violations());
 }
