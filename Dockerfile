@@ -26,6 +26,7 @@ RUN mkdir src benches \
 # 2. The real sources. Migrations are embedded at compile time, so they are
 #    needed here (and only here). The stub's own artifacts are removed so
 #    cargo cannot mistake them for up to date (COPY keeps the files' mtimes).
+COPY build.rs ./
 COPY src ./src
 COPY migrations ./migrations
 # The OpenAPI document is compiled in (admin GET /openapi.json).

@@ -59,10 +59,12 @@
 //!   primary key still decides which first use is forwarded, and attempts
 //!   still keep a late answer out of a newer record.
 //!
-//! Rows are locked in primary-key order by each part of every batch
-//! statement (an in-flight insert locks a live record it conflicts with,
-//! an answer the record it completes, in the order its plan takes: see
-//! [`PG_RECORDS_BATCH`]), and fence rows in key order (a
+//! Each part of every batch statement locks its records in primary-key
+//! order (an in-flight insert locks a live record it conflicts with), but
+//! for the answers' update, which locks each record it completes in the
+//! order its plan visits them: sorted by primary key, though Postgres
+//! does not promise it (see [`PG_RECORDS_BATCH`]). Fence rows are locked
+//! in key order (a
 //! batch of records with fence decisions locks them before its in-flight
 //! records). Fence batches lock fence rows only, so no fence batch and
 //! batch of records can deadlock: their only common rows are fences, which
@@ -293,8 +295,9 @@ SELECT 1, route, method, idem_key, attempt FROM c",
 /// ([`pg_records_batch`]): the parts then touch disjoint rows, and neither
 /// needs to see, or lock, what the other writes (the parts of one
 /// statement share its snapshot, and Postgres does not say in which order
-/// they run). Each part locks its rows in primary-key order (see above),
-/// but the answers' rows are not ordered among the in-flight records': against
+/// they run). The parts lock their rows in primary-key order each (the
+/// answers as their plan does, see above), but the answers' rows are not
+/// ordered among the in-flight records': against
 /// another batch of records (one that timed out on our side and still
 /// runs on the server), a deadlock is possible, and Postgres then refuses
 /// one of the two with an `ERROR` (nothing written); if it is this one,

@@ -813,6 +813,30 @@ async fn until_committed(url: &str, what: &str, sql: &str) {
     }
 }
 
+/// Sends `req` while Postgres's replies are swallowed; once the statement
+/// it causes has committed (`committed`, see [`until_committed`]), breaks
+/// the connections with `cut`. The gateway cannot know the outcome: the
+/// request must be answered 503 store-unavailable.
+async fn unknown_to_the_gateway(
+    loss: &ReplyLoss,
+    url: &str,
+    req: reqwest::RequestBuilder,
+    what: &str,
+    committed: &str,
+    cut: impl FnOnce(&ReplyLoss),
+) {
+    loss.swallow();
+    let sent = tokio::spawn(async move { req.send().await });
+    until_committed(url, what, committed).await;
+    cut(loss);
+    let resp = sent.await.unwrap().expect("gateway answered");
+    let body = problem(resp, 503).await;
+    assert_eq!(
+        body["type"], "urn:fencegate:problem:store-unavailable",
+        "{body}"
+    );
+}
+
 /// Single mode: a fence batch raises `doc:x` from 5 to 7 and commits, and
 /// its reply is lost on the way back; the connection then breaks. The
 /// gateway cannot know the outcome: the write is answered 503 and not
@@ -831,24 +855,15 @@ async fn a_fence_batch_whose_commit_reply_is_lost_is_not_outrun_by_the_cache() {
     assert_eq!(app.put("/docs/x", Some("5"), "five").await.status(), 200);
     assert_eq!(app.put("/docs/x", Some("5"), "cached").await.status(), 200);
 
-    loss.swallow();
-    let seven = {
-        let req = fenced_put(&app.http, app.url("/docs/x"), "7", "seven".to_string());
-        tokio::spawn(async move { req.send().await })
-    };
-    until_committed(
+    unknown_to_the_gateway(
+        &loss,
         &store.url,
+        fenced_put(&app.http, app.url("/docs/x"), "7", "seven".to_string()),
         "the fence batch raising doc:x to 7",
         "SELECT count(*) FROM fences WHERE resource_key = 'doc:x' AND highest_token = 7",
+        ReplyLoss::cut,
     )
     .await;
-    loss.cut();
-    let seven = seven.await.unwrap().expect("gateway answered");
-    let body = problem(seven, 503).await;
-    assert_eq!(
-        body["type"], "urn:fencegate:problem:store-unavailable",
-        "{body}"
-    );
     assert_eq!(
         up.bodies_on("/docs/x"),
         ["five", "cached"],
@@ -896,26 +911,17 @@ async fn a_first_use_whose_record_reply_is_lost_is_forwarded_once_on_retry() {
     let warm = keyed_put(&app, "/docs/k", "5", "warm", "warm").send().await;
     assert_eq!(warm.expect("gateway answered").status(), 200);
 
-    loss.swallow();
-    let first = {
-        let req = keyed_put(&app, "/docs/k", "5", "order-1", "A");
-        tokio::spawn(async move { req.send().await })
-    };
-    until_committed(
+    // The server stays out of reach for a while after the cut: the
+    // forget's first tries fail too.
+    unknown_to_the_gateway(
+        &loss,
         &store.url,
+        keyed_put(&app, "/docs/k", "5", "order-1", "A"),
         "the in-flight record of order-1",
         "SELECT count(*) FROM idempotency WHERE idem_key = 'order-1'",
+        ReplyLoss::cut_and_refuse,
     )
     .await;
-    // The server stays out of reach for a while: the forget's first tries
-    // fail too.
-    loss.cut_and_refuse();
-    let first = first.await.unwrap().expect("gateway answered");
-    let body = problem(first, 503).await;
-    assert_eq!(
-        body["type"], "urn:fencegate:problem:store-unavailable",
-        "{body}"
-    );
     assert_eq!(arrivals_keyed(&up, "order-1"), 0, "not forwarded");
     tokio::time::sleep(Duration::from_millis(500)).await;
     loss.admit();
@@ -1030,25 +1036,16 @@ async fn a_shared_admission_whose_commit_reply_is_lost_is_not_forwarded() {
     assert_eq!(app.put("/docs/s", Some("5"), "five").await.status(), 200);
     until_all_left(&store.url).await;
 
-    loss.swallow();
-    let six = {
-        let req = fenced_put(&app.http, app.url("/docs/s"), "6", "lost".to_string());
-        tokio::spawn(async move { req.send().await })
-    };
-    until_committed(
+    unknown_to_the_gateway(
+        &loss,
         &store.url,
+        fenced_put(&app.http, app.url("/docs/s"), "6", "lost".to_string()),
         "the admission raising doc:s to 6",
         "SELECT count(*) FROM fences \
           WHERE resource_key = 'doc:s' AND highest_token = 6 AND inflight = 1",
+        ReplyLoss::cut,
     )
     .await;
-    loss.cut();
-    let six = six.await.unwrap().expect("gateway answered");
-    let body = problem(six, 503).await;
-    assert_eq!(
-        body["type"], "urn:fencegate:problem:store-unavailable",
-        "{body}"
-    );
     assert_eq!(up.bodies_on("/docs/s"), ["five"], "6 not forwarded");
 
     let limit = Duration::from_secs(30);
