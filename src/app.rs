@@ -139,9 +139,7 @@ impl Application {
             max_body_bytes: config.server.max_body_bytes,
             retry_after: config.store.retry_after,
             replays: Arc::new(crate::idempotency::ReplayCache::default()),
-            forgets: Arc::new(tokio::sync::Semaphore::new(
-                crate::gateway::FORGETS_RETRYING,
-            )),
+            forgets: Arc::new(crate::idempotency::Forgets::default()),
         };
         let reloader = crate::reload::Reloader::new(
             &config,

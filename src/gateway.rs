@@ -85,9 +85,9 @@ pub struct GatewayState {
     /// the worker. Single mode reaches the store only through the batcher's
     /// channel, so its writes stay on the worker.
     pub store_runtime: tokio::runtime::Handle,
-    /// Permits for forgets of unsent first uses' records that wait to try
-    /// again ([`FORGETS_RETRYING`]); shared by every worker.
-    pub forgets: Arc<tokio::sync::Semaphore>,
+    /// Unsent first uses' records being forgotten; shared by every worker,
+    /// so that a retry on any of them takes its record back at once.
+    pub forgets: Arc<idempotency::Forgets>,
 }
 
 /// Who sent a request, as the upstream is told (`X-Forwarded-For`,
@@ -853,8 +853,9 @@ impl FencedWrite {
         // replay must not wait with it, so then the store is asked first.
         if state.fence.holding_back() {
             match Box::pin(recorded(state, id(), &first.fingerprint)).await {
-                Ok(None) => {}
-                Ok(Some(ended)) => return (false, ended),
+                // A record of a request never sent is taken back below.
+                Ok(Said::Nothing | Said::Unsent(_)) => {}
+                Ok(Said::Ended(ended)) => return (false, ended),
                 Err(e) => return (false, Err(e)),
             }
         }
@@ -868,6 +869,8 @@ impl FencedWrite {
         // claims it again; only a record that vanishes a second time is
         // answered 503, for the client to retry.
         let mut claims = 0;
+        // Whether a record of a request never sent was taken back (once).
+        let mut took_back = false;
         let (admission, record_until, expires, attempt) = loop {
             claims += 1;
             let arrival = match self.arrival(state) {
@@ -914,12 +917,32 @@ impl FencedWrite {
                         attempt,
                     )
                 }
-                // A live record of the key: tell what it says.
+                // A live record of the key: tell what it says. When it is
+                // the record of a request this instance never sent (whose
+                // client was told 503) and is forgetting, it is forgotten
+                // now and the key claimed again, once: the client's retry
+                // is the key's first use, not "in progress" until the
+                // background forget lands. A store that cannot forget it
+                // now is 503 again.
                 Ok(Keyed::Duplicate) => {
                     match Box::pin(recorded(state, begin.id, &first.fingerprint)).await {
-                        Ok(Some(ended)) => return (false, ended),
-                        Ok(None) if claims < MAX_CLAIMS => continue,
-                        Ok(None) => {
+                        Ok(Said::Ended(ended)) => return (false, ended),
+                        Ok(Said::Unsent(unsent)) if !took_back => {
+                            took_back = true;
+                            let forgot = state.fence.store.idem_forget(begin.id, unsent);
+                            if let Err(e) = forgot.await {
+                                return (false, Err(e.into()));
+                            }
+                            // Not a vanished record: the claim does not count.
+                            claims -= 1;
+                            continue;
+                        }
+                        Ok(Said::Unsent(_)) => {
+                            let e = "the key's record of a request never sent outlived its forget";
+                            return (false, Err(StoreError::Other(e.into()).into()));
+                        }
+                        Ok(Said::Nothing) if claims < MAX_CLAIMS => continue,
+                        Ok(Said::Nothing) => {
                             return (
                                 false,
                                 Err(StoreError::Other(
@@ -984,52 +1007,66 @@ impl FencedWrite {
     }
 }
 
-/// What the store's record `id` says to a request of `fingerprint`, when
-/// it says more than "absent": a completed record's answer (remembered in
-/// memory from now on), or a refusal. `Ok(None)` when there is no live
-/// record.
+/// What a key's record says to a request ([`recorded`]).
+enum Said {
+    /// No live record.
+    Nothing,
+    /// The record of a request this instance never sent, which it is
+    /// forgetting (the record's attempt): an answer to no one.
+    Unsent(i64),
+    /// A completed record's answer, or a refusal.
+    Ended(Ended),
+}
+
+/// What the store's record `id` says to a request of `fingerprint`: a
+/// completed record's answer (remembered in memory from now on), or a
+/// refusal; nothing when there is no live record, or when it is the
+/// record of a request this instance never sent and is forgetting.
 async fn recorded(
     state: &GatewayState,
     id: RecordId<'_>,
     fingerprint: &[u8; 32],
-) -> Result<Option<Ended>, GatewayError> {
+) -> Result<Said, GatewayError> {
     // Before the read's statement starts: with the time to expiry it
     // reports, a local lower bound of the record's expiry.
     let anchor = Instant::now();
     let read = state.fence.store.idem_read(id, fingerprint).await?;
+    if let Some(attempt) = read.attempt.filter(|a| state.forgets.forgetting(id, *a)) {
+        return Ok(Said::Unsent(attempt));
+    }
     Ok(match read.found {
-        Found::Absent => None,
+        Found::Absent => Said::Nothing,
         Found::Done(stored) => {
             let until = idempotency::cached_until(anchor, read.expires_in);
             state
                 .replays
                 .insert(id, *fingerprint, &stored, until, Instant::now());
-            Some(Ok(replay(stored)))
+            Said::Ended(Ok(replay(stored)))
         }
-        Found::Reused => Some(Err(ClientError::IdempotencyReused.into())),
-        Found::InFlight { for_ms } => Some(Err(ClientError::IdempotencyInProgress {
+        Found::Reused => Said::Ended(Err(ClientError::IdempotencyReused.into())),
+        Found::InFlight { for_ms } => Said::Ended(Err(ClientError::IdempotencyInProgress {
             retry_after: Duration::from_millis(for_ms),
         }
         .into())),
-        Found::Unknown => Some(Err(ClientError::IdempotencyOutcomeUnknown.into())),
+        Found::Unknown => Said::Ended(Err(ClientError::IdempotencyOutcomeUnknown.into())),
     })
 }
 
 /// A keyed write refused before its record (its id and fingerprint) was
-/// written: the refusal stands only if the key has no live record. A
-/// record of an earlier request answers instead — a replay's token is
-/// stale once a newer one was recorded, and a replay is served all the
-/// same (the write did happen); a duplicate in flight is 409 in progress.
-/// When the store cannot be read, its error: the gateway cannot tell which
-/// it is.
+/// written: the refusal stands only if the key has no live record, or only
+/// the record of a request this instance never sent. A record of an
+/// earlier request answers instead — a replay's token is stale once a
+/// newer one was recorded, and a replay is served all the same (the write
+/// did happen); a duplicate in flight is 409 in progress. When the store
+/// cannot be read, its error: the gateway cannot tell which it is.
 async fn unless_recorded(
     state: &GatewayState,
     (id, fingerprint): (RecordId<'_>, [u8; 32]),
     refusal: GatewayError,
 ) -> Ended {
     match recorded(state, id, &fingerprint).await {
-        Ok(None) => Err(refusal),
-        Ok(Some(ended)) => ended,
+        Ok(Said::Nothing | Said::Unsent(_)) => Err(refusal),
+        Ok(Said::Ended(ended)) => ended,
         Err(e) => Err(e),
     }
 }
@@ -1043,65 +1080,12 @@ fn replay(stored: StoredAnswer) -> Response {
     resp
 }
 
-/// Forgets `attempt`'s in-flight record of `id`, in the background (the
-/// answer does not wait for it): its request was not sent after all, and
-/// its record may have been written all the same (a statement that timed
-/// out, or whose reply was lost, after it committed). A retry is then the
-/// key's first use, as the client was told by the 503.
-///
-/// The store is most often what failed the first use, so one try is not
-/// enough: the forget is tried again, after pauses of
-/// [`FORGET_PAUSES`], until it succeeds or `until` (when the record may
-/// have expired) passes. A forget that never succeeds leaves the record in
-/// flight until its time runs out and duplicates hear "outcome unknown" —
-/// the safe side. The attempt keeps a late forget off a newer first use's
-/// record. At most [`FORGETS_RETRYING`] forgets wait to try again at once
-/// (a store down for long under a flood of first uses would otherwise pile
-/// up tasks); one that finds none free tries once only.
+/// Forgets `attempt`'s record of `id`, whose request was not sent after
+/// all, in the background (see `idempotency::forget`).
 fn forget_later(state: &GatewayState, id: RecordId<'_>, attempt: i64, until: Instant) {
-    let store = state.fence.store.clone();
-    let retrying = state.forgets.clone();
-    let (route, method, key) = (
-        id.route.to_string(),
-        id.method.to_string(),
-        id.key.to_string(),
-    );
-    state.store_runtime.spawn(async move {
-        let id = RecordId {
-            route: &route,
-            method: &method,
-            key: &key,
-        };
-        let mut permit = None;
-        for tried in 0.. {
-            let Err(err) = store.idem_forget(id, attempt).await else {
-                return;
-            };
-            let pause = FORGET_PAUSES[tried.min(FORGET_PAUSES.len() - 1)];
-            if permit.is_none() {
-                permit = retrying.clone().try_acquire_owned().ok();
-            }
-            if permit.is_none() || Instant::now() + pause >= until {
-                tracing::warn!(error = %err, "cannot forget an unsent idempotency record; duplicates will see outcome unknown");
-                return;
-            }
-            tokio::time::sleep(pause).await;
-        }
-    });
+    let (store, runtime) = (&state.fence.store, &state.store_runtime);
+    state.forgets.later(store, runtime, id, attempt, until);
 }
-
-/// The pauses between tries of a failed forget ([`forget_later`]): the
-/// last repeats.
-const FORGET_PAUSES: [Duration; 5] = [
-    Duration::from_millis(100),
-    Duration::from_millis(250),
-    Duration::from_millis(500),
-    Duration::from_secs(1),
-    Duration::from_secs(2),
-];
-
-/// How many forgets may wait to try again at once (see [`forget_later`]).
-pub const FORGETS_RETRYING: usize = 4096;
 
 /// A forwarded first use's record, for its end.
 struct FirstEnd<'a> {

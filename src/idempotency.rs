@@ -20,7 +20,9 @@
 //!   request is never forwarded again while the record lives. A client
 //!   should read the resource and decide;
 //! * refused before forwarding (400, 409 stale, 413, 428, 503), or nothing
-//!   of it sent: no record stays; the key can be used again.
+//!   of it sent: no record stays; the key can be used again. A record the
+//!   failed first use may have written all the same is forgotten
+//!   ([`Forgets`]), and a retry on the same instance takes it back at once.
 //!
 //! Exactly one of concurrent duplicates is forwarded, on any instance: the
 //! in-flight record is written with the store's primary key as the referee.
@@ -57,6 +59,7 @@
 //! purged by [`purge_forever`].
 
 mod cache;
+mod forget;
 
 use std::time::Duration;
 
@@ -68,6 +71,7 @@ pub use cache::{
     until as cached_until, Cached, ReplayCache, MAX_BYTES as CACHE_MAX_BYTES,
     MAX_ENTRIES as CACHE_MAX_ENTRIES,
 };
+pub use forget::Forgets;
 
 use crate::store::{FenceStore, StoredAnswer};
 

@@ -131,6 +131,10 @@ pub struct Read {
     /// From the statement's start on the store's clock until the record
     /// expires (zero when absent).
     pub expires_in: Duration,
+    /// The record's attempt (none when absent): whether it is the record of
+    /// a request its gateway never sent and is forgetting
+    /// (`idempotency::Forgets`), whatever it says.
+    pub attempt: Option<i64>,
 }
 
 /// The in-flight record a first use writes before it is forwarded.
@@ -152,7 +156,7 @@ const PG_LOOKUP: &str = "\
 SELECT fingerprint, state, in_flight_until > now(),
        GREATEST(0, EXTRACT(EPOCH FROM (in_flight_until - now())) * 1000)::bigint,
        GREATEST(0, EXTRACT(EPOCH FROM (expires_at - now())) * 1000)::bigint,
-       status, headers, body
+       status, headers, body, attempt
   FROM idempotency
  WHERE route = $1 AND method = $2 AND idem_key = $3 AND expires_at > now()";
 
@@ -161,7 +165,7 @@ const SQLITE_LOOKUP: &str = concat!("\
 SELECT fingerprint, state, in_flight_until > ", sqlite_now_ms!(), ",
        MAX(0, in_flight_until - ", sqlite_now_ms!(), "),
        MAX(0, expires_at - ", sqlite_now_ms!(), "),
-       status, headers, body
+       status, headers, body, attempt
   FROM idempotency
  WHERE route = ?1 AND method = ?2 AND idem_key = ?3 AND expires_at > ", sqlite_now_ms!());
 
@@ -771,6 +775,7 @@ type Row = (
     Option<i32>,
     Option<Vec<u8>>,
     Option<Vec<u8>>,
+    i64,
 );
 
 impl FenceStore {
@@ -805,17 +810,21 @@ impl FenceStore {
             ))
         })
         .await?;
-        let Some((fp, state, live, left_ms, expires_ms, status, headers, body)) = row else {
+        let Some((fp, state, live, left_ms, expires_ms, status, headers, body, attempt)) = row
+        else {
             return Ok(Read {
                 found: Found::Absent,
                 expires_in: Duration::ZERO,
+                attempt: None,
             });
         };
         let expires_in = Duration::from_millis(expires_ms.max(0) as u64);
+        let attempt = Some(attempt);
         if fp != fingerprint {
             return Ok(Read {
                 found: Found::Reused,
                 expires_in,
+                attempt,
             });
         }
         let found = match state.as_str() {
@@ -836,7 +845,11 @@ impl FenceStore {
             // 'unknown', or in flight past its gateway's time.
             _ => Found::Unknown,
         };
-        Ok(Read { found, expires_in })
+        Ok(Read {
+            found,
+            expires_in,
+            attempt,
+        })
     }
 
     /// Single mode's batcher of idempotency records.

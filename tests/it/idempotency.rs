@@ -1214,15 +1214,7 @@ async fn a_late_answer_never_lands_in_a_newer_attempt() {
     use fencegate::store::{Begin, Found, StoredAnswer};
     for backend in [Backend::Sqlite, Backend::Postgres] {
         let test_store = TestStore::new(backend).await;
-        let config = fencegate::config::Config::from_toml(
-            "t.toml",
-            &format!("[store]\nurl = \"{}\"\n", test_store.url),
-            Vec::new(),
-        )
-        .unwrap();
-        let store = fencegate::store::FenceStore::open(&config.store)
-            .await
-            .unwrap();
+        let store = open_store(&test_store).await;
         let id = docs_post("k");
         let begin = |attempt| Begin {
             id,
@@ -1264,6 +1256,84 @@ async fn a_late_answer_never_lands_in_a_newer_attempt() {
         );
         store.close().await;
     }
+}
+
+/// The forgets of records of requests never sent (`idempotency::Forgets`)
+/// are known per record and attempt from the moment they are asked for
+/// until they land, and a read of the record names its attempt, which is
+/// how a retry tells such a record from a live first use's. Two forgets of
+/// one key (a first use and a retry that both failed before forwarding)
+/// are both known; the one whose record does not exist lands at once, the
+/// other waits while the test holds the record's row locked (each of its
+/// tries times out) and lands once the lock goes. A forget of another
+/// attempt or key is not taken for them.
+#[tokio::test]
+async fn forgets_are_known_per_attempt_until_they_land() {
+    use fencegate::store::{Begin, Found};
+    use sqlx::Connection;
+    let test_store = TestStore::new(Backend::Postgres).await;
+    let store = open_store(&test_store).await;
+    let (id, other) = (docs_post("k"), docs_post("other"));
+    let begin = Begin {
+        id,
+        fingerprint: b"fp",
+        attempt: 1,
+        in_flight: Duration::from_secs(60),
+        ttl: Duration::from_secs(60),
+    };
+    assert!(store.idem_begin(&begin).await.unwrap());
+    let read = store.idem_read(id, b"fp").await.unwrap();
+    assert_eq!(read.attempt, Some(1), "a read names the record's attempt");
+    let absent = store.idem_read(other, b"fp").await.unwrap();
+    assert_eq!(absent.attempt, None);
+
+    let mut holder = sqlx::PgConnection::connect(&test_store.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut holder).await.unwrap();
+    sqlx::query("SELECT 1 FROM idempotency WHERE idem_key = 'k' FOR UPDATE")
+        .execute(&mut holder)
+        .await
+        .unwrap();
+
+    let forgets = Arc::new(fencegate::idempotency::Forgets::default());
+    let runtime = tokio::runtime::Handle::current();
+    let until = std::time::Instant::now() + Duration::from_secs(60);
+    // This test's runtime has one thread: neither task runs before the
+    // first await below, so both forgets are still to land here.
+    forgets.later(&store, &runtime, id, 1, until);
+    forgets.later(&store, &runtime, id, 2, until);
+    assert!(forgets.forgetting(id, 1) && forgets.forgetting(id, 2));
+    assert!(!forgets.forgetting(id, 3), "another attempt");
+    assert!(!forgets.forgetting(other, 1), "another key");
+
+    let waiting = |attempt| {
+        let forgets = forgets.clone();
+        async move {
+            let deadline = std::time::Instant::now() + Duration::from_secs(10);
+            while forgets.forgetting(id, attempt) {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the forget of attempt {attempt} never landed"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+    };
+    waiting(2).await;
+    // Attempt 1's tries wait on the locked row (and time out) for as long
+    // as it is locked.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(
+        forgets.forgetting(id, 1),
+        "attempt 1's record is still there"
+    );
+    assert!(matches!(
+        store.idem_lookup(id, b"fp").await.unwrap(),
+        Found::InFlight { .. }
+    ));
+    sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
+    waiting(1).await;
+    assert_eq!(store.idem_lookup(id, b"fp").await.unwrap(), Found::Absent);
+    store.close().await;
 }
 
 /// Runs `sql` on the store from the test's own connection (a store that

@@ -890,19 +890,16 @@ async fn a_fence_batch_whose_commit_reply_is_lost_is_not_outrun_by_the_cache() {
     assert!(up.violations().is_empty(), "{:?}", up.violations());
 }
 
-/// Single mode, `idempotency = "required"`: a first use's in-flight record
-/// is written and committed, and the batch's reply is lost. The first use
-/// is answered 503 and not forwarded (the gateway cannot know the record
-/// exists), and the gateway forgets the record it may have written, in
-/// the background: Postgres stays out of reach for half a second after
-/// the reply is lost, so the forget's first tries fail, and it must try
-/// again. The retry with the same key and payload is then the key's
-/// first use (before the forget, "in progress"): forwarded once, replayed
-/// after. A design that forwarded on a record it could not confirm, or
-/// that left the record to be found "in progress", then "outcome unknown",
-/// for a request that never left, fails here.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_first_use_whose_record_reply_is_lost_is_forwarded_once_on_retry() {
+/// The in-flight record of `order-1`, counted on the test's own
+/// connection.
+const ORDER_1_RECORD: &str = "SELECT count(*) FROM idempotency WHERE idem_key = 'order-1'";
+
+/// Single mode, `idempotency = "required"`, `/docs/k` warmed at token 5: a
+/// first use of `order-1` whose in-flight record commits and whose reply
+/// is lost, after which Postgres is out of reach (`cut_and_refuse`) until
+/// the test admits it again. The first use was answered 503 and not
+/// forwarded.
+async fn unsent_first_use() -> (TestStore, Upstream, ReplyLoss, TestApp) {
     let store = TestStore::new(Backend::Postgres).await;
     let up = Upstream::start().await;
     let loss = ReplyLoss::start(&store.url).await;
@@ -910,54 +907,98 @@ async fn a_first_use_whose_record_reply_is_lost_is_forwarded_once_on_retry() {
     let app = gateway_behind(&loss, &store, &route).await;
     let warm = keyed_put(&app, "/docs/k", "5", "warm", "warm").send().await;
     assert_eq!(warm.expect("gateway answered").status(), 200);
-
-    // The server stays out of reach for a while after the cut: the
-    // forget's first tries fail too.
     unknown_to_the_gateway(
         &loss,
         &store.url,
         keyed_put(&app, "/docs/k", "5", "order-1", "A"),
         "the in-flight record of order-1",
-        "SELECT count(*) FROM idempotency WHERE idem_key = 'order-1'",
+        ORDER_1_RECORD,
         ReplyLoss::cut_and_refuse,
     )
     .await;
     assert_eq!(arrivals_keyed(&up, "order-1"), 0, "not forwarded");
+    (store, up, loss, app)
+}
+
+/// After [`unsent_first_use`] and a retry answered 200 as the key's first
+/// use: the next retry is replayed, and the upstream saw `order-1` once.
+async fn forwarded_once_then_replayed(app: &TestApp, up: &Upstream) {
+    let again = keyed_put(app, "/docs/k", "5", "order-1", "A").send().await;
+    let again = again.expect("gateway answered");
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(arrivals_keyed(up, "order-1"), 1, "forwarded once");
+    assert_eq!(up.bodies_on("/docs/k"), ["warm", "A"]);
+}
+
+/// Single mode, `idempotency = "required"`: a first use's in-flight record
+/// is written and committed, and the batch's reply is lost. The first use
+/// is answered 503 and not forwarded (the gateway cannot know the record
+/// exists), and the gateway forgets the record it may have written, in
+/// the background: Postgres stays out of reach for half a second after
+/// the reply is lost, so the forget's first tries fail, and it must try
+/// again. No request comes meanwhile: the record must go all the same (a
+/// design that tried once would leave it, for duplicates to hear "in
+/// progress", then "outcome unknown", for a request that never left). The
+/// retry is then the key's first use: forwarded once, replayed after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsent_first_use_whose_record_reply_is_lost_is_forgotten_in_the_background() {
+    let (store, up, loss, app) = unsent_first_use().await;
     tokio::time::sleep(Duration::from_millis(500)).await;
     loss.admit();
 
-    // Until the gateway has forgotten the record, in the background, a
-    // retry finds it in flight (409 in progress); never outcome unknown.
     let deadline = Instant::now() + Duration::from_secs(30);
-    let (mut waited, mut in_progress) = (Vec::new(), 0);
     loop {
-        let limit = deadline.saturating_duration_since(Instant::now());
-        let (retry, refused) =
-            until_not_503(limit, || keyed_put(&app, "/docs/k", "5", "order-1", "A")).await;
-        waited.extend(refused);
-        if retry.status() != 409 {
-            let after = format!("{in_progress} in progress, 503s {waited:?}");
-            assert_eq!(retry.status(), 200, "the retry after {after}");
-            assert!(retry.headers().get("idempotent-replayed").is_none());
+        let (n,): (i64,) = on_store(&store.url, ORDER_1_RECORD).await;
+        if n == 0 {
             break;
         }
-        let body = problem(retry, 409).await;
-        assert_eq!(
-            body["type"], "urn:fencegate:problem:idempotency-in-progress",
-            "after 503s {waited:?}: {body}"
-        );
-        in_progress += 1;
-        assert!(
-            Instant::now() < deadline,
-            "never forgotten: {in_progress} in progress, 503s {waited:?}"
-        );
+        assert!(Instant::now() < deadline, "the record was never forgotten");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let again = keyed_put(&app, "/docs/k", "5", "order-1", "A").send().await;
-    let again = again.expect("gateway answered");
-    assert_eq!(again.headers()["idempotent-replayed"], "true");
-    assert_eq!(arrivals_keyed(&up, "order-1"), 1, "forwarded once");
-    assert_eq!(up.bodies_on("/docs/k"), ["warm", "A"]);
+    let retry = keyed_put(&app, "/docs/k", "5", "order-1", "A").send().await;
+    let retry = retry.expect("gateway answered");
+    assert_eq!(retry.status(), 200);
+    assert!(retry.headers().get("idempotent-replayed").is_none());
+    forwarded_once_then_replayed(&app, &up).await;
+}
+
+/// Single mode, `idempotency = "required"`: as above, a first use's
+/// record commits and its reply is lost, and Postgres stays out of reach,
+/// now for 2.5 s (a retry then is 503 again). The gateway lost its
+/// single-writer lock with the connection, so its background forget
+/// cannot land until it is the writer again, and a retry comes first: the
+/// gateway reads the key's record, sees the attempt of a request it never
+/// sent and is forgetting, and answers the retry as if there were no
+/// record — 503 while it is not the writer, then the key's first use: it
+/// forgets the record then and there and forwards the retry, once. A
+/// design that left the record to the background answers such a retry 409
+/// "in progress" although nothing is in flight.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_takes_back_the_record_of_its_unsent_first_use() {
+    let (store, up, loss, app) = unsent_first_use().await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let during = keyed_put(&app, "/docs/k", "5", "order-1", "A").send().await;
+    let body = problem(during.expect("gateway answered"), 503).await;
+    assert_eq!(
+        body["type"], "urn:fencegate:problem:store-unavailable",
+        "{body}"
+    );
+    tokio::time::sleep(Duration::from_millis(2200)).await;
+    loss.admit();
+    let (n,): (i64,) = on_store(&store.url, ORDER_1_RECORD).await;
+    assert_eq!(n, 1, "the background forget has not landed yet");
+
+    let limit = Duration::from_secs(30);
+    let (retry, refused) =
+        until_not_503(limit, || keyed_put(&app, "/docs/k", "5", "order-1", "A")).await;
+    let status = retry.status();
+    assert_eq!(
+        status,
+        200,
+        "after 503s {refused:?}: {}",
+        retry.text().await.unwrap_or_default()
+    );
+    forwarded_once_then_replayed(&app, &up).await;
 }
 
 /// Single mode, `idempotency = "required"`: a first use is forwarded, and
