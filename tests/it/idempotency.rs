@@ -1258,6 +1258,49 @@ async fn a_late_answer_never_lands_in_a_newer_attempt() {
     }
 }
 
+/// Single mode on Postgres: a record that another transaction inserts
+/// while a batch of records runs, after the batch's snapshot (one of the
+/// gateway's batches that timed out and still runs, or a second gateway
+/// that believes it is the single writer). The batch's upsert waits for
+/// that transaction and then finds its record live: the first use is
+/// answered by that record (another request's: 422) and not forwarded. A
+/// batch whose insert did not check the key again (a plain insert after a
+/// lookup in its snapshot, with no fallback) answers 503; one that
+/// overwrote the record would forward.
+#[tokio::test]
+async fn a_record_inserted_while_its_batch_runs_is_found_live() {
+    use sqlx::Connection;
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let app = TestApp::spawn(&store.url, &idem_route(&up.url(), "")).await;
+    let warm = keyed(&app, "/docs/x", "5", Some("warm"), "warm", &[]).await;
+    assert_eq!(warm.status(), 200);
+
+    let mut other = sqlx::PgConnection::connect(&store.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut other).await.unwrap();
+    sqlx::query(
+        "INSERT INTO idempotency \
+         (route, method, idem_key, fingerprint, state, in_flight_until, expires_at, attempt) \
+         VALUES ('docs', 'POST', 'held', '\\x00', 'in_flight', now() + interval '1 minute', \
+                 now() + interval '1 day', 42)",
+    )
+    .execute(&mut other)
+    .await
+    .unwrap();
+    let (resp, ()) = tokio::join!(keyed(&app, "/docs/x", "5", Some("held"), "A", &[]), async {
+        // The batch has started, and waits for this transaction.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        sqlx::query("COMMIT").execute(&mut other).await.unwrap();
+    });
+    // The record found is another request's (its fingerprint): 422.
+    let body = problem(resp, 422).await;
+    assert_eq!(
+        body["type"], "urn:fencegate:problem:idempotency-key-reused",
+        "{body}"
+    );
+    assert_eq!(up.bodies_on("/docs/x"), ["warm"], "not forwarded");
+}
+
 /// The forgets of records of requests never sent (`idempotency::Forgets`)
 /// are known per record and attempt from the moment they are asked for
 /// until they land, and a read of the record names its attempt, which is
