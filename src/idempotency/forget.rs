@@ -23,19 +23,21 @@
 //! key again; a request refused before its record was written keeps its
 //! refusal (`gateway`). A key may have several pending: each retry that
 //! failed on the store before it was sent left one of its own, and the
-//! record is whichever of them was written, if any. Only the instance that failed the first use
-//! knows; a retry on another instance (shared mode) hears "in progress"
-//! until the background forget lands.
+//! record is whichever of them was written, if any. Only the instance
+//! that failed the first use knows; a retry on another instance (shared
+//! mode) hears "in progress" until the background forget lands.
 //!
 //! Bounds: at most [`RETRYING`] forgets wait to try again at once (a store
 //! down for long under a flood of first uses would otherwise pile up
 //! tasks); one that finds none free tries once only. The pending map holds
-//! one entry per forget task, removed when the task ends.
+//! one attempt per forget task, removed when the task ends: so at most
+//! [`RETRYING`] beside the forgets making their first try.
 //!
 //! Concurrency: one `std::sync::Mutex` around the pending map, held for a
 //! hash insert, lookup or removal, never across a store call. A lookup
-//! happens only when a record insert found the key taken, so the common
-//! path never touches it.
+//! happens only when a record is read from the store (a first use found
+//! its key taken, or a refusal is checked against the key's record), so
+//! the common path never touches it.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -97,8 +99,8 @@ impl Forgets {
     /// background (the answer does not wait for it): its request was not
     /// sent, and the record may exist all the same. Tried again while it
     /// fails, until `until` (when the record may have expired) passes. The
-    /// record is [`forgetting`](Self::forgetting) from this call on, so a retry
-    /// answered after it finds it.
+    /// record is [`forgetting`](Self::forgetting) from this call on, so a
+    /// retry answered after it finds it.
     pub fn later(
         self: &Arc<Self>,
         store: &FenceStore,
