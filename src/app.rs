@@ -139,7 +139,10 @@ impl Application {
             max_body_bytes: config.server.max_body_bytes,
             retry_after: config.store.retry_after,
             replays: Arc::new(crate::idempotency::ReplayCache::default()),
-            forgets: Arc::new(crate::idempotency::Forgets::default()),
+            forgets: Arc::new(crate::idempotency::Forgets::new(
+                fence.store.clone(),
+                tokio::runtime::Handle::current(),
+            )),
         };
         let reloader = crate::reload::Reloader::new(
             &config,

@@ -354,7 +354,8 @@ const DISCARDABLE_BODY: u64 = 4096;
 
 /// How often a first use claims its key's record when the live record its
 /// claim found has gone by the time it is read (see
-/// `decide_keyed_and_forward`).
+/// `decide_keyed_and_forward`). The claim after taking back a record of a
+/// request never sent does not count.
 const MAX_CLAIMS: u32 = 2;
 
 /// Whether a request's body may be left unread by a refusal: chunked, or
@@ -868,11 +869,10 @@ impl FencedWrite {
         // the key's record any more, so this request is its first use and
         // claims it again; only a record that vanishes a second time is
         // answered 503, for the client to retry.
-        let mut claims = 0;
+        let mut claims = 1;
         // Whether a record of a request never sent was taken back (once).
         let mut took_back = false;
         let (admission, record_until, expires, attempt) = loop {
-            claims += 1;
             let arrival = match self.arrival(state) {
                 Ok(a) => a,
                 Err(e) => {
@@ -929,19 +929,19 @@ impl FencedWrite {
                         Ok(Said::Ended(ended)) => return (false, ended),
                         Ok(Said::Unsent(unsent)) if !took_back => {
                             took_back = true;
-                            let forgot = state.fence.store.idem_forget(begin.id, unsent);
-                            if let Err(e) = forgot.await {
+                            if let Err(e) = state.forgets.take_back(begin.id, unsent).await {
                                 return (false, Err(e.into()));
                             }
-                            // Not a vanished record: the claim does not count.
-                            claims -= 1;
                             continue;
                         }
                         Ok(Said::Unsent(_)) => {
                             let e = "the key's record of a request never sent outlived its forget";
                             return (false, Err(StoreError::Other(e.into()).into()));
                         }
-                        Ok(Said::Nothing) if claims < MAX_CLAIMS => continue,
+                        Ok(Said::Nothing) if claims < MAX_CLAIMS => {
+                            claims += 1;
+                            continue;
+                        }
                         Ok(Said::Nothing) => {
                             return (
                                 false,
@@ -962,7 +962,7 @@ impl FencedWrite {
                 Err(e) => {
                     // Nothing was forwarded; the record may have been
                     // written all the same (see `check_keyed`).
-                    forget_later(state, begin.id, attempt, begun + lives);
+                    state.forgets.later(begin.id, attempt, begun + lives);
                     return (false, Err(e));
                 }
             }
@@ -974,7 +974,7 @@ impl FencedWrite {
         let record = Some((record_until, store_timeout));
         if let Err(e) = self.may_start(&admission, answer, record) {
             // Nothing was sent: the key's record goes.
-            forget_later(state, id(), attempt, expires);
+            state.forgets.later(id(), attempt, expires);
             return (false, Err(e));
         }
         // Phase: forward, then store the answer before returning it.
@@ -1080,13 +1080,6 @@ fn replay(stored: StoredAnswer) -> Response {
     resp
 }
 
-/// Forgets `attempt`'s record of `id`, whose request was not sent after
-/// all, in the background (see `idempotency::forget`).
-fn forget_later(state: &GatewayState, id: RecordId<'_>, attempt: i64, until: Instant) {
-    let (store, runtime) = (&state.fence.store, &state.store_runtime);
-    state.forgets.later(store, runtime, id, attempt, until);
-}
-
 /// A forwarded first use's record, for its end.
 struct FirstEnd<'a> {
     id: RecordId<'a>,
@@ -1119,9 +1112,7 @@ async fn idempotency_answer(
         // used again (once forgotten, which is tried in the background when
         // the store fails now).
         Err(e @ GatewayError::Upstream(UpstreamError::Unreachable { sent: false, .. })) => {
-            if store.idem_forget(id, attempt).await.is_err() {
-                forget_later(state, id, attempt, expires);
-            }
+            state.forgets.now_or_later(id, attempt, expires).await;
             return Err(e);
         }
         Err(e) => {

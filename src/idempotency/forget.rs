@@ -7,7 +7,9 @@
 //! upstream — and its in-flight record may have been written all the same.
 //! The store is most often what failed, so the forget is tried again in
 //! the background ([`Forgets::later`]), after pauses of [`PAUSES`], until
-//! it succeeds or the record may have expired. A forget that never
+//! it succeeds or the record may have expired (where the upstream failed,
+//! not the store, it is tried once before the answer:
+//! [`Forgets::now_or_later`]). A forget that never
 //! succeeds leaves the record in flight, then unknown, until it expires:
 //! duplicates hear "outcome unknown", the safe side. Each forget names its
 //! first use's attempt, so a late one never removes a newer first use's
@@ -19,8 +21,8 @@
 //! forgets still pending are kept by record id and attempt
 //! ([`Forgets::forgetting`]). A request that finds the key's record to be
 //! one of them does not take it for an answer: a first use (whose record
-//! insert found the key taken) forgets it itself, inline, and claims the
-//! key again; a request refused before its record was written keeps its
+//! insert found the key taken) forgets it itself, inline
+//! ([`Forgets::take_back`]), and claims the key again; a request refused before its record was written keeps its
 //! refusal (`gateway`). A key may have several pending: each retry that
 //! failed on the store before it was sent left one of its own, and the
 //! record is whichever of them was written, if any. Only the instance
@@ -45,7 +47,7 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Semaphore;
 
-use crate::store::{FenceStore, RecordId};
+use crate::store::{FenceStore, RecordId, StoreError};
 
 /// The pauses between tries of a failed forget: the last repeats.
 pub const PAUSES: [Duration; 5] = [
@@ -72,6 +74,11 @@ fn owned(id: RecordId<'_>) -> OwnedId {
 
 /// The forgets of one gateway process, shared by every worker.
 pub struct Forgets {
+    /// Where the records are.
+    store: FenceStore,
+    /// The runtime that owns the store's connections, where the background
+    /// forgets run (a worker's runtime may be busy, or gone at shutdown).
+    runtime: tokio::runtime::Handle,
     /// Permits for forgets that wait to try again ([`RETRYING`]).
     retrying: Arc<Semaphore>,
     /// The records being forgotten, by id, with the attempts the forgets
@@ -81,41 +88,34 @@ pub struct Forgets {
     pending: Mutex<HashMap<OwnedId, Vec<i64>>>,
 }
 
-impl Default for Forgets {
-    fn default() -> Self {
+impl Forgets {
+    pub fn new(store: FenceStore, runtime: tokio::runtime::Handle) -> Self {
         Self {
+            store,
+            runtime,
             retrying: Arc::new(Semaphore::new(RETRYING)),
             pending: Mutex::new(HashMap::new()),
         }
     }
-}
 
-impl Forgets {
     fn lock(&self) -> MutexGuard<'_, HashMap<OwnedId, Vec<i64>>> {
         self.pending.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Forgets `attempt`'s in-flight record of `id` on `runtime`, in the
-    /// background (the answer does not wait for it): its request was not
-    /// sent, and the record may exist all the same. Tried again while it
-    /// fails, until `until` (when the record may have expired) passes. The
-    /// record is [`forgetting`](Self::forgetting) from this call on, so a
-    /// retry answered after it finds it.
-    pub fn later(
-        self: &Arc<Self>,
-        store: &FenceStore,
-        runtime: &tokio::runtime::Handle,
-        id: RecordId<'_>,
-        attempt: i64,
-        until: Instant,
-    ) {
+    /// Forgets `attempt`'s in-flight record of `id` in the background (the
+    /// answer does not wait for it): its request was not sent, and the
+    /// record may exist all the same. Tried again while it fails, until
+    /// `until` (when the record may have expired) passes. The record is
+    /// [`forgetting`](Self::forgetting) from this call on, so a retry
+    /// answered after it finds it.
+    pub fn later(self: &Arc<Self>, id: RecordId<'_>, attempt: i64, until: Instant) {
         let owned = owned(id);
         self.lock().entry(owned.clone()).or_default().push(attempt);
-        let (forgets, store) = (self.clone(), store.clone());
-        runtime.spawn(async move {
+        let forgets = self.clone();
+        self.runtime.spawn(async move {
             let (route, method, key) = &owned;
             let id = RecordId { route, method, key };
-            forgets.tries(&store, id, attempt, until).await;
+            forgets.tries(id, attempt, until).await;
             let mut pending = forgets.lock();
             if let Some(attempts) = pending.get_mut(&owned) {
                 attempts.retain(|a| *a != attempt);
@@ -124,6 +124,23 @@ impl Forgets {
                 }
             }
         });
+    }
+
+    /// [`later`](Self::later), but tried once first, before the answer:
+    /// where the store is likely answering (the upstream failed, not the
+    /// store), the key is free on every instance once the client hears.
+    pub async fn now_or_later(self: &Arc<Self>, id: RecordId<'_>, attempt: i64, until: Instant) {
+        if self.store.idem_forget(id, attempt).await.is_err() {
+            self.later(id, attempt, until);
+        }
+    }
+
+    /// Forgets `attempt`'s record of `id` now, one try: a retry taking back
+    /// the record of a request this instance never sent
+    /// ([`forgetting`](Self::forgetting)). Its background forget goes on
+    /// (and finds nothing more to do).
+    pub async fn take_back(&self, id: RecordId<'_>, attempt: i64) -> Result<(), StoreError> {
+        self.store.idem_forget(id, attempt).await
     }
 
     /// Whether this instance is forgetting `attempt`'s record of `id`: the
@@ -136,10 +153,10 @@ impl Forgets {
                 .is_some_and(|attempts| attempts.contains(&attempt))
     }
 
-    async fn tries(&self, store: &FenceStore, id: RecordId<'_>, attempt: i64, until: Instant) {
+    async fn tries(&self, id: RecordId<'_>, attempt: i64, until: Instant) {
         let mut permit = None;
         for tried in 0.. {
-            let Err(err) = store.idem_forget(id, attempt).await else {
+            let Err(err) = self.store.idem_forget(id, attempt).await else {
                 return;
             };
             let pause = PAUSES[tried.min(PAUSES.len() - 1)];

@@ -1307,8 +1307,8 @@ async fn a_record_inserted_while_its_batch_runs_is_found_live() {
 /// how a retry tells such a record from a live first use's. Two forgets of
 /// one key (a first use and a retry that both failed before forwarding)
 /// are both known; the one whose record does not exist lands at once, the
-/// other waits while the test holds the record's row locked (each of its
-/// tries times out) and lands once the lock goes. A forget of another
+/// other waits while the test holds the record's row locked and lands once
+/// the lock goes. A forget of another
 /// attempt or key is not taken for them.
 #[tokio::test]
 async fn forgets_are_known_per_attempt_until_they_land() {
@@ -1337,13 +1337,16 @@ async fn forgets_are_known_per_attempt_until_they_land() {
         .await
         .unwrap();
 
-    let forgets = Arc::new(fencegate::idempotency::Forgets::default());
     let runtime = tokio::runtime::Handle::current();
+    let forgets = Arc::new(fencegate::idempotency::Forgets::new(
+        (*store).clone(),
+        runtime,
+    ));
     let until = std::time::Instant::now() + Duration::from_secs(60);
     // This test's runtime has one thread: neither task runs before the
     // first await below, so both forgets are still to land here.
-    forgets.later(&store, &runtime, id, 1, until);
-    forgets.later(&store, &runtime, id, 2, until);
+    forgets.later(id, 1, until);
+    forgets.later(id, 2, until);
     assert!(forgets.forgetting(id, 1) && forgets.forgetting(id, 2));
     assert!(!forgets.forgetting(id, 3), "another attempt");
     assert!(!forgets.forgetting(other, 1), "another key");
@@ -1362,8 +1365,8 @@ async fn forgets_are_known_per_attempt_until_they_land() {
         }
     };
     waiting(2).await;
-    // Attempt 1's tries wait on the locked row (and time out) for as long
-    // as it is locked.
+    // Attempt 1's tries wait on the locked row (and time out, and try
+    // again) for as long as it is locked.
     tokio::time::sleep(Duration::from_millis(700)).await;
     assert!(
         forgets.forgetting(id, 1),

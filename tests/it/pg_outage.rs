@@ -853,6 +853,52 @@ async fn unknown_to_the_gateway(
     );
 }
 
+/// After a write raising `path`'s key to `highest` was lost on its way
+/// back (`unknown_to_the_gateway`), with `(stale, highest, body)`: the
+/// older token `stale` is refused with 409 naming `highest`, and `highest`
+/// again is forwarded with `body`, each after any 503s. A 503 may still
+/// come for the second (a loaded machine can delay the single-writer
+/// lock's confirmation past its lease, and the gateway then decides
+/// nothing); it forwards nothing, and the client retries. The upstream
+/// then saw exactly `bodies` on `path`, and no overlap. Answers the 503s
+/// before the second was forwarded.
+async fn stale_refused_then_forwarded(
+    app: &TestApp,
+    up: &Upstream,
+    path: &str,
+    (stale, highest, body): (&str, i64, &str),
+    bodies: &[&str],
+) -> Vec<String> {
+    let limit = Duration::from_secs(30);
+    let (refusal, refused) = until_not_503(limit, || {
+        fenced_put(&app.http, app.url(path), stale, "stale".to_string())
+    })
+    .await;
+    let answer = problem(refusal, 409).await;
+    assert_eq!(
+        answer["highest_token"], highest,
+        "after 503s {refused:?}: {answer}"
+    );
+    let token = highest.to_string();
+    let (again, refused) = until_not_503(limit, || {
+        fenced_put(&app.http, app.url(path), &token, body.to_string())
+    })
+    .await;
+    assert_eq!(
+        again.status(),
+        200,
+        "{highest} again after 503s {refused:?}"
+    );
+    assert_eq!(up.bodies_on(path), bodies);
+    assert_eq!(
+        arrivals(up, path),
+        bodies.len(),
+        "requests that arrived on {path}"
+    );
+    assert!(up.violations().is_empty(), "{:?}", up.violations());
+    refused
+}
+
 /// Single mode: a fence batch raises `doc:x` from 5 to 7 and commits, and
 /// its reply is lost on the way back; the connection then breaks. The
 /// gateway cannot know the outcome: the write is answered 503 and not
@@ -886,31 +932,8 @@ async fn a_fence_batch_whose_commit_reply_is_lost_is_not_outrun_by_the_cache() {
         "7 not forwarded"
     );
 
-    let limit = Duration::from_secs(30);
-    let (stale, refused) = until_not_503(limit, || {
-        fenced_put(&app.http, app.url("/docs/x"), "5", "stale".to_string())
-    })
-    .await;
-    let answer = problem(stale, 409).await;
-    assert_eq!(
-        answer["highest_token"], 7,
-        "after 503s {refused:?}: {answer}"
-    );
-    // A 503 may still come (a loaded machine can delay the writer lock's
-    // confirmation past its lease, and the gateway then decides nothing);
-    // it forwards nothing, and the client retries.
-    let (seven, refused) = until_not_503(limit, || {
-        fenced_put(&app.http, app.url("/docs/x"), "7", "seven".to_string())
-    })
-    .await;
-    assert_eq!(seven.status(), 200, "after 503s {refused:?}");
-    assert_eq!(up.bodies_on("/docs/x"), ["five", "cached", "seven"]);
-    assert_eq!(
-        arrivals(&up, "/docs/x"),
-        3,
-        "requests that arrived on /docs/x"
-    );
-    assert!(up.violations().is_empty(), "{:?}", up.violations());
+    let bodies = ["five", "cached", "seven"];
+    stale_refused_then_forwarded(&app, &up, "/docs/x", ("5", 7, "seven"), &bodies).await;
 }
 
 /// The in-flight record of `order-1`, counted on the test's own
@@ -1169,27 +1192,8 @@ async fn a_shared_admission_whose_commit_reply_is_lost_is_not_forwarded() {
     .await;
     assert_eq!(up.bodies_on("/docs/s"), ["five"], "6 not forwarded");
 
-    let limit = Duration::from_secs(30);
-    let (stale, refused) = until_not_503(limit, || {
-        fenced_put(&app.http, app.url("/docs/s"), "5", "stale".to_string())
-    })
-    .await;
-    let answer = problem(stale, 409).await;
-    assert_eq!(
-        answer["highest_token"], 6,
-        "after 503s {refused:?}: {answer}"
-    );
-    let (again, refused) = until_not_503(limit, || {
-        fenced_put(&app.http, app.url("/docs/s"), "6", "six".to_string())
-    })
-    .await;
-    assert_eq!(again.status(), 200, "6 again after 503s {refused:?}");
+    let bodies = ["five", "six"];
+    let refused =
+        stale_refused_then_forwarded(&app, &up, "/docs/s", ("5", 6, "six"), &bodies).await;
     assert_unavailable_or_busy(&refused);
-    assert_eq!(up.bodies_on("/docs/s"), ["five", "six"]);
-    assert_eq!(
-        arrivals(&up, "/docs/s"),
-        2,
-        "requests that arrived on /docs/s"
-    );
-    assert!(up.violations().is_empty(), "{:?}", up.violations());
 }
