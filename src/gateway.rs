@@ -782,10 +782,7 @@ impl FencedWrite {
             Ok(a) => a,
             Err(e) => return (false, Err(e)),
         };
-        state
-            .metrics
-            .decision_time
-            .observe(decided.elapsed().as_secs_f64());
+        state.metrics.decision_time.observe(decided.elapsed());
         if let Err(e) = self.may_start(&admission, answer, None) {
             return (false, Err(e));
         }
@@ -967,10 +964,7 @@ impl FencedWrite {
                 }
             }
         };
-        state
-            .metrics
-            .decision_time
-            .observe(decided.elapsed().as_secs_f64());
+        state.metrics.decision_time.observe(decided.elapsed());
         let record = Some((record_until, store_timeout));
         if let Err(e) = self.may_start(&admission, answer, record) {
             // Nothing was sent: the key's record goes.

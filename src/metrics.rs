@@ -1,14 +1,17 @@
 //! Prometheus metrics, served as text on the admin listener.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::encoding::{
+    EncodeLabelSet, EncodeLabelValue, EncodeMetric, LabelValueEncoder, MetricEncoder,
+};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::{MetricType, TypedMetric};
 use prometheus_client::registry::Registry;
 
 /// A label enum's `as_str` and its Prometheus encoding, from one list of
@@ -263,7 +266,7 @@ pub struct StoreErrorLabels {
     pub op: StoreOp,
 }
 
-type HistogramFamily<L> = Family<L, Histogram, fn() -> Histogram>;
+type HistogramFamily<L> = Family<L, Latency, fn() -> Latency>;
 
 /// Every metric the gateway exports. Cloning shares the same counters.
 #[derive(Clone)]
@@ -285,7 +288,7 @@ pub struct Metrics {
     /// Time fenced writes spent being decided, from arrival to admission:
     /// the store (shared mode: including waits for other instances' older
     /// writes) plus the wait at the gate for this instance's older writes.
-    pub decision_time: Histogram,
+    pub decision_time: Latency,
     /// Keys with writes in flight or waiting.
     pub gate_keys: Gauge,
     /// Lock API outcomes by backend and event (`grant`, `held`, `renew`,
@@ -322,8 +325,136 @@ pub struct RouteCounts {
     pub upstream_errors: std::collections::BTreeMap<&'static str, u64>,
 }
 
-fn latency_histogram() -> Histogram {
-    Histogram::new(exponential_buckets(0.0005, 2.0, 16))
+fn latency_histogram() -> Latency {
+    Latency::default()
+}
+
+/// Upper bound of a [`Latency`] histogram's first bucket: 0.5 ms.
+const FIRST_BOUND_NS: u64 = 500_000;
+/// Buckets with an upper bound, each twice the one before: 0.5 ms to
+/// 16.384 s. One more counts what is above them (`+Inf`).
+const BOUNDS: usize = 16;
+/// Shards of a [`Latency`]: more than the threads that observe at once (the
+/// traffic workers, one per CPU by default, and the store's runtime), so
+/// that two threads rarely share one.
+const SHARDS: usize = 8;
+
+/// A latency histogram written on the request path: per forward
+/// (`upstream_response_seconds`) and per fenced write
+/// (`decision_seconds`), by every traffic worker at once.
+///
+/// prometheus-client's `Histogram` takes a write lock per observation, and
+/// every worker thread takes the same one. A lock on the request path that
+/// every core takes is a stall waiting to happen on a loaded machine: a
+/// thread preempted while it holds the lock (a wake-up on its CPU is
+/// enough) leaves the other workers, and every connection they serve,
+/// waiting until it runs again. Here an observation is two relaxed atomic
+/// adds and nothing waits, and each thread adds into a shard of its own
+/// (a cache line apart), so the workers do not even pass the counters'
+/// cache lines between cores on every request.
+///
+/// A scrape sums the shards, and its count is the sum of its buckets, so
+/// `_count` and the `+Inf` bucket always agree; `_sum` may include an
+/// observation whose bucket the same scrape missed (or the reverse),
+/// which no rate over a window can tell.
+pub struct Latency {
+    shards: Arc<[Shard; SHARDS]>,
+}
+
+/// One thread's counts: nanoseconds summed, and a count per bucket.
+#[derive(Default)]
+#[repr(align(128))]
+struct Shard {
+    sum_ns: AtomicU64,
+    buckets: [AtomicU64; BOUNDS + 1],
+}
+
+impl Default for Latency {
+    fn default() -> Self {
+        Self {
+            shards: Arc::new(Default::default()),
+        }
+    }
+}
+
+impl Clone for Latency {
+    /// Clones share the counts, as prometheus-client's metrics do.
+    fn clone(&self) -> Self {
+        Self {
+            shards: self.shards.clone(),
+        }
+    }
+}
+
+impl std::fmt::Debug for Latency {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Latency").finish_non_exhaustive()
+    }
+}
+
+/// The shard the calling thread adds into: threads take shards in turn,
+/// the first time they observe.
+fn my_shard() -> usize {
+    static NEXT: AtomicUsize = AtomicUsize::new(0);
+    thread_local! {
+        static MINE: usize = NEXT.fetch_add(1, Ordering::Relaxed) % SHARDS;
+    }
+    MINE.with(|m| *m)
+}
+
+impl Latency {
+    pub fn observe(&self, d: Duration) {
+        let ns = u64::try_from(d.as_nanos()).unwrap_or(u64::MAX);
+        // The first bucket whose upper bound is at least `ns` (`le`).
+        let mut bound = FIRST_BOUND_NS;
+        let mut i = 0;
+        while i < BOUNDS && ns > bound {
+            bound *= 2;
+            i += 1;
+        }
+        let shard = &self.shards[my_shard()];
+        shard.buckets[i].fetch_add(1, Ordering::Relaxed);
+        shard.sum_ns.fetch_add(ns, Ordering::Relaxed);
+    }
+
+    /// The count, the sum in seconds, and each bucket's own count with its
+    /// upper bound in seconds, the last one's `f64::MAX` (`+Inf`): the
+    /// shape prometheus-client's encoder takes, which makes the counts
+    /// cumulative itself.
+    fn snapshot(&self) -> (u64, f64, Vec<(f64, u64)>) {
+        let mut per_bucket = [0u64; BOUNDS + 1];
+        let mut sum_ns = 0u64;
+        for shard in self.shards.iter() {
+            sum_ns = sum_ns.wrapping_add(shard.sum_ns.load(Ordering::Relaxed));
+            for (total, b) in per_bucket.iter_mut().zip(&shard.buckets) {
+                *total += b.load(Ordering::Relaxed);
+            }
+        }
+        let mut bound_ns = FIRST_BOUND_NS;
+        let mut buckets = Vec::with_capacity(BOUNDS + 1);
+        for n in &per_bucket[..BOUNDS] {
+            buckets.push((bound_ns as f64 / 1e9, *n));
+            bound_ns *= 2;
+        }
+        buckets.push((f64::MAX, per_bucket[BOUNDS]));
+        let count = per_bucket.iter().sum();
+        (count, sum_ns as f64 / 1e9, buckets)
+    }
+}
+
+impl TypedMetric for Latency {
+    const TYPE: MetricType = MetricType::Histogram;
+}
+
+impl EncodeMetric for Latency {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        let (count, sum, buckets) = self.snapshot();
+        encoder.encode_histogram::<()>(sum, count, &buckets, None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        Self::TYPE
+    }
 }
 
 impl Metrics {
@@ -448,7 +579,7 @@ impl Metrics {
             .get_or_create(&RouteLabels {
                 route: route.to_string(),
             })
-            .observe(d.as_secs_f64());
+            .observe(d);
     }
 
     /// One route's handles, for the request path.
@@ -492,6 +623,55 @@ mod tests {
         for line in lines {
             assert!(text.contains(line), "missing {line} in\n{text}");
         }
+    }
+
+    /// A `Latency` renders as prometheus-client's histogram did: the same
+    /// `le` bounds, cumulative counts, a `+Inf` bucket equal to the count,
+    /// and the sum in seconds; an observation on a bound counts in it.
+    #[test]
+    fn latency_renders_cumulative_buckets() {
+        let m = Metrics::new();
+        m.decision_time.observe(Duration::from_micros(500)); // on the first bound
+        m.decision_time.observe(Duration::from_micros(501)); // the next bucket
+        m.decision_time.observe(Duration::from_millis(3));
+        m.decision_time.observe(Duration::from_secs(60)); // above every bound
+        assert_rendered(
+            &m,
+            &[
+                "fencegate_decision_seconds_bucket{le=\"0.0005\"} 1\n",
+                "fencegate_decision_seconds_bucket{le=\"0.001\"} 2\n",
+                "fencegate_decision_seconds_bucket{le=\"0.002\"} 2\n",
+                "fencegate_decision_seconds_bucket{le=\"0.004\"} 3\n",
+                "fencegate_decision_seconds_bucket{le=\"16.384\"} 3\n",
+                "fencegate_decision_seconds_bucket{le=\"+Inf\"} 4\n",
+                "fencegate_decision_seconds_count 4\n",
+                "fencegate_decision_seconds_sum 60.004001\n",
+                "# TYPE fencegate_decision_seconds histogram",
+            ],
+        );
+    }
+
+    /// Observations from many threads at once are all counted, whichever
+    /// shards they land in, and clones count into the same histogram.
+    #[test]
+    fn latency_counts_every_thread() {
+        let latency = Latency::default();
+        std::thread::scope(|s| {
+            for t in 0..(2 * SHARDS as u64) {
+                let latency = latency.clone();
+                s.spawn(move || {
+                    for _ in 0..1000 {
+                        latency.observe(Duration::from_millis(t));
+                    }
+                });
+            }
+        });
+        let (count, sum, buckets) = latency.snapshot();
+        assert_eq!(count, 2000 * SHARDS as u64);
+        let expected: u64 = (0..2 * SHARDS as u64).map(|t| t * 1000).sum();
+        assert!((sum - expected as f64 / 1000.0).abs() < 1e-6, "sum {sum}");
+        assert_eq!(buckets.len(), BOUNDS + 1);
+        assert_eq!(buckets.iter().map(|b| b.1).sum::<u64>(), count);
     }
 
     #[test]
@@ -562,7 +742,7 @@ impl Default for Metrics {
 #[derive(Clone)]
 pub struct RouteMetrics {
     passthrough: Counter,
-    upstream_latency: Histogram,
+    upstream_latency: Latency,
     /// Decisions and upstream failures, shared with every other
     /// `RouteMetrics` of this route name.
     cells: Arc<RouteCells>,
@@ -577,7 +757,7 @@ impl RouteMetrics {
     }
 
     pub fn upstream_latency(&self, d: Duration) {
-        self.upstream_latency.observe(d.as_secs_f64());
+        self.upstream_latency.observe(d);
     }
 
     pub fn decision(&self, outcome: Outcome) {
