@@ -128,6 +128,17 @@ def machine():
     }
 
 
+def mean_with(s, again, how, tail=""):
+    """Makes scenario `s`'s rate the mean of its run and `again` (a second
+    run's rate, if there was one), and says so in its notes."""
+    if s["rps"] is None or again is None:
+        return
+    runs = [s["rps"], again]
+    s["rps"] = sum(runs) / len(runs)
+    s["runs"] = runs
+    s["notes"].append(f"mean of 2 {how}: " + ", ".join(f"{r:,.0f}" for r in runs) + tail)
+
+
 def build(a):
     out = a.out
     scen = []
@@ -138,13 +149,7 @@ def build(a):
             pg = pgbench(out)
             s["pgbench"] = pg
             s["rps"] = pg.get("tps")
-            again = pgbench(out, "g_r2").get("tps")
-            if s["rps"] is not None and again is not None:
-                runs = [s["rps"], again]
-                s["rps"] = sum(runs) / len(runs)
-                s["runs"] = runs
-                s["notes"].append("mean of 2 runs alternated with (e)'s: "
-                                  + ", ".join(f"{r:,.0f}" for r in runs))
+            mean_with(s, pgbench(out, "g_r2").get("tps"), "runs alternated with (e)'s")
             s["unit"] = "tps"
             s["tool"] = f"pgbench -c {a.conns} -j {a.threads} -T {a.duration} -n"
             if "failed" in pg and pg["failed"]:
@@ -168,22 +173,16 @@ def build(a):
                                   f"({w['s409']} of {answered})")
                 again = wrk(out, f"{sid}_r2")
                 if again:
-                    runs = [s["rps"], again["s2xx"] / (again["duration_us"] / 1e6)]
-                    s["rps"] = sum(runs) / len(runs)
-                    s["runs"] = runs
-                    s["notes"].append("mean of 2 runs alternated with (g)'s, the second on a "
-                                      "fresh gateway and database: "
-                                      + ", ".join(f"{r:,.0f}" for r in runs)
-                                      + f" (409s in the second: {again['s409']})")
+                    mean_with(s, again["s2xx"] / (again["duration_us"] / 1e6),
+                              "runs alternated with (g)'s, the second on a fresh gateway "
+                              "and database",
+                              f" (409s in the second: {again['s409']})")
             else:
                 s["rps"] = total / secs
                 again = wrk(out, f"{sid}_r2")
                 if again:
-                    runs = [s["rps"], again["requests"] / (again["duration_us"] / 1e6)]
-                    s["rps"] = sum(runs) / len(runs)
-                    s["runs"] = runs
-                    s["notes"].append("mean of 2 alternated runs: "
-                                      + ", ".join(f"{r:,.0f}" for r in runs))
+                    mean_with(s, again["requests"] / (again["duration_us"] / 1e6),
+                              "alternated runs")
             expect = "s409" if mode == "stale" else "s2xx"
             unexpected = w["s2xx"] + w["s409"] + w["sother"] - w[expect]
             if mode == "raise":

@@ -325,10 +325,6 @@ pub struct RouteCounts {
     pub upstream_errors: std::collections::BTreeMap<&'static str, u64>,
 }
 
-fn latency_histogram() -> Latency {
-    Latency::default()
-}
-
 /// Upper bound of a [`Latency`] histogram's first bucket: 0.5 ms.
 const FIRST_BOUND_NS: u64 = 500_000;
 /// Buckets with an upper bound, each twice the one before: 0.5 ms to
@@ -357,6 +353,8 @@ const SHARDS: usize = 8;
 /// `_count` and the `+Inf` bucket always agree; `_sum` may include an
 /// observation whose bucket the same scrape missed (or the reverse),
 /// which no rate over a window can tell.
+/// Clones share the counts, as prometheus-client's metrics do.
+#[derive(Clone, Default)]
 pub struct Latency {
     shards: Arc<[Shard; SHARDS]>,
 }
@@ -367,23 +365,6 @@ pub struct Latency {
 struct Shard {
     sum_ns: AtomicU64,
     buckets: [AtomicU64; BOUNDS + 1],
-}
-
-impl Default for Latency {
-    fn default() -> Self {
-        Self {
-            shards: Arc::new(Default::default()),
-        }
-    }
-}
-
-impl Clone for Latency {
-    /// Clones share the counts, as prometheus-client's metrics do.
-    fn clone(&self) -> Self {
-        Self {
-            shards: self.shards.clone(),
-        }
-    }
 }
 
 impl std::fmt::Debug for Latency {
@@ -480,7 +461,7 @@ impl Metrics {
         );
         let passthrough = Family::<RouteLabels, Counter>::default();
         let upstream_latency: HistogramFamily<RouteLabels> =
-            Family::new_with_constructor(latency_histogram);
+            Family::new_with_constructor(Latency::default);
         let upstream_errors = Family::<UpstreamErrorLabels, Counter>::default();
         let store_errors = Family::<StoreErrorLabels, Counter>::default();
         // Every operation from the start, at 0, for the same reason as the
@@ -488,7 +469,7 @@ impl Metrics {
         for op in [StoreOp::Record, StoreOp::Get, StoreOp::Ping] {
             let _ = store_errors.get_or_create(&StoreErrorLabels { op });
         }
-        let decision_time = latency_histogram();
+        let decision_time = Latency::default();
         let gate_keys = Gauge::default();
         let lock_events = Family::<LockLabels, Counter>::default();
         registry.register(
@@ -572,14 +553,6 @@ impl Metrics {
         self.store_errors
             .get_or_create(&StoreErrorLabels { op })
             .inc();
-    }
-
-    pub fn upstream_latency(&self, route: &str, d: Duration) {
-        self.upstream_latency
-            .get_or_create(&RouteLabels {
-                route: route.to_string(),
-            })
-            .observe(d);
     }
 
     /// One route's handles, for the request path.
