@@ -19,7 +19,10 @@
 # `wrk -t2 -c64 -d<S>s` of each scenario in turn. CPU per 2xx answer is taken
 # from /proc: fencegate's process, and every Postgres server process alive at
 # the end of the run (backends a gateway opens during it included; see
-# `pg_ticks_since` in bench/lib.sh).
+# `pg_ticks_since` in bench/lib.sh). "2xx/xact" is 2xx answers per Postgres
+# transaction that wrote during the run (counted by transaction ids, which
+# only writing transactions take): for raising writes, the mean number of
+# decisions per fence batch.
 #
 # Why a script: an A/B by hand is easily wrong. A gateway stopped with a
 # signal drains before it exits; one still draining when the next round's
@@ -99,7 +102,7 @@ EOF
 fg_routes "$P_UP" >> "$W/fencegate.toml"
 
 echo "bench/ab.sh: ${#BINS[@]} binaries x $ROUNDS rounds, $MODE mode, wrk -t2 -c64 -d${SECONDS_PER}s; outputs in $W"
-printf '%-3s %-28s %-7s %10s %12s %12s %s\n' rnd binary mode "2xx/s" "fg us/2xx" "pg us/2xx" note
+printf '%-3s %-28s %-7s %10s %12s %12s %8s %s\n' rnd binary mode "2xx/s" "fg us/2xx" "pg us/2xx" "2xx/xact" note
 for round in $(seq 1 "$ROUNDS"); do
     for bin in "${BINS[@]}"; do
         stop_gateway
@@ -118,15 +121,16 @@ for round in $(seq 1 "$ROUNDS"); do
                 raise) prefix="r$round-" ;;
                 *) prefix=k ;;
             esac
-            before=$(ticks "$FG"); pg_snapshot > "$W/pg_before"
+            before=$(ticks "$FG"); pg_snapshot > "$W/pg_before"; xid0=$(xact_id)
             wrk -t2 -c64 -d"${SECONDS_PER}s" -s "$REPO/bench/fenced.lua" "http://127.0.0.1:$P_FG" \
                 -- "$sc" 10000 "$prefix" 2 > "$W/wrk.txt"
             after=$(ticks "$FG")
+            xacts=$(( $(xact_id) - xid0 - 1 ))   # the second xact_id took one
             per=2xx
             [ "$sc" = stale ] && per=all   # every answer a 409
             printf '%-3s %-28s %-7s ' "$round" "$(basename "$bin" | cut -c1-28)" "$sc"
             python3 "$REPO/bench/util.py" cost "$W/wrk.txt" "$((after - before))" \
-                "$(pg_ticks_since "$W/pg_before")" "$per"
+                "$(pg_ticks_since "$W/pg_before")" "$per" "$xacts"
         done
         if grep -q "single-writer lock" "$W/fencegate.log"; then
             echo "    note: this gateway logged about its single-writer lock (see $W/fencegate.log)"

@@ -67,6 +67,12 @@ ticks() { # pid
     echo "$t"
 }
 
+# A new transaction id, taken for the asking: the difference of two, less
+# one, is how many transactions wrote anywhere in the cluster in between.
+xact_id() {
+    psql -qAtX -d postgres -c "SELECT pg_current_xact_id()"
+}
+
 # Every Postgres server process now (the gateway's backends, and the WAL
 # writer and checkpointer its commits make work), one "pid ticks" line
 # each: what `pg_ticks_since` counts from.

@@ -118,8 +118,9 @@ mkdir -p "$OUT"
 echo "$LOADAVG_START" > "$OUT/loadavg_start.txt"
 MEMDIR=""
 PIDS=()
-DB_CREATED=no
-DBS_CREATED=no
+# Every database a gateway of this run was given (see start_pg_gateway):
+# the exit trap drops them all.
+CREATED_DBS=()
 
 stop_pid() {
     local pid=$1 i
@@ -133,16 +134,12 @@ stop_pid() {
 }
 
 cleanup() {
-    local rc=$? pid
+    local rc=$? pid db
     set +e
     for pid in "${PIDS[@]}"; do stop_pid "$pid"; done
-    if [ "$DB_CREATED" = yes ]; then
-        psql -qX -d postgres -c "DROP DATABASE IF EXISTS $DB WITH (FORCE)" >/dev/null 2>&1
-    fi
-    if [ "$DBS_CREATED" = yes ]; then
-        psql -qX -d postgres -c "DROP DATABASE IF EXISTS ${DB}_shared WITH (FORCE)" >/dev/null 2>&1
-        psql -qX -d postgres -c "DROP DATABASE IF EXISTS ${DB}_e2 WITH (FORCE)" >/dev/null 2>&1
-    fi
+    for db in "${CREATED_DBS[@]}"; do
+        psql -qX -d postgres -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null 2>&1
+    done
     [ -n "$MEMDIR" ] && rm -rf "$MEMDIR"
     if [ "${BENCH_KEEP:-0}" = 1 ]; then
         log "kept $WORK"
@@ -279,11 +276,18 @@ start_fg() { # config, listen port, admin port, log, [scheme, default http]
         || { tail -n 30 "$4" >&2; die "fencegate ($1) does not proxy GET /docs/k1"; }
 }
 
-psql -qX -d postgres -c "CREATE DATABASE $DB" >/dev/null
-DB_CREATED=yes
-fg_conf "$WORK/fg-pg.toml" "$P_FG" "$P_FGA" "postgres://$PGUSER@$PGHOST:$PGPORT/$DB"
-log "starting fencegate on :$P_FG (admin :$P_FGA), Postgres database $DB"
-start_fg "$WORK/fg-pg.toml" "$P_FG" "$P_FGA" "$WORK/fg-pg.log"
+# A gateway on a fresh Postgres database of its own: name (of its config
+# and log in $WORK), database, listen port, admin port, [mode, default
+# single]. Sets FG_PID.
+start_pg_gateway() {
+    psql -qX -d postgres -c "CREATE DATABASE $2" >/dev/null
+    CREATED_DBS+=("$2")
+    fg_conf "$WORK/fg-$1.toml" "$3" "$4" "postgres://$PGUSER@$PGHOST:$PGPORT/$2" "${5:-single}"
+    log "starting fencegate ($1) on :$3 (admin :$4), ${5:-single} mode, Postgres database $2"
+    start_fg "$WORK/fg-$1.toml" "$3" "$4" "$WORK/fg-$1.log"
+}
+
+start_pg_gateway pg "$DB" "$P_FG" "$P_FGA"
 FG_MAIN_PID=$FG_PID
 
 # A quick functional check that the scenarios mean what they say.
@@ -449,12 +453,7 @@ forget_pid "$FG_MAIN_PID"
 # (j) shared mode: raising writes through one instance of mode = "shared" on
 # a database of its own (the single-mode gateway's lock is not in the way,
 # and its keys are not there).
-DB_SH="${DB}_shared"
-psql -qX -d postgres -c "CREATE DATABASE $DB_SH" >/dev/null
-DBS_CREATED=yes
-fg_conf "$WORK/fg-shared.toml" "$P_SH" "$P_SHA" "postgres://$PGUSER@$PGHOST:$PGPORT/$DB_SH" shared
-log "starting fencegate in shared mode on :$P_SH (admin :$P_SHA), database $DB_SH"
-start_fg "$WORK/fg-shared.toml" "$P_SH" "$P_SHA" "$WORK/fg-shared.log"
+start_pg_gateway shared "${DB}_shared" "$P_SH" "$P_SHA" shared
 SH_PID=$FG_PID
 run_wrk j "$P_SH" raise
 python3 "$BENCH/util.py" metric "http://127.0.0.1:$P_SHA/metrics" fencegate_decisions_total \
@@ -511,12 +510,7 @@ if [ "$MODE" = full ]; then
     # each. The second (e) runs on a fresh gateway and database, seeded as
     # the first was: the first run's raised tokens would make its requests
     # stale.
-    DB_E2="${DB}_e2"
-    psql -qX -d postgres -c "CREATE DATABASE $DB_E2" >/dev/null
-    DBS_CREATED=yes
-    fg_conf "$WORK/fg-e2.toml" "$P_FG" "$P_FGA" "postgres://$PGUSER@$PGHOST:$PGPORT/$DB_E2"
-    log "starting fencegate on :$P_FG (admin :$P_FGA), Postgres database $DB_E2, for (e) again"
-    start_fg "$WORK/fg-e2.toml" "$P_FG" "$P_FGA" "$WORK/fg-e2.log"
+    start_pg_gateway e2 "${DB}_e2" "$P_FG" "$P_FGA"
     E2_PID=$FG_PID
     python3 "$BENCH/util.py" seed "http://127.0.0.1:$P_FG" k "$NKEYS" 1 >&2 \
         || die "seeding for (e) again failed (not every PUT answered 2xx)"

@@ -10,7 +10,7 @@ library only).
                                           exit 1 unless every answer is 2xx
     util.py rate WRK_OUT                  half of the wrk run's success throughput
                                           (2xx/s; 409/s for a run answered 409 only)
-    util.py cost WRK_OUT FG PG [all]      answers/s of a wrk run of fenced.lua, and CPU
+    util.py cost WRK_OUT FG PG [all] [XACTS]  answers/s of a wrk run of fenced.lua, and CPU
                                           µs per answer of fencegate and Postgres from
                                           their clock ticks FG and PG (2xx answers; every
                                           answer with `all`)
@@ -133,10 +133,12 @@ def rate(path):
     print(max(1, int(good / secs / 2)))
 
 
-def cost(path, fg_ticks, pg_ticks, per="2xx"):
+def cost(path, fg_ticks, pg_ticks, per="2xx", xacts=None):
     """A wrk run of bench/fenced.lua and the CPU it cost: answers per second
     and fencegate's and Postgres's microseconds per answer, counting 2xx
-    answers (`per` "2xx") or every answer ("all": a run of 409s)."""
+    answers (`per` "2xx") or every answer ("all": a run of 409s). With
+    `xacts`, the transactions that wrote during the run: answers per
+    transaction is the mean size of the store's batches."""
     w = parse_wrk(path)
     secs = w["duration_us"] / 1e6
     counted = w["s2xx"] if per == "2xx" else w["requests"]
@@ -149,7 +151,8 @@ def cost(path, fg_ticks, pg_ticks, per="2xx"):
         note = f"  ({other} not 2xx: {w['s409']} 409, {w['sother']} other)"
     elif per != "2xx":
         note = "  (per answer)"
-    print(f"{counted / secs:>10,.0f} {fg:>12.1f} {pg:>12.1f}{note}")
+    per_xact = f"{counted / int(xacts):>8.1f}" if xacts and int(xacts) > 0 else f"{'-':>8}"
+    print(f"{counted / secs:>10,.0f} {fg:>12.1f} {pg:>12.1f} {per_xact}{note}")
 
 
 def metric(url, name, match=""):

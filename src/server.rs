@@ -236,6 +236,29 @@ async fn drain(graceful: GracefulShutdown, limits: Limits) {
     }
 }
 
+/// Keeps a near timer pending on a worker's runtime, so that the runtime
+/// never parks with no timer due soon.
+///
+/// tokio's timer wheel wakes the runtime's driver (a write to its eventfd,
+/// and a later `epoll_wait` that returns only for it) whenever a timer is
+/// registered that is due before the earliest one the driver knew of when
+/// it last parked, or when it parked with none at all: and a worker with
+/// no request in flight has none, so the route timeout of the next request
+/// it takes paid that wake. With this tick pending, the driver always parks
+/// with a timer at most `TIMER_FLOOR` away, and the request timers (the
+/// route timeout, hyper's header-read timeout: seconds) are later than it.
+async fn timer_floor() {
+    let mut tick = tokio::time::interval(TIMER_FLOOR);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+    }
+}
+
+/// See [`timer_floor`]: shorter than any request timer worth a wake, long
+/// enough that the tick itself costs nothing.
+const TIMER_FLOOR: Duration = Duration::from_millis(500);
+
 /// An accepted connection on its way to a worker.
 type HandOff = (std::net::TcpStream, SocketAddr, OwnedSemaphorePermit);
 
@@ -280,6 +303,7 @@ impl Workers {
                 .name(format!("fencegate-worker-{i}"))
                 .spawn(move || {
                     runtime.block_on(async move {
+                        tokio::spawn(timer_floor());
                         let graceful = GracefulShutdown::new();
                         // Ends when the acceptor stops (shutdown).
                         while let Some((stream, peer, permit)) = take.recv().await {
