@@ -64,6 +64,16 @@ pub const OWNER_LEASE: Duration = Duration::from_secs(2);
 const OWNER_CHECK: Duration = Duration::from_millis(250);
 /// How often a lost single-writer lock is tried again.
 const OWNER_RETRY: Duration = Duration::from_millis(500);
+/// How long a starting instance keeps trying for a single-writer lock that
+/// another session holds before it refuses to start. A predecessor killed a
+/// moment ago (a crash, `kill -9`, a supervisor's restart) holds the lock
+/// until its server process has read the closed connection and ended,
+/// which takes a moment, longer on a loaded machine; an instance restarted
+/// at once must not be refused for that. An instance that is alive keeps
+/// the lock, and the new one is refused after this wait.
+const HELD_AT_START: Duration = Duration::from_secs(3);
+/// Between two tries within [`HELD_AT_START`].
+const HELD_AT_START_RETRY: Duration = Duration::from_millis(100);
 
 /// Whether the server takes writes, asked of every new connection.
 const WRITABLE: &str =
@@ -671,17 +681,24 @@ impl OwnerLock {
         timeout: Duration,
         view: Arc<ServerView>,
     ) -> Result<Arc<Self>, StoreError> {
-        let asked = Instant::now();
-        let conn = match try_lock(&opts, timeout).await {
-            Ok(Attempt::Taken(conn)) => conn,
-            Ok(Attempt::HeldElsewhere) => {
-                return Err(StoreError::Other(
-                    "another fencegate instance in \"single\" mode is using this store; \
-                     stop it first, or run every instance with [store] mode = \"shared\""
-                        .into(),
-                ))
+        let first = Instant::now();
+        let (conn, asked) = loop {
+            let asked = Instant::now();
+            match try_lock(&opts, timeout).await {
+                Ok(Attempt::Taken(conn)) => break (conn, asked),
+                // Held by a session that may be ending: see `HELD_AT_START`.
+                Ok(Attempt::HeldElsewhere) if first.elapsed() < HELD_AT_START => {
+                    tokio::time::sleep(HELD_AT_START_RETRY).await
+                }
+                Ok(Attempt::HeldElsewhere) => {
+                    return Err(StoreError::Other(
+                        "another fencegate instance in \"single\" mode is using this store; \
+                         stop it first, or run every instance with [store] mode = \"shared\""
+                            .into(),
+                    ))
+                }
+                Err(e) => return Err(e),
             }
-            Err(e) => return Err(e),
         };
         let (tx, rx) = tokio::sync::oneshot::channel::<Arc<OwnerLock>>();
         let task = tokio::spawn(async move {

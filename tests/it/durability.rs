@@ -2,8 +2,12 @@
 //! graceful restart and a kill -9, on both stores. And only one `single`
 //! instance may use a store.
 
+use std::time::{Duration, Instant};
+
+use sqlx::{Connection, PgConnection};
+
 use crate::support::app::{config_text, docs_route, problem, TestApp};
-use crate::support::db::{Backend, TestStore};
+use crate::support::db::{Backend, TestStore, SINGLE_WRITER_NAMESPACE};
 use crate::support::fenced_put;
 use crate::support::per_store;
 use crate::support::process::GatewayProcess;
@@ -84,6 +88,40 @@ async fn second_single_instance_is_refused(b: Backend) {
     // Once the first stops, a new instance may start.
     first.stop().await;
     TestApp::spawn(&store.url, &docs_route(&up.url())).await;
+}
+
+/// An instance started while the single-writer lock is still held by a
+/// session that ends a moment later (a predecessor killed a moment ago,
+/// whose server process has not yet noticed) waits for the lock instead
+/// of refusing to start; then it decides.
+#[tokio::test]
+async fn a_restart_waits_for_a_crashed_instance_session_to_end() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    // The predecessor's session, holding the lock until it closes.
+    let mut session = PgConnection::connect(&store.url).await.unwrap();
+    sqlx::query("SELECT pg_advisory_lock($1::int4, 1)")
+        .bind(SINGLE_WRITER_NAMESPACE)
+        .execute(&mut session)
+        .await
+        .unwrap();
+    let held_for = Duration::from_millis(800);
+    let ends = tokio::spawn(async move {
+        tokio::time::sleep(held_for).await;
+        session.close().await.unwrap();
+    });
+    let started = Instant::now();
+    let app = TestApp::try_spawn(&store.url, &docs_route(&up.url()))
+        .await
+        .unwrap_or_else(|e| panic!("refused to start while the old session was ending: {e}"));
+    assert!(
+        started.elapsed() >= held_for,
+        "started after {:?}, while the lock was still held",
+        started.elapsed()
+    );
+    ends.await.unwrap();
+    assert_eq!(app.put("/docs/a", Some("1"), "x").await.status(), 200);
+    assert_eq!(up.applied().len(), 1);
 }
 
 per_store!(#[tokio::test] restart_after_crash_waits_for_in_flight_writes => restart_after_crash_waits_for_in_flight_writes_sqlite, restart_after_crash_waits_for_in_flight_writes_postgres);

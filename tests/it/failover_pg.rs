@@ -34,6 +34,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::support::app::{assert_detail_says, config_text, docs_route, problem, route, TestApp};
+use crate::support::db::SINGLE_WRITER_NAMESPACE;
 use crate::support::fenced_put;
 use crate::support::pg::PrivatePg;
 use crate::support::process::GatewayProcess;
@@ -47,8 +48,6 @@ const RECOVERY_BOUND: Duration = Duration::from_millis(STORE_TIMEOUT.as_millis()
 /// A 503 during the outage comes within `timeout_ms`; the slack is for a
 /// loaded machine, not a performance claim.
 const PROMPT: Duration = Duration::from_millis(STORE_TIMEOUT.as_millis() as u64 + 1500);
-/// `classid` of the single-writer lock in `pg_locks` ("FGAT").
-const SINGLE_WRITER_NAMESPACE: i64 = 0x4647_4154;
 
 /// A TCP proxy standing in for a VIP: it forwards to one server, and
 /// moving it cuts every open connection, as a moved address does.

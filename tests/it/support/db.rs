@@ -19,6 +19,10 @@ pub fn admin_url() -> String {
 }
 
 /// A store for one test; removed when dropped.
+/// The single-writer lock's first key (`classid` in `pg_locks`, "FGAT");
+/// its second is 1.
+pub const SINGLE_WRITER_NAMESPACE: i64 = 0x4647_4154;
+
 pub struct TestStore {
     pub url: String,
     _dir: Option<tempfile::TempDir>,
