@@ -20,7 +20,8 @@
 //! are alternated within each round, on one table, so a machine that
 //! slows down during the run slows every variant alike.
 //!
-//! Usage: `pgclients [URL] [--batches 8,32,128] [--rows N] [--rounds R]`,
+//! Usage: `pgclients [URL] [--batches 8,32,128] [--rows N] [--rounds R]
+//! [--variants sqlx,tokio-pg,...] [--fillfactor F]`,
 //! URL defaulting to postgres://postgres@127.0.0.1:5432/postgres (the
 //! server must be on this machine: its backends' CPU is read from /proc).
 
@@ -283,6 +284,8 @@ async fn main() -> Result<(), Error> {
     let mut sizes = vec![8usize, 32, 128];
     let mut rows = 100_000usize;
     let mut rounds = 3usize;
+    let mut variants: Vec<String> = VARIANTS.iter().map(|v| v.to_string()).collect();
+    let mut fillfactor = 100u32;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = || args.next().ok_or(format!("{a} needs a value"));
@@ -295,6 +298,10 @@ async fn main() -> Result<(), Error> {
             }
             "--rows" => rows = value()?.parse()?,
             "--rounds" => rounds = value()?.parse()?,
+            "--variants" => variants = value()?.split(',').map(str::to_string).collect(),
+            // The table's fillfactor: below 100, pages keep room for the
+            // new versions of their rows (heap-only updates).
+            "--fillfactor" => fillfactor = value()?.parse()?,
             _ if a.starts_with("postgres") => url = a,
             _ => return Err(format!("unknown argument {a}").into()),
         }
@@ -309,24 +316,32 @@ async fn main() -> Result<(), Error> {
         .await?;
     let base = url.rsplit_once('/').map_or(url.as_str(), |(b, _)| b);
     let dburl = format!("{base}/{db}");
-    let outcome = measure_all(&dburl, &sizes, rows, rounds).await;
+    let outcome = measure_all(&dburl, &sizes, rows, rounds, &variants, fillfactor).await;
     sqlx::query(&format!("DROP DATABASE {db} WITH (FORCE)"))
         .execute(&mut admin)
         .await?;
     outcome
 }
 
-async fn measure_all(url: &str, sizes: &[usize], rows: usize, rounds: usize) -> Result<(), Error> {
+async fn measure_all(
+    url: &str,
+    sizes: &[usize],
+    rows: usize,
+    rounds: usize,
+    variants: &[String],
+    fillfactor: u32,
+) -> Result<(), Error> {
     let (mut conn, _) = sqlx_conn(url).await?;
     // The gateway's table (migrations/postgres/0001 and its byte-order
     // index), seeded as the benchmark seeds it.
-    sqlx::raw_sql(
+    sqlx::raw_sql(&format!(
         "CREATE TABLE fences (
              resource_key  TEXT PRIMARY KEY,
              highest_token BIGINT NOT NULL CHECK (highest_token >= 0),
-             updated_at    TIMESTAMPTZ NOT NULL DEFAULT now());
-         CREATE INDEX fences_key_bytes ON fences (resource_key COLLATE \"C\");",
-    )
+             updated_at    TIMESTAMPTZ NOT NULL DEFAULT now())
+             WITH (fillfactor = {fillfactor});
+         CREATE INDEX fences_key_bytes ON fences (resource_key COLLATE \"C\");"
+    ))
     .execute(&mut conn)
     .await?;
     sqlx::query(
@@ -351,7 +366,7 @@ async fn measure_all(url: &str, sizes: &[usize], rows: usize, rounds: usize) -> 
     for round in 1..=rounds {
         for &size in sizes {
             let batches = (rows / size).max(1);
-            for variant in VARIANTS {
+            for variant in variants.iter().map(String::as_str) {
                 let s = run(variant, url, size, batches, &mut src).await?;
                 println!(
                     "{variant}\t{size}\t{round}\t{:.0}\t{:.1}\t{:.1}\t{:.2}\t{:.2}",
@@ -368,7 +383,7 @@ async fn measure_all(url: &str, sizes: &[usize], rows: usize, rounds: usize) -> 
     println!("\nmedian of {rounds} rounds");
     println!("variant\tbatch\trows/s\tclient_us/row\tserver_us/row");
     for &size in sizes {
-        for variant in VARIANTS {
+        for variant in variants.iter().map(String::as_str) {
             let mine: Vec<&Sample> = all
                 .iter()
                 .filter(|(b, v, _)| *b == size && *v == variant)
@@ -387,5 +402,18 @@ async fn measure_all(url: &str, sizes: &[usize], rows: usize, rounds: usize) -> 
             );
         }
     }
+    // How many of the updates were heap-only (no new index entries): the
+    // statistics are flushed by the backends that made them, so wait a
+    // moment for the last ones.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let (upd, hot): (i64, i64) = sqlx::query_as(
+        "SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'fences'",
+    )
+    .fetch_one(&mut conn)
+    .await?;
+    println!(
+        "\nfillfactor {fillfactor}: {hot} of {upd} updates heap-only ({:.0}%)",
+        100.0 * hot as f64 / upd.max(1) as f64
+    );
     Ok(())
 }
