@@ -408,23 +408,23 @@ run_wrk c "$P_FG" get
 # same load.
 run_oha_same b "$P_NGX" c
 run_oha c "/docs/$SEEDED_RE" GET -
-if [ "$MODE" = full ]; then
-    # Two more open-loop runs of each, alternated: one 10 s run's p99 on a
-    # shared 2-core machine is set by whatever stalls happened in it (p99
-    # c/b went from 0.93 to 9.08 between runs of the same code). The report
-    # takes each proxy's median of its three runs.
-    for r in 2 3; do
-        run_oha_same "b_r$r" "$P_NGX" c
-        run_oha_same "c_r$r" "$P_FG" c
-    done
-fi
-if [ "$MODE" = full ]; then
-    # (b) and (c) once more, alternated: c/b is the closest target, and one
-    # run each on a shared 2-core machine swings by 10-20%. The report uses
-    # the mean of the two runs of each.
-    run_wrk b_r2 "$P_NGX" get
-    run_wrk c_r2 "$P_FG" get
-fi
+# The repeated runs below happen in smoke mode too (1 s each), so that
+# CI's smoke run goes through them and through the report's means and
+# medians of them.
+#
+# Two more open-loop runs of each, alternated: one 10 s run's p99 on a
+# shared 2-core machine is set by whatever stalls happened in it (p99 c/b
+# went from 0.93 to 9.08 between runs of the same code). The report takes
+# each proxy's median of its three runs.
+for r in 2 3; do
+    run_oha_same "b_r$r" "$P_NGX" c
+    run_oha_same "c_r$r" "$P_FG" c
+done
+# (b) and (c) once more, alternated: c/b is the closest target, and one run
+# each on a shared 2-core machine swings by 10-20%. The report uses the
+# mean of the two runs of each.
+run_wrk b_r2 "$P_NGX" get
+run_wrk c_r2 "$P_FG" get
 run_wrk d "$P_FG" reuse
 run_oha d "/docs/$SEEDED_RE" PUT 1
 run_wrk e "$P_FG" raise
@@ -478,10 +478,8 @@ if [ "$MODE" = full ]; then
 fi
 run_wrk k "$P_NGXS" get k https
 run_wrk l "$P_FGS" get k https
-if [ "$MODE" = full ]; then
-    run_wrk k_r2 "$P_NGXS" get k https
-    run_wrk l_r2 "$P_FGS" get k https
-fi
+run_wrk k_r2 "$P_NGXS" get k https
+run_wrk l_r2 "$P_FGS" get k https
 stop_pid "$TLS_PID"
 forget_pid "$TLS_PID"
 
@@ -502,23 +500,21 @@ EOF
     grep -E '^(tps|number of (transactions|failed))' "$OUT/pgbench_$1.txt" | sed 's/^/    /' >&2
 }
 run_pgbench g
-if [ "$MODE" = full ]; then
-    # (e) and (g) once more, alternated: e/g compares two scenarios that
-    # wait on commits, and one run of each swings by 15-20% on a shared
-    # 2-core machine (raising writes 15k-20k/s, pgbench 5.6k-6.9k tps, in
-    # runs minutes apart). The report uses the mean of the two runs of
-    # each. The second (e) runs on a fresh gateway and database, seeded as
-    # the first was: the first run's raised tokens would make its requests
-    # stale.
-    start_pg_gateway e2 "${DB}_e2" "$P_FG" "$P_FGA"
-    E2_PID=$FG_PID
-    python3 "$BENCH/util.py" seed "http://127.0.0.1:$P_FG" k "$NKEYS" 1 >&2 \
-        || die "seeding for (e) again failed (not every PUT answered 2xx)"
-    run_wrk e_r2 "$P_FG" raise
-    stop_pid "$E2_PID"
-    forget_pid "$E2_PID"
-    run_pgbench g_r2
-fi
+# (e) and (g) once more, alternated: e/g compares two scenarios that
+# wait on commits, and one run of each swings by 15-20% on a shared
+# 2-core machine (raising writes 15k-20k/s, pgbench 5.6k-6.9k tps, in
+# runs minutes apart). The report uses the mean of the two runs of
+# each. The second (e) runs on a fresh gateway and database, seeded as
+# the first was: the first run's raised tokens would make its requests
+# stale.
+start_pg_gateway e2 "${DB}_e2" "$P_FG" "$P_FGA"
+E2_PID=$FG_PID
+python3 "$BENCH/util.py" seed "http://127.0.0.1:$P_FG" k "$NKEYS" 1 >&2 \
+    || die "seeding for (e) again failed (not every PUT answered 2xx)"
+run_wrk e_r2 "$P_FG" raise
+stop_pid "$E2_PID"
+forget_pid "$E2_PID"
+run_pgbench g_r2
 
 # Resident memory after MEM_KEYS distinct keys, on a fresh SQLite-backed gateway.
 # The SQLite file lives on /dev/shm when it is there (the fsyncs are then
