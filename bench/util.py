@@ -151,8 +151,13 @@ def cost(path, fg_ticks, pg_ticks, per="2xx", xacts=None):
         note = f"  ({other} not 2xx: {w['s409']} 409, {w['sother']} other)"
     elif per != "2xx":
         note = "  (per answer)"
-    per_xact = f"{counted / int(xacts):>8.1f}" if xacts and int(xacts) > 0 else f"{'-':>8}"
-    print(f"{counted / secs:>10,.0f} {fg:>12.1f} {pg:>12.1f} {per_xact}{note}")
+    # A column only for callers that count transactions (bench/ab.sh), whose
+    # header has it.
+    per_xact = ""
+    if xacts is not None:
+        n = int(xacts)
+        per_xact = f" {counted / n:>8.1f}" if n > 0 else f" {'-':>8}"
+    print(f"{counted / secs:>10,.0f} {fg:>12.1f} {pg:>12.1f}{per_xact}{note}")
 
 
 def metric(url, name, match=""):

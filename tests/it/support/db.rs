@@ -18,11 +18,11 @@ pub fn admin_url() -> String {
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_string())
 }
 
-/// A store for one test; removed when dropped.
 /// The single-writer lock's first key (`classid` in `pg_locks`, "FGAT");
 /// its second is 1.
 pub const SINGLE_WRITER_NAMESPACE: i64 = 0x4647_4154;
 
+/// A store for one test; removed when dropped.
 pub struct TestStore {
     pub url: String,
     _dir: Option<tempfile::TempDir>,
