@@ -37,7 +37,9 @@ const GATEWAY_STORE: &str = include_str!("../../../src/store/postgres.rs");
 static STATEMENT: std::sync::OnceLock<String> = std::sync::OnceLock::new();
 
 fn statement() -> &'static str {
-    STATEMENT.get().map_or("", String::as_str)
+    STATEMENT
+        .get()
+        .expect("main sets the statement before any batch")
 }
 
 /// The gateway's `RECORD_BATCH` statement, as written in its source.
