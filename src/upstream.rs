@@ -41,6 +41,8 @@
 //! second, slower code path for plain HTTP.
 
 use std::collections::HashMap;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::task::{Context, Poll};
@@ -135,10 +137,24 @@ struct Conn {
 /// dropped mid-exchange keeps it, so its driver still closes it in time.
 #[derive(Default)]
 struct Cutoff {
-    armed: Mutex<Option<Armed>>,
-    /// Wakes the driver to look at a new deadline. A clear needs no wake:
-    /// the driver finds it when the old deadline passes.
+    state: Mutex<CutoffState>,
+    /// Wakes the driver to look at a deadline earlier than its timer. A
+    /// clear needs no wake: the driver finds it when its timer fires.
     changed: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct CutoffState {
+    armed: Option<Armed>,
+    /// When the driver's timer fires, as the driver last set it (`None`:
+    /// it has none). An exchange whose deadline is no earlier needs no wake:
+    /// the driver looks again when that timer fires, and sets it anew then.
+    /// Deadlines of successive exchanges on a connection only grow (each is
+    /// its start plus the route's timeout), so only a connection's first
+    /// fenced exchange, or one on a route with a shorter timeout, wakes the
+    /// driver: waking it for every fenced write cost a task poll and a
+    /// timer moved in the wheel, each time.
+    watching: Option<Instant>,
 }
 
 /// A deadline, and who to tell when the connection closed itself at it.
@@ -155,12 +171,12 @@ pub trait OnCut: Send + Sync {
 }
 
 impl Cutoff {
-    fn lock(&self) -> std::sync::MutexGuard<'_, Option<Armed>> {
-        self.armed.lock().unwrap_or_else(|e| e.into_inner())
+    fn lock(&self) -> std::sync::MutexGuard<'_, CutoffState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     fn at(&self) -> Option<Instant> {
-        self.lock().as_ref().map(|a| a.at)
+        self.lock().armed.as_ref().map(|a| a.at)
     }
 
     /// Whether the exchange's deadline has passed. The driver closes the
@@ -174,19 +190,40 @@ impl Cutoff {
     }
 
     fn arm(&self, at: Instant, on_cut: Arc<dyn OnCut>) {
-        *self.lock() = Some(Armed { at, on_cut });
-        self.changed.notify_one();
+        let wake = {
+            let mut state = self.lock();
+            state.armed = Some(Armed { at, on_cut });
+            state.watching.is_none_or(|w| w > at)
+        };
+        if wake {
+            self.changed.notify_one();
+        }
     }
 
     fn clear(&self) {
-        *self.lock() = None;
+        self.lock().armed = None;
     }
 
-    /// Disarms it if it is still armed for `at`, answering whom to tell.
-    fn fire(&self, at: Instant) -> Option<Arc<dyn OnCut>> {
-        let mut armed = self.lock();
-        if armed.as_ref().is_some_and(|a| a.at == at) {
-            armed.take().map(|a| a.on_cut)
+    /// For the driver: the armed deadline, and where its timer must be
+    /// set, given that it is set for `timer` now: no later than the
+    /// deadline, and left as it is when it already is (see `watching`).
+    fn watch(&self, timer: Option<Instant>) -> Option<Instant> {
+        let mut state = self.lock();
+        let at = state.armed.as_ref().map(|a| a.at);
+        let timer = match (timer, at) {
+            (Some(t), Some(at)) => Some(t.min(at)),
+            (t, at) => t.or(at),
+        };
+        state.watching = timer;
+        timer
+    }
+
+    /// Disarms it if its deadline is `by` or earlier, answering whom to
+    /// tell.
+    fn fire(&self, by: Instant) -> Option<Arc<dyn OnCut>> {
+        let mut state = self.lock();
+        if state.armed.as_ref().is_some_and(|a| a.at <= by) {
+            state.armed.take().map(|a| a.on_cut)
         } else {
             None
         }
@@ -226,7 +263,7 @@ pin_project_lite::pin_project! {
 
 impl<I: AsyncRead> AsyncRead for Watched<I> {
     fn poll_read(
-        self: std::pin::Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &mut tokio::io::ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
@@ -242,7 +279,7 @@ impl<I: AsyncRead> AsyncRead for Watched<I> {
 
 impl<I: AsyncWrite> AsyncWrite for Watched<I> {
     fn poll_write(
-        self: std::pin::Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
@@ -253,7 +290,7 @@ impl<I: AsyncWrite> AsyncWrite for Watched<I> {
     }
 
     fn poll_write_vectored(
-        self: std::pin::Pin<&mut Self>,
+        self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
@@ -267,10 +304,7 @@ impl<I: AsyncWrite> AsyncWrite for Watched<I> {
         self.inner.is_write_vectored()
     }
 
-    fn poll_flush(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<std::io::Result<()>> {
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         // A TLS stream may hold records it has not sent yet.
         if self.cutoff.passed() {
             return Poll::Ready(Err(past_deadline()));
@@ -278,10 +312,7 @@ impl<I: AsyncWrite> AsyncWrite for Watched<I> {
         self.project().inner.poll_flush(cx)
     }
 
-    fn poll_shutdown(
-        self: std::pin::Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<std::io::Result<()>> {
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         self.project().inner.poll_shutdown(cx)
     }
 }
@@ -506,20 +537,32 @@ where
 /// socket, and only then tells the exchange.
 async fn drive<F>(conn: F, cutoff: Arc<Cutoff>)
 where
-    F: std::future::Future<Output = hyper::Result<()>>,
+    F: Future<Output = hyper::Result<()>>,
 {
     let mut conn = Box::pin(conn);
+    // One timer for the connection's life, moved (not made anew) when a
+    // deadline earlier than it is armed; `set_for`: when it fires, if set.
+    let mut timer: Option<Pin<Box<tokio::time::Sleep>>> = None;
+    let mut set_for: Option<Instant> = None;
     let on_cut = loop {
-        let at = cutoff.at();
-        // Created before the select polls anything: a deadline armed from
-        // now on wakes it (`notify_one` keeps a permit until then).
+        // Created before the state is read: a deadline armed from now on
+        // that is earlier than the timer wakes it (`notify_one` keeps a
+        // permit until then).
         let changed = cutoff.changed.notified();
-        let passed = async {
-            match at {
-                Some(at) => tokio::time::sleep_until(at.into()).await,
-                None => std::future::pending().await,
+        let want = cutoff.watch(set_for);
+        if want != set_for {
+            if let Some(at) = want {
+                match timer.as_mut() {
+                    Some(t) => t.as_mut().reset(at.into()),
+                    None => timer = Some(Box::pin(tokio::time::sleep_until(at.into()))),
+                }
             }
-        };
+            set_for = want;
+        }
+        let fired = std::future::poll_fn(|cx| match (timer.as_mut(), set_for) {
+            (Some(t), Some(_)) => t.as_mut().poll(cx),
+            _ => Poll::Pending,
+        });
         tokio::select! {
             biased;
             ended = &mut conn => {
@@ -530,15 +573,18 @@ where
                 // see `Cutoff::passed`) with the exchange not over: that
                 // is the cut, and the exchange must hear of it as if the
                 // timer had fired.
-                let cut = cutoff.at().filter(|at| Instant::now() >= *at);
-                match cut.and_then(|at| cutoff.fire(at)) {
+                match cutoff.fire(Instant::now()) {
                     Some(on_cut) => break on_cut,
                     None => return,
                 }
             }
             () = changed => {}
-            () = passed => {
-                if let Some(on_cut) = at.and_then(|at| cutoff.fire(at)) {
+            () = fired => {
+                // Set no later than the armed deadline: one due by then
+                // has passed. A later one (the exchange it was set for is
+                // over, and another began) sets it again.
+                let by = set_for.take();
+                if let Some(on_cut) = by.and_then(|by| cutoff.fire(by)) {
                     break on_cut;
                 }
             }
@@ -557,6 +603,62 @@ mod tests {
     struct Nobody;
     impl OnCut for Nobody {
         fn cut(&self) {}
+    }
+
+    /// Records when it was told, and which exchange it was.
+    struct Told(
+        &'static str,
+        tokio::sync::mpsc::UnboundedSender<(&'static str, Instant)>,
+    );
+    impl OnCut for Told {
+        fn cut(&self) {
+            let _ = self.1.send((self.0, Instant::now()));
+        }
+    }
+
+    /// A connection whose driver runs until cut: the future of a
+    /// connection that never ends by itself (a stalled exchange).
+    fn stalled(cutoff: &Arc<Cutoff>) -> tokio::task::JoinHandle<()> {
+        let conn = std::future::pending::<hyper::Result<()>>();
+        tokio::spawn(drive(conn, cutoff.clone()))
+    }
+
+    /// On a fresh connection: an exchange armed `first` from now and over
+    /// after 20 ms, then one armed `second` from then. Answers which
+    /// exchange the driver cut, and whether it did so at or after the
+    /// second's deadline; the driver must end at the cut.
+    async fn cut_after(first: Duration, second: Duration) -> (&'static str, bool) {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let cutoff = Arc::new(Cutoff::default());
+        let driver = stalled(&cutoff);
+        cutoff.arm(Instant::now() + first, Arc::new(Told("first", tx.clone())));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        cutoff.clear();
+        let at = Instant::now() + second;
+        cutoff.arm(at, Arc::new(Told("second", tx)));
+        let (who, when) = tokio::time::timeout(Duration::from_secs(10), rx.recv())
+            .await
+            .expect("cut well before the first exchange's 60 s deadline")
+            .expect("told");
+        driver.await.expect("the driver ends at the cut");
+        (who, when >= at)
+    }
+
+    /// The driver keeps its timer across exchanges, so each deadline must
+    /// still be met: one earlier than the timer wakes the driver at once,
+    /// one later is waited for when the timer fires first, and an exchange
+    /// that was over is never cut.
+    #[tokio::test]
+    async fn each_exchange_is_cut_at_its_own_deadline() {
+        // A long timeout's timer stays set; a short one is met anyway.
+        let (who, in_time) = cut_after(Duration::from_secs(60), Duration::from_millis(150)).await;
+        assert_eq!(who, "second");
+        assert!(in_time, "cut before its deadline");
+        // The timer fires for the first, finds it over, and is set again.
+        let (who, in_time) =
+            cut_after(Duration::from_millis(100), Duration::from_millis(400)).await;
+        assert_eq!(who, "second", "an exchange that was over is never cut");
+        assert!(in_time, "cut at the first's timer, before its deadline");
     }
 
     /// Past its exchange's deadline a connection writes nothing, even
