@@ -138,6 +138,10 @@ struct Conn {
 #[derive(Default)]
 struct Cutoff {
     state: Mutex<CutoffState>,
+    /// Whether `state.armed` is set: written under the lock, read without
+    /// it. A pass-through request never arms its connection, and so its
+    /// writes (each asks `passed`) and its return to the pool take no lock.
+    is_armed: AtomicBool,
     /// Wakes the driver to look at a deadline earlier than its timer. A
     /// clear needs no wake: the driver finds it when its timer fires.
     changed: tokio::sync::Notify,
@@ -186,13 +190,14 @@ impl Cutoff {
     /// token through (shared mode's marker has ended). So no byte is written
     /// after the deadline, whatever runs first.
     fn passed(&self) -> bool {
-        self.at().is_some_and(|at| Instant::now() >= at)
+        self.is_armed.load(Ordering::Acquire) && self.at().is_some_and(|at| Instant::now() >= at)
     }
 
     fn arm(&self, at: Instant, on_cut: Arc<dyn OnCut>) {
         let wake = {
             let mut state = self.lock();
             state.armed = Some(Armed { at, on_cut });
+            self.is_armed.store(true, Ordering::Release);
             state.watching.is_none_or(|w| w > at)
         };
         if wake {
@@ -200,8 +205,15 @@ impl Cutoff {
         }
     }
 
+    /// Only the exchange's owner arms and clears (the connection is lent
+    /// to one exchange at a time), so an unarmed cutoff stays unarmed
+    /// while this looks.
     fn clear(&self) {
-        self.lock().armed = None;
+        if self.is_armed.load(Ordering::Acquire) {
+            let mut state = self.lock();
+            state.armed = None;
+            self.is_armed.store(false, Ordering::Release);
+        }
     }
 
     /// For the driver: the armed deadline, and where its timer must be
@@ -223,6 +235,7 @@ impl Cutoff {
     fn fire(&self, by: Instant) -> Option<Arc<dyn OnCut>> {
         let mut state = self.lock();
         if state.armed.as_ref().is_some_and(|a| a.at <= by) {
+            self.is_armed.store(false, Ordering::Release);
             state.armed.take().map(|a| a.on_cut)
         } else {
             None
