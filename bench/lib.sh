@@ -67,6 +67,33 @@ ticks() { # pid
     echo "$t"
 }
 
+# What one process (and its children: nginx's workers) has used so far,
+# summed over all their threads: "user-ticks system-ticks voluntary-switches
+# involuntary-switches". A thread that waits for work (epoll_wait with
+# nothing ready) switches voluntarily; one preempted, involuntarily.
+proc_counts() { # pid
+    local u=0 s=0 v=0 n=0 p t f k val
+    for p in $1 $(pgrep -P "$1" || true); do
+        for t in /proc/"$p"/task/*; do
+            read -r -a f < "$t/stat" 2>/dev/null || continue
+            u=$((u + f[13])) s=$((s + f[14]))
+            while read -r k val; do
+                case "$k" in
+                    voluntary_ctxt_switches:) v=$((v + val)) ;;
+                    nonvoluntary_ctxt_switches:) n=$((n + val)) ;;
+                esac
+            done < "$t/status"
+        done
+    done
+    echo "$u $s $v $n"
+}
+
+# Busy clock ticks of the whole machine so far (every CPU, all but idle and
+# iowait), from /proc/stat.
+machine_ticks() {
+    awk '/^cpu / { print $2 + $3 + $4 + $7 + $8 + $9 }' /proc/stat
+}
+
 # A new transaction id, taken for the asking: the difference of two, less
 # one, is how many transactions wrote anywhere in the cluster in between.
 xact_id() {

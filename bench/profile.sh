@@ -244,22 +244,23 @@ if [ "$SCENARIO" = raise ]; then
     exit 0
 fi
 
+# CPU per request, by process: the proxy's own (user and system), the
+# upstream nginx's, and the whole machine's (the rest is mostly wrk); and
+# how often the proxy's threads switched out per request, waiting for work
+# (voluntarily) or preempted. A proxy's cost does not stop at its own
+# process: how it reads and writes changes what the upstream and the load
+# generator spend per request too.
 echo "CPU per request, wrk -t1 -c64 -d5s GET (one line per run)"
-printf '%-22s %10s %14s\n' proxy req/s "CPU us/req"
+printf '%-12s %9s %9s %6s %6s %9s %9s %8s %8s\n' proxy req/s "us/req" user sys \
+    upstream machine "vol/req" "inv/req"
 for round in 1 2; do
     for pair in "nginx-proxy:$P_NGX:$NGX_PX" "fencegate:$P_FG:$FG"; do
         IFS=: read -r name port pid <<<"$pair"
-        before=$(ticks "$pid")
+        before="$(proc_counts "$pid") $(ticks "$NGX_UP") $(machine_ticks)"
         wrk -t1 -c64 -d5s "http://127.0.0.1:$port/docs/k1" > "$W/wrk_${name}_$round.txt"
-        after=$(ticks "$pid")
-        python3 - "$W/wrk_${name}_$round.txt" "$name" "$((after - before))" "$HZ" <<'EOF'
-import re, sys
-text = open(sys.argv[1]).read()
-reqs = int(re.search(r"(\d+) requests in", text).group(1))
-rps = float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1))
-us = int(sys.argv[3]) / int(sys.argv[4]) * 1e6 / reqs
-print(f"{sys.argv[2]:<22} {rps:>10,.0f} {us:>14.1f}")
-EOF
+        after="$(proc_counts "$pid") $(ticks "$NGX_UP") $(machine_ticks)"
+        python3 "$REPO/bench/util.py" split "$W/wrk_${name}_$round.txt" "$name" \
+            "$before" "$after"
     done
 done
 

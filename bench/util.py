@@ -14,6 +14,10 @@ library only).
                                           µs per answer of fencegate and Postgres from
                                           their clock ticks FG and PG (2xx answers; every
                                           answer with `all`)
+    util.py split WRK_OUT NAME BEFORE AFTER  req/s of a wrk run against a proxy, and per
+                                          request: the proxy's CPU (all, user, system),
+                                          the upstream's, the machine's, and the proxy's
+                                          context switches (BEFORE/AFTER: see split())
     util.py metric URL NAME [MATCH]       sum of the Prometheus samples of NAME at URL
                                           (only those whose labels contain MATCH)
     util.py vm PID                        VmRSS and VmHWM of PID in KiB: "RSS HWM"
@@ -22,6 +26,7 @@ library only).
 import http.client
 import json
 import os
+import re
 import socket
 import ssl
 import sys
@@ -160,6 +165,26 @@ def cost(path, fg_ticks, pg_ticks, per="2xx", xacts=None):
     print(f"{counted / secs:>10,.0f} {fg:>12.1f} {pg:>12.1f}{per_xact}{note}")
 
 
+def split(path, name, before, after):
+    """A wrk run against a proxy and what it cost, by process: `before` and
+    `after` are "user system voluntary involuntary" of the proxy
+    (`proc_counts` in bench/lib.sh), then the upstream's ticks, then the
+    machine's busy ticks. Prints req/s, then per request: the proxy's CPU
+    (all, user, system), the upstream's, the machine's, and the proxy's
+    voluntary and involuntary context switches."""
+    # wrk's own summary (a plain GET, no script: the load generator's share
+    # of the machine stays what it is in bench/run.sh's (b) and (c)).
+    text = open(path).read()
+    n = max(int(re.search(r"(\d+) requests in", text).group(1)), 1)
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1))
+    d = [int(a) - int(b) for a, b in zip(after.split(), before.split())]
+    user, system, vol, inv, upstream, machine = d
+    us = 1e6 / os.sysconf("SC_CLK_TCK") / n
+    print(f"{name:<12} {rps:>9,.0f}"
+          f" {(user + system) * us:>9.2f} {user * us:>6.2f} {system * us:>6.2f}"
+          f" {upstream * us:>9.2f} {machine * us:>9.2f} {vol / n:>8.3f} {inv / n:>8.3f}")
+
+
 def metric(url, name, match=""):
     with urllib.request.urlopen(url, timeout=5) as r:
         text = r.read().decode()
@@ -193,6 +218,8 @@ def main(argv):
         rate(args[0])
     elif cmd == "cost":
         cost(*args)
+    elif cmd == "split":
+        split(*args)
     elif cmd == "metric":
         metric(*args)
     elif cmd == "vm":
