@@ -636,16 +636,19 @@ mod tests {
         tokio::spawn(drive(conn, cutoff.clone()))
     }
 
-    /// On a fresh connection: an exchange armed `first` from now and over
-    /// after 20 ms, then one armed `second` from then. Answers which
-    /// exchange the driver cut, and whether it did so at or after the
-    /// second's deadline; the driver must end at the cut.
+    /// On a fresh connection: an exchange armed `first` from now, over as
+    /// soon as the driver has set its timer for it, then one armed
+    /// `second` from then. Answers which exchange the driver cut, and
+    /// whether it did so at or after the second's deadline; the driver must
+    /// end at the cut. (The test's runtime has one thread: the driver runs
+    /// only while the test yields, so no sleep has to be long enough.)
     async fn cut_after(first: Duration, second: Duration) -> (&'static str, bool) {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let cutoff = Arc::new(Cutoff::default());
         let driver = stalled(&cutoff);
         cutoff.arm(Instant::now() + first, Arc::new(Told("first", tx.clone())));
-        tokio::time::sleep(Duration::from_millis(20)).await;
+        tokio::task::yield_now().await;
+        assert!(cutoff.lock().watching.is_some(), "the driver set its timer");
         cutoff.clear();
         let at = Instant::now() + second;
         cutoff.arm(at, Arc::new(Told("second", tx)));
@@ -669,7 +672,7 @@ mod tests {
         assert!(in_time, "cut before its deadline");
         // The timer fires for the first, finds it over, and is set again.
         let (who, in_time) =
-            cut_after(Duration::from_millis(100), Duration::from_millis(400)).await;
+            cut_after(Duration::from_millis(300), Duration::from_millis(800)).await;
         assert_eq!(who, "second", "an exchange that was over is never cut");
         assert!(in_time, "cut at the first's timer, before its deadline");
     }
