@@ -75,23 +75,25 @@ proc_counts() { # pid
     local u=0 s=0 v=0 n=0 p t f k val
     for p in $1 $(pgrep -P "$1" || true); do
         for t in /proc/"$p"/task/*; do
-            read -r -a f < "$t/stat" 2>/dev/null || continue
+            # A thread (or child) that ended while this looked is skipped.
+            read -r -a f 2>/dev/null < "$t/stat" || continue
             u=$((u + f[13])) s=$((s + f[14]))
             while read -r k val; do
                 case "$k" in
                     voluntary_ctxt_switches:) v=$((v + val)) ;;
                     nonvoluntary_ctxt_switches:) n=$((n + val)) ;;
                 esac
-            done < "$t/status"
+            done 2>/dev/null < "$t/status" || true
         done
     done
     echo "$u $s $v $n"
 }
 
-# Busy clock ticks of the whole machine so far (every CPU, all but idle and
-# iowait), from /proc/stat.
+# Busy clock ticks of the whole machine so far (every CPU: user, nice,
+# system, irq, softirq), from /proc/stat. Not idle or iowait, and not steal:
+# time the host gave to something else is no process's cost here.
 machine_ticks() {
-    awk '/^cpu / { print $2 + $3 + $4 + $7 + $8 + $9 }' /proc/stat
+    awk '/^cpu / { print $2 + $3 + $4 + $7 + $8 }' /proc/stat
 }
 
 # A new transaction id, taken for the asking: the difference of two, less

@@ -170,8 +170,6 @@ if [ "$SCENARIO" = instructions ]; then
     exit 0
 fi
 
-HZ=$(getconf CLK_TCK)
-
 # One wrk run of bench/fenced.lua and the CPU it cost: label, mode, prefix.
 # Prints 2xx answers per second, and fencegate's and Postgres's CPU per 2xx.
 cpu_run() {
