@@ -17,7 +17,11 @@
 //!   server. The watcher confirms every [`OWNER_CHECK`] that its session is
 //!   alive on a writable primary, and each confirmation lets the instance
 //!   decide for [`OWNER_LEASE`] from when it was asked, so a check that
-//!   hangs (a partition without resets) stops decisions by itself. After the
+//!   hangs (a partition without resets) stops decisions by itself. A check
+//!   that outlives the store's timeout stops decisions, but the watcher
+//!   keeps waiting for its answer (up to [`OWNER_PATIENCE`]) instead of
+//!   giving the lock up: a late answer is what a machine that got no CPU
+//!   for a while produces. After the
 //!   session is gone the watcher takes the lock again, but only on a
 //!   writable primary: an advisory lock on a standby excludes nobody writing
 //!   the primary. Each acquisition starts a new generation: memory that was
@@ -29,6 +33,8 @@
 //! Nothing of this costs a round trip per decision: the checks run once per
 //! new connection and on the watcher's timer; a decision reads an atomic.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -64,6 +70,18 @@ pub const OWNER_LEASE: Duration = Duration::from_secs(2);
 const OWNER_CHECK: Duration = Duration::from_millis(250);
 /// How often a lost single-writer lock is tried again.
 const OWNER_RETRY: Duration = Duration::from_millis(500);
+/// How long the watcher waits for its session's answer to a check that
+/// outlived the store's timeout, before it gives that session up. A late
+/// answer is what a shared machine produces: a process or a server that
+/// got no CPU for seconds (a virtual machine's steal, a paused container),
+/// a network that stalls and recovers. Decisions stop at the timeout (and
+/// the lease lapses anyway), so waiting longer decides nothing; it keeps
+/// the lock on the session that holds it, where giving it up would make
+/// the next acquisition a new generation (memory no longer trusted as
+/// exact) and would have to wait for the server to end the old session.
+/// Meanwhile the lock is tried on new sessions every [`OWNER_RETRY`], so a
+/// failover to a primary where the lock is free is not held up by this.
+const OWNER_PATIENCE: Duration = Duration::from_secs(30);
 /// How long a starting instance keeps trying for a single-writer lock that
 /// another session holds before it refuses to start. A predecessor killed a
 /// moment ago (a crash, `kill -9`, a supervisor's restart) holds the lock
@@ -798,7 +816,8 @@ async fn try_lock(opts: &PgConnectOptions, timeout: Duration) -> Result<Attempt,
 /// take the lock again every [`OWNER_RETRY`] — on a writable primary only,
 /// and unless another instance took it meanwhile. A session whose server
 /// became read-only keeps the lock (nobody else can take it) but decides
-/// nothing until the server takes writes again.
+/// nothing until the server takes writes again. A session that answers
+/// late keeps it too (see [`OWNER_PATIENCE`]).
 async fn watch(
     me: Arc<OwnerLock>,
     conn: PgConnection,
@@ -824,42 +843,84 @@ async fn watch(
         }
         me.revoke(why);
     }
+    // The lock was taken on a new session, asked at `asked`.
+    fn taken_again(me: &OwnerLock, view: &ServerView, said: &mut String, asked: Instant) {
+        // Before the confirmation: a decision that sees the lock held must
+        // see the new generation too.
+        let generation = me.generation.fetch_add(1, Ordering::AcqRel) + 1;
+        view.saw(None);
+        me.confirm(asked);
+        tracing::info!(
+            generation,
+            "single-writer lock taken again on a writable primary; fenced writes resume"
+        );
+        said.clear();
+    }
     loop {
         tick.tick().await;
-        if let Some(c) = conn.as_mut() {
+        if let Some(c) = conn.take() {
             let asked = Instant::now();
-            match tokio::time::timeout(timeout, writable(c)).await {
-                Ok(Ok(Ok(()))) => {
-                    if !said.is_empty() {
-                        tracing::info!("single-writer lock: its server takes writes again; fenced writes resume");
-                        said.clear();
-                    }
-                    me.confirm(asked);
-                }
-                Ok(Ok(Err(ro))) => {
-                    view.saw(Some(ro));
-                    say(&me, &mut said, format!("held, but {ro}"), false);
-                }
-                Ok(Err(e)) => {
-                    say(&me, &mut said, format!("lost with its session ({e})"), true);
-                    conn = None;
-                }
+            let mut check = check(c);
+            let (c, answer) = match tokio::time::timeout(timeout, &mut check).await {
+                Ok(answered) => answered,
                 Err(_) => {
+                    // The lease lapses by itself [`OWNER_LEASE`] after
+                    // `asked`; stop now, as a check this slow confirms
+                    // nothing in time.
                     say(
                         &me,
                         &mut said,
                         format!(
-                            "lost: its session did not answer within {} ms",
-                            timeout.as_millis()
+                            "paused: its session has not answered within {} ms (a slow or \
+                             unreachable store, or a machine that got no CPU); waiting up to \
+                             {} s for it",
+                            timeout.as_millis(),
+                            OWNER_PATIENCE.as_secs()
                         ),
-                        true,
+                        false,
                     );
-                    // The session may still be alive (a slow server): end it,
-                    // so that the lock is free for the next attempt, ours.
-                    if let Some(c) = conn.take() {
-                        let _ = tokio::time::timeout(timeout, c.close()).await;
+                    match outwait(check, &opts, timeout, &view).await {
+                        Late::Answered(answered) => answered,
+                        Late::Taken(c, asked) => {
+                            conn = Some(c);
+                            taken_again(&me, &view, &mut said, asked);
+                            continue;
+                        }
+                        Late::GaveUp => {
+                            // Dropping the check closes the session, so the
+                            // lock is free for the next attempt, ours, once
+                            // its server notices.
+                            say(
+                                &me,
+                                &mut said,
+                                format!(
+                                    "lost: its session did not answer within {} s",
+                                    OWNER_PATIENCE.as_secs()
+                                ),
+                                true,
+                            );
+                            continue;
+                        }
                     }
                 }
+            };
+            match answer {
+                Ok(Ok(())) => {
+                    me.confirm(asked);
+                    // A late answer confirms a lease that has lapsed
+                    // already: writes resume with the next check's answer.
+                    if !said.is_empty() && me.held() {
+                        tracing::info!("single-writer lock: its session answers and its server takes writes; fenced writes resume");
+                        said.clear();
+                    }
+                    conn = Some(c);
+                }
+                Ok(Err(ro)) => {
+                    view.saw(Some(ro));
+                    say(&me, &mut said, format!("held, but {ro}"), false);
+                    conn = Some(c);
+                }
+                Err(e) => say(&me, &mut said, format!("lost with its session ({e})"), true),
             }
             continue;
         }
@@ -871,16 +932,7 @@ async fn watch(
         match try_lock(&opts, timeout).await {
             Ok(Attempt::Taken(c)) => {
                 conn = Some(c);
-                // Before the confirmation: a decision that sees the lock
-                // held must see the new generation too.
-                let generation = me.generation.fetch_add(1, Ordering::AcqRel) + 1;
-                view.saw(None);
-                me.confirm(asked);
-                tracing::info!(
-                    generation,
-                    "single-writer lock taken again on a writable primary; fenced writes resume"
-                );
-                said.clear();
+                taken_again(&me, &view, &mut said, asked);
             }
             Ok(Attempt::HeldElsewhere) => say(
                 &me,
@@ -903,6 +955,65 @@ async fn watch(
                 format!("not taken: the store is unreachable ({e})"),
                 false,
             ),
+        }
+    }
+}
+
+/// One check of the lock's session, owning the connection so that a
+/// check that outlives the store's timeout can still be waited for.
+type Check = Pin<Box<dyn Future<Output = (PgConnection, Checked)> + Send>>;
+/// Whether the session's server takes writes, or how the session broke.
+type Checked = Result<Result<(), ReadOnly>, sqlx::Error>;
+
+fn check(mut conn: PgConnection) -> Check {
+    Box::pin(async move {
+        let answer = writable(&mut conn).await;
+        (conn, answer)
+    })
+}
+
+/// What became of a check that its session did not answer within the
+/// store's timeout.
+enum Late {
+    /// The session answered after all.
+    Answered((PgConnection, Checked)),
+    /// The lock was free on a new session, asked at the instant: the old
+    /// session's server no longer has it (a failover, or the session ended
+    /// there), so the old session is let go.
+    Taken(PgConnection, Instant),
+    /// Neither within [`OWNER_PATIENCE`].
+    GaveUp,
+}
+
+/// Waits for a late check while trying the lock on new sessions every
+/// [`OWNER_RETRY`]. An attempt that finds the lock held is most likely
+/// finding this instance's own slow session, and changes nothing.
+async fn outwait(
+    mut check: Check,
+    opts: &PgConnectOptions,
+    timeout: Duration,
+    view: &ServerView,
+) -> Late {
+    let patience = tokio::time::sleep(OWNER_PATIENCE);
+    tokio::pin!(patience);
+    loop {
+        let asked = Instant::now();
+        // An attempt dropped because the check answered first may have
+        // taken the lock on its new session: dropping that session gives it
+        // back, and the old one is confirmed on the next tick.
+        tokio::select! {
+            answered = &mut check => return Late::Answered(answered),
+            () = &mut patience => return Late::GaveUp,
+            attempt = try_lock(opts, timeout) => match attempt {
+                Ok(Attempt::Taken(c)) => return Late::Taken(c, asked),
+                Err(StoreError::ReadOnly(ro)) => view.saw(Some(ro)),
+                Ok(Attempt::HeldElsewhere) | Err(_) => {}
+            },
+        }
+        tokio::select! {
+            answered = &mut check => return Late::Answered(answered),
+            () = &mut patience => return Late::GaveUp,
+            () = tokio::time::sleep(OWNER_RETRY) => {}
         }
     }
 }

@@ -19,6 +19,11 @@
 //! shared-mode admission. The gateway cannot know the outcome, and must
 //! act on what the store may hold: a stale token is refused, a request is
 //! never forwarded twice, and a stored answer is replayed.
+//!
+//! And the store answers late (its replies held back, then delivered):
+//! decisions pause and the single-writer lock stays with its session; or
+//! the lock's session falls silent while its server lets the lock go: a
+//! new session takes it within seconds.
 
 use std::time::{Duration, Instant};
 
@@ -1196,4 +1201,136 @@ async fn a_shared_admission_whose_commit_reply_is_lost_is_not_forwarded() {
     let refused =
         stale_refused_then_forwarded(&app, &up, "/docs/s", ("5", 6, "six"), &bodies).await;
     assert_unavailable_or_busy(&refused);
+}
+
+// --- A store that answers late ------------------------------------------------
+
+/// The session holding the single-writer lock on `url`'s database, asked
+/// on a connection of the test's own: its backend's pid, and the port it
+/// sees the client (the proxy) at.
+async fn lock_holder(url: &str) -> Option<(i32, i32)> {
+    let (pid, port): (Option<i32>, Option<i32>) = on_store(
+        url,
+        "SELECT l.pid, a.client_port FROM (SELECT 1) one \
+           LEFT JOIN pg_locks l ON l.locktype = 'advisory' \
+             AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database()) \
+             AND l.classid = x'46474154'::int::oid AND l.objid = 1 AND l.objsubid = 2 \
+             AND l.granted \
+           LEFT JOIN pg_stat_activity a ON a.pid = l.pid",
+    )
+    .await;
+    pid.zip(port)
+}
+
+/// A single-mode gateway whose store connections pass through a proxy,
+/// with the default store timeout (2 s), `/docs/x` at token 5.
+async fn behind_with_default_timeout() -> (TestStore, Upstream, ReplyLoss, TestApp) {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let loss = ReplyLoss::start(&store.url).await;
+    let text = config_sections("", &loss.url(&store.url), "", &docs_route(&up.url()));
+    let app = TestApp::from_text(&text).await;
+    assert_eq!(app.put("/docs/x", Some("5"), "five").await.status(), 200);
+    (store, up, loss, app)
+}
+
+/// Sends an equal token (5, recorded) until decisions stop, for up to 5 s:
+/// answers how many were forwarded (200) before the first 503.
+async fn until_decisions_stop(app: &TestApp) -> usize {
+    let since = Instant::now();
+    let mut forwarded = 0;
+    loop {
+        let resp = app.put("/docs/x", Some("5"), "held").await;
+        if resp.status() == 503 {
+            let body = problem(resp, 503).await;
+            assert_eq!(body["type"], "urn:fencegate:problem:store-unavailable");
+            return forwarded;
+        }
+        assert_eq!(resp.status(), 200, "an equal token before decisions stop");
+        forwarded += 1;
+        assert!(
+            since.elapsed() < Duration::from_secs(5),
+            "decisions did not stop while the lock's session was silent"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Single mode with the default 2 s store timeout, the store behind a
+/// proxy that holds its replies back for a few seconds and then delivers
+/// them: a machine that got no CPU, or a network that stalled, and
+/// recovered. While the single-writer lock's check goes unanswered,
+/// decisions stop: even a token memory knows is recorded is 503 and not
+/// forwarded. Once the replies flow, writes resume on the same session:
+/// the lock was never given up. (A watcher that gives its session up when
+/// a check outlives the timeout takes the lock again on a new session, a
+/// new backend, and starts a new generation.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_that_answers_late_pauses_decisions_and_keeps_the_single_writer_lock() {
+    let (store, up, loss, app) = behind_with_default_timeout().await;
+    let holder = lock_holder(&store.url).await;
+    assert!(holder.is_some(), "the gateway holds the single-writer lock");
+
+    loss.hold();
+    let held = Instant::now();
+    let forwarded_while_held = until_decisions_stop(&app).await;
+    // Past the store's timeout and the lease, well short of the patience.
+    tokio::time::sleep(Duration::from_secs(4).saturating_sub(held.elapsed())).await;
+    let resp = app.put("/docs/x", Some("5"), "held").await;
+    problem(resp, 503).await;
+    loss.release();
+
+    let (resp, _) = until_not_503(Duration::from_secs(10), || {
+        fenced_put(&app.http, app.url("/docs/x"), "5", "after".to_string())
+    })
+    .await;
+    assert_eq!(
+        resp.status(),
+        200,
+        "decisions resume once the store answers"
+    );
+    assert_eq!(
+        lock_holder(&store.url).await,
+        holder,
+        "the single-writer lock stayed with its session"
+    );
+    let bodies = up.bodies_on("/docs/x");
+    let held_bodies = bodies.iter().filter(|b| *b == "held").count();
+    assert_eq!(held_bodies, forwarded_while_held, "no 503 was forwarded");
+    assert_eq!(bodies.last().map(String::as_str), Some("after"));
+}
+
+/// Single mode behind the proxy: the single-writer lock's session falls
+/// silent (its replies held back) and its server ends it, so the lock is
+/// free there: as when a primary vanishes without a reset and the address
+/// leads to a new primary where nobody holds the lock. Decisions stop,
+/// then resume on a new session a few seconds later, long before the
+/// watcher would give the silent session up (30 s): while it waits for a
+/// late answer it tries the lock on new sessions too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_lock_session_is_replaced_when_the_lock_is_free_on_a_new_one() {
+    let (store, up, loss, app) = behind_with_default_timeout().await;
+    let (pid, port) = lock_holder(&store.url)
+        .await
+        .expect("the gateway holds the single-writer lock");
+
+    loss.hold_session(u16::try_from(port).expect("a port"));
+    let (ended,): (bool,) =
+        on_store(&store.url, &format!("SELECT pg_terminate_backend({pid})")).await;
+    assert!(ended, "the lock's backend ended");
+    let forwarded_while_held = until_decisions_stop(&app).await;
+    let (resp, _) = until_not_503(Duration::from_secs(12), || {
+        fenced_put(&app.http, app.url("/docs/x"), "5", "after".to_string())
+    })
+    .await;
+    assert_eq!(resp.status(), 200, "decisions resume on a new session");
+    let (now, _) = lock_holder(&store.url)
+        .await
+        .expect("the gateway holds the single-writer lock again");
+    assert_ne!(now, pid, "a new session holds it");
+    let bodies = up.bodies_on("/docs/x");
+    let held_bodies = bodies.iter().filter(|b| *b == "held").count();
+    assert_eq!(held_bodies, forwarded_while_held, "no 503 was forwarded");
+    assert_eq!(bodies.last().map(String::as_str), Some("after"));
+    loss.release();
 }

@@ -7,8 +7,11 @@
 //! While replies are swallowed, every byte from the server is read and
 //! dropped, so a client waits for an answer that will never come, as
 //! behind a partition. [`ReplyLoss::cut`] then closes every session, as
-//! the partition's end or the client's own keepalive would. Runs on the
-//! test's runtime; dropping it stops it and every session.
+//! the partition's end or the client's own keepalive would. It can also
+//! hold the server's replies back and deliver them later
+//! ([`ReplyLoss::hold`]): a network, or a machine, that stalls and
+//! recovers. Runs on the test's runtime; dropping it stops it and every
+//! session.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -28,6 +31,9 @@ pub struct ReplyLoss {
     /// Whether new sessions are closed at once, as by a server that is
     /// not there.
     refusing: Arc<AtomicBool>,
+    /// Which sessions' server bytes wait until this changes; nothing is
+    /// lost.
+    held: tokio::sync::watch::Sender<Held>,
     /// The open sessions, for [`ReplyLoss::cut`].
     sessions: Sessions,
     accept: AbortHandle,
@@ -47,7 +53,9 @@ impl ReplyLoss {
         let swallow = Arc::new(AtomicBool::new(false));
         let refusing = Arc::new(AtomicBool::new(false));
         let sessions = Sessions::default();
+        let (held, _) = tokio::sync::watch::channel(Held::Nothing);
         let accept = {
+            let held = held.clone();
             let (swallow, sessions) = (swallow.clone(), sessions.clone());
             let refusing = refusing.clone();
             tokio::spawn(async move {
@@ -59,9 +67,10 @@ impl ReplyLoss {
                         continue;
                     }
                     let (server, swallow) = (server.clone(), swallow.clone());
+                    let held = held.subscribe();
                     let session = tokio::spawn(async move {
                         if let Ok(server) = TcpStream::connect(server).await {
-                            relay(client, server, &swallow).await;
+                            relay(client, server, &swallow, held).await;
                         }
                     });
                     sessions.track(session.abort_handle());
@@ -73,6 +82,7 @@ impl ReplyLoss {
             port,
             swallow,
             refusing,
+            held,
             sessions,
             accept,
         }
@@ -89,6 +99,24 @@ impl ReplyLoss {
     /// From now on, the server's bytes are dropped.
     pub fn swallow(&self) {
         self.swallow.store(true, Ordering::SeqCst);
+    }
+
+    /// From now on, the server's bytes wait in every session (new ones
+    /// too) until [`ReplyLoss::release`].
+    pub fn hold(&self) {
+        self.held.send_replace(Held::All);
+    }
+
+    /// From now on, the server's bytes wait in the one session whose
+    /// backend sees the proxy at `client_port` (`pg_stat_activity`'s
+    /// `client_port`), until [`ReplyLoss::release`].
+    pub fn hold_session(&self, client_port: u16) {
+        self.held.send_replace(Held::Session(client_port));
+    }
+
+    /// Delivers what was held, and relays as before.
+    pub fn release(&self) {
+        self.held.send_replace(Held::Nothing);
     }
 
     /// Relays the server's bytes again, then closes every session open now:
@@ -118,9 +146,29 @@ impl ReplyLoss {
     }
 }
 
+/// Whose replies wait.
+#[derive(Clone, Copy, PartialEq)]
+enum Held {
+    Nothing,
+    All,
+    /// The session whose connection to the server has this local port.
+    Session(u16),
+}
+
 /// Relays one session until either side closes: the client's bytes whole,
-/// the server's unless `swallow` is set.
-async fn relay(client: TcpStream, server: TcpStream, swallow: &AtomicBool) {
+/// the server's unless `swallow` is set, and once `held` lets them by.
+async fn relay(
+    client: TcpStream,
+    server: TcpStream,
+    swallow: &AtomicBool,
+    mut held: tokio::sync::watch::Receiver<Held>,
+) {
+    let port = server.local_addr().map(|a| a.port()).unwrap_or(0);
+    let waits = move |held: &Held| match *held {
+        Held::Nothing => false,
+        Held::All => true,
+        Held::Session(p) => p == port,
+    };
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
     let requests = tokio::io::copy(&mut client_read, &mut server_write);
@@ -131,6 +179,9 @@ async fn relay(client: TcpStream, server: TcpStream, swallow: &AtomicBool) {
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
+            if held.wait_for(|h| !waits(h)).await.is_err() {
+                return;
+            }
             if !swallow.load(Ordering::SeqCst) && client_write.write_all(&buf[..n]).await.is_err() {
                 return;
             }
