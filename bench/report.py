@@ -128,6 +128,37 @@ def machine():
     }
 
 
+# A measured run is flagged as disturbed when the host took at least this
+# share of the machine's CPU time during it (steal), or when a process
+# asleep for 50 ms woke up at least this late (the whole machine froze, or
+# got no CPU): see util.py pulse.
+STEAL_FLAG_PCT = 1.0
+LATE_FLAG_MS = 250
+
+
+def pulses(out):
+    """What util.py pulse saw during each measured run, by run: wrk and
+    pgbench runs by scenario id (a repeat as `e_r2`), oha runs as `oha_c`."""
+    found = {}
+    for name in sorted(os.listdir(out)):
+        m = re.fullmatch(r"pulse_(.+)\.json", name)
+        if not m:
+            continue
+        try:
+            p = json.loads(read(os.path.join(out, name), ""))
+        except ValueError:
+            continue
+        p["disturbed"] = (p["steal_pct"] >= STEAL_FLAG_PCT
+                          or p["longest_late_ms"] >= LATE_FLAG_MS)
+        found[m.group(1)] = p
+    return found
+
+
+def disturbance(run, p):
+    return (f"run {run} DISTURBED: host steal {p['steal_pct']:.1f}% of the CPU time, "
+            f"a 50 ms sleep woke {p['longest_late_ms']:,.0f} ms late")
+
+
 def mean_with(s, again, how, tail=""):
     """Makes scenario `s`'s rate the mean of its run and `again` (a second
     run's rate, if there was one), and says so in its notes."""
@@ -232,6 +263,11 @@ def build(a):
         scen.append(s)
 
     by_id = {s["id"]: s for s in scen}
+    machine_pulses = pulses(out)
+    for run, p in machine_pulses.items():
+        sid = re.sub(r"^oha_", "", run).split("_r")[0]
+        if p["disturbed"] and sid in by_id:
+            by_id[sid]["notes"].append(disturbance(run, p))
     idem = {}
     for outcome in IDEM_OUTCOMES:
         v = read(os.path.join(out, f"fg_idem_{outcome}.txt"))
@@ -289,6 +325,7 @@ def build(a):
         "store_unavailable": int(read(os.path.join(out, "fg_503.txt"), "0") or 0),
         "idempotency": idem,
         "loadavg_start": read(os.path.join(out, "loadavg_start.txt"), "?"),
+        "pulses": machine_pulses,
     }
     meta["subtitle"] = (f"{meta['machine']['nproc']} cores, {meta['machine']['cpu']}; commit "
                         f"{a.commit}{' (+local changes)' if meta['dirty'] else ''}; "
@@ -353,11 +390,29 @@ def plain(res):
     for r, v, bound, result in target_rows(res):
         out.append(f"{r['name']:<8} {v:>8} {bound + ' ' + format(r['target'], '.1f'):>10}  "
                    f"{result}   ({r['meaning']})")
+    out.append("")
+    out.append("machine: " + pulse_summary(res["meta"].get("pulses", {})))
     m = res["memory"]
     out.append(f"{'RSS':<8} {m['rss_mib']:>5.1f}MiB {'<= ' + str(RSS_TARGET_MIB) + 'MiB':>10}  "
                f"{'met' if m['met'] else 'NOT met'}   (after {m['forwarded']:,} forwarded PUTs to new "
                f"keys; RSS at start {m['rss_start_mib']:.1f} MiB, peak {m['hwm_mib']:.1f} MiB; {m['store']})")
     return "\n".join(out)
+
+
+def pulse_summary(found):
+    if not found:
+        return "not recorded."
+    worst_steal = max(found.items(), key=lambda kv: kv[1]["steal_pct"])
+    worst_late = max(found.items(), key=lambda kv: kv[1]["longest_late_ms"])
+    disturbed = [run for run, p in found.items() if p["disturbed"]]
+    return (f"{len(found)} runs; the host's steal was at most {worst_steal[1]['steal_pct']:.2f}% "
+            f"of the CPU time (run {worst_steal[0]}), and a 50 ms sleep woke at most "
+            f"{worst_late[1]['longest_late_ms']:,.0f} ms late (run {worst_late[0]}). "
+            + (f"Disturbed (steal ≥ {STEAL_FLAG_PCT:g}% or a wake-up ≥ {LATE_FLAG_MS} ms "
+               f"late), so not comparable with the other runs: {', '.join(disturbed)}; their "
+               "scenarios' notes say so." if disturbed else
+               f"None was disturbed (steal ≥ {STEAL_FLAG_PCT:g}% or a wake-up ≥ "
+               f"{LATE_FLAG_MS} ms late)."))
 
 
 def markdown(res, svg_link):
@@ -439,6 +494,8 @@ def markdown(res, svg_link):
         f"- Load average (1, 5, 15 min) when the script started, before it built or ran "
         f"anything: {meta['loadavg_start']}. Well above 0 means other work (a build, a test "
         "run) was sharing the 2 cores, and may have gone on during the run.",
+        "- The machine during each measured run (`bench/util.py pulse`): "
+        + pulse_summary(meta["pulses"]),
         f"- 503 answers (store unavailable) during (c)-(f), (h) and (i): {meta['store_unavailable']}; "
         f"during (j): {meta.get('store_unavailable_j', 0)}.",
         "- (j) is (e) through one gateway in `shared` mode (its own database): each write is "

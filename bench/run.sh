@@ -337,11 +337,25 @@ python3 "$BENCH/util.py" seed "http://127.0.0.1:$P_FG" h "$NKEYS" 1 >&2 \
 # ---------------------------------------------------------------------------
 # Measurements
 # ---------------------------------------------------------------------------
+# The host's steal and the machine's freezes during one measured run (see
+# util.py pulse): the report flags a run that had them.
+pulse_start() { # id
+    python3 "$BENCH/util.py" pulse "$OUT/pulse_$1.json" &
+    PULSE_PID=$!
+    PIDS+=("$PULSE_PID")
+}
+pulse_stop() {
+    stop_pid "$PULSE_PID"
+    forget_pid "$PULSE_PID"
+}
+
 run_wrk() { # id, port, mode, [key prefix, default k], [scheme, default http]
+    pulse_start "$1"
     log "($1) wrk -t$THREADS -c$CONNS -d${DURATION}s $3 ${4:-k} on ${5:-http} :$2"
     wrk -t"$THREADS" -c"$CONNS" -d"${DURATION}s" --timeout 10s -s "$BENCH/fenced.lua" \
         "${5:-http}://127.0.0.1:$2" -- "$3" "$NKEYS" "${4:-k}" "$THREADS" > "$OUT/wrk_$1.txt" 2>&1 \
         || { cat "$OUT/wrk_$1.txt" >&2; die "wrk failed in scenario $1"; }
+    pulse_stop
     grep '^BENCHJSON' "$OUT/wrk_$1.txt" | sed 's/^BENCHJSON /    /' >&2
 }
 
@@ -370,8 +384,10 @@ run_oha() { # id, url path or regex path, method, token ("-": none), [Idempotenc
         echo "fixed: $path" > "$OUT/ohaurl_$id.txt"
     fi
     log "($id) oha ${args[*]}"
+    pulse_start "oha_$id"
     oha "${args[@]}" > "$OUT/oha_$id.json" 2>"$OUT/oha_$id.err" \
         || { cat "$OUT/oha_$id.err" >&2; die "oha failed in scenario $id"; }
+    pulse_stop
 }
 
 # oha against another server at the rate of an earlier scenario, GETs on the
@@ -389,8 +405,10 @@ run_oha_same() { # id, port, scenario whose rate to use
         echo "fixed: /docs/k1, at ($3)'s rate" > "$OUT/ohaurl_$id.txt"
     fi
     log "($id) oha ${args[*]}"
+    pulse_start "oha_$id"
     oha "${args[@]}" > "$OUT/oha_$id.json" 2>"$OUT/oha_$id.err" \
         || { cat "$OUT/oha_$id.err" >&2; die "oha failed in scenario $id"; }
+    pulse_stop
 }
 
 if [ "$MODE" = full ]; then
@@ -492,11 +510,13 @@ CREATE TABLE fences_bench (resource_key text PRIMARY KEY, highest_token bigint N
 INSERT INTO fences_bench SELECT 'k' || n, 1 FROM generate_series(0, $((NKEYS - 1))) AS n;
 VACUUM ANALYZE fences_bench;
 EOF
+    pulse_start "$1"
     log "($1) pgbench -c $CONNS -j $THREADS -T $DURATION -n (synchronous_commit=on)"
     PGOPTIONS="-c synchronous_commit=on" pgbench -h "$PGHOST" -p "$PGPORT" -U "$PGUSER" -n \
         -c "$CONNS" -j "$THREADS" -T "$DURATION" -D n=0 -D nc="$CONNS" \
         -f "$BENCH/pgbench_upsert.sql" "$DB" > "$OUT/pgbench_$1.txt" 2>&1 \
         || { cat "$OUT/pgbench_$1.txt" >&2; die "pgbench failed"; }
+    pulse_stop
     grep -E '^(tps|number of (transactions|failed))' "$OUT/pgbench_$1.txt" | sed 's/^/    /' >&2
 }
 run_pgbench g

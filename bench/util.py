@@ -21,12 +21,16 @@ library only).
     util.py metric URL NAME [MATCH]       sum of the Prometheus samples of NAME at URL
                                           (only those whose labels contain MATCH)
     util.py vm PID                        VmRSS and VmHWM of PID in KiB: "RSS HWM"
+    util.py pulse FILE                    until SIGTERM, how the machine kept time: the
+                                          host's steal, and the longest gap between
+                                          wake-ups 50 ms apart; written to FILE as JSON
 """
 
 import http.client
 import json
 import os
 import re
+import signal
 import socket
 import ssl
 import sys
@@ -206,6 +210,43 @@ def vm(pid):
     print(rss, hwm)
 
 
+def steal_ticks():
+    """Clock ticks the host took from every CPU of this machine since boot
+    (the eighth value of /proc/stat's cpu line)."""
+    with open("/proc/stat") as f:
+        return int(f.readline().split()[8])
+
+
+PULSE = 0.05
+
+
+def pulse(path):
+    """Samples until SIGTERM, then writes what the machine went through.
+
+    Two ways a shared machine stops everything measured at once: the host
+    gives its CPUs to another guest (counted as steal), or the whole guest
+    freezes (counted nowhere, but a process asleep for 50 ms wakes up
+    seconds later). A run with either is not comparable to one without."""
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
+    start, steal0 = time.monotonic(), steal_ticks()
+    last, longest, over = start, 0.0, 0
+    while not stop:
+        time.sleep(PULSE)
+        now = time.monotonic()
+        gap = now - last - PULSE
+        longest = max(longest, gap)
+        over += gap > 0.25
+        last = now
+    seconds = time.monotonic() - start
+    stolen = (steal_ticks() - steal0) / os.sysconf("SC_CLK_TCK")
+    with open(path, "w") as f:
+        json.dump({"seconds": seconds,
+                   "steal_pct": 100 * stolen / (seconds * (os.cpu_count() or 1)),
+                   "longest_late_ms": 1000 * longest,
+                   "late_over_250ms": over}, f)
+
+
 def main(argv):
     cmd, args = argv[1], argv[2:]
     if cmd == "ports":
@@ -224,6 +265,8 @@ def main(argv):
         metric(*args)
     elif cmd == "vm":
         vm(int(args[0]))
+    elif cmd == "pulse":
+        pulse(args[0])
     else:
         raise SystemExit(f"unknown command {cmd}")
     return 0
