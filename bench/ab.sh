@@ -82,10 +82,13 @@ cleanup() {
     [ -n "$NGX" ] && kill "$NGX" 2>/dev/null || true
     wait 2>/dev/null || true
     psql -qX -d postgres -c "DROP DATABASE IF EXISTS $DB WITH (FORCE)" >/dev/null 2>&1 || true
+    autogroup_restore
 }
 trap cleanup EXIT
+# See autogroup_off in bench/lib.sh.
+autogroup_note "$W/autogroup.txt"
 
-nginx_conf "$W" up "server { listen 127.0.0.1:$P_UP; location / { return 200 \"ok\"; } }"
+nginx_upstream_conf "$W" "$P_UP"
 nginx -p "$W/up" -c "$W/up/nginx.conf" -g 'daemon off;' & NGX=$!
 
 cat > "$W/fencegate.toml" <<EOF

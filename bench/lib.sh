@@ -50,6 +50,18 @@ $3
 EOF
 }
 
+# The upstream nginx (`return 200 "ok"`) on port $2, and the nginx reverse
+# proxy to it on port $3 (keep-alive to the upstream), in WORKDIR $1:
+# profile.sh's, ab.sh's and floor.sh's (run.sh has its own, with TLS).
+nginx_upstream_conf() { # workdir, port
+    nginx_conf "$1" up "server { listen 127.0.0.1:$2; location / { return 200 \"ok\"; } }"
+}
+nginx_proxy_conf() { # workdir, upstream port, port
+    nginx_conf "$1" px "upstream backend { server 127.0.0.1:$2; keepalive 64; keepalive_requests 1000000; }
+server { listen 127.0.0.1:$3; location / {
+    proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection \"\"; } }"
+}
+
 # CPU clock ticks (user + system) of one process, from /proc; 0 for one
 # that has ended.
 own_ticks() { # pid
@@ -124,4 +136,38 @@ pg_ticks_since() { # snapshot file
         total=$((total + t - ${had[$p]:-0}))
     done
     echo "$total"
+}
+
+# Linux's autogroup gives each session a scheduling group of its own, and
+# shares the CPUs between groups, not processes. A benchmark's load
+# generator, nginx and fencegate run in the script's session; Postgres
+# runs in the session that started it. Measured on a 2-core machine (kernel
+# 6.18) under fencegate's GET load: Postgres backends waited up to 1.6 s
+# for a CPU (`perf sched latency`), a psql round trip took up to 1.9 s
+# (93 ms at most with autogroup off), and the gateway's single-writer lock
+# check went unanswered for 2 s. A run with Postgres starved that way
+# measures the scheduler. So the scripts turn autogroup off for their run
+# (with root; otherwise they say it stays on) and put it back at exit.
+AUTOGROUP=/proc/sys/kernel/sched_autogroup_enabled
+AUTOGROUP_WAS=""
+autogroup_off() { # prints what the run had: "off", "off (turned off for the run)" or "on"
+    if [ ! -r "$AUTOGROUP" ] || [ "$(cat "$AUTOGROUP")" = 0 ]; then
+        echo "off"
+    elif echo 0 2>/dev/null > "$AUTOGROUP"; then
+        AUTOGROUP_WAS=1
+        echo "off (turned off for the run)"
+    else
+        echo "on (could not be turned off: not root)"
+    fi
+}
+# autogroup_off, with what the run had written to FILE and said.
+autogroup_note() { # file
+    autogroup_off > "$1"
+    echo "autogroup: $(cat "$1")"
+}
+autogroup_restore() {
+    if [ -n "$AUTOGROUP_WAS" ]; then
+        echo "$AUTOGROUP_WAS" > "$AUTOGROUP" 2>/dev/null || true
+        AUTOGROUP_WAS=""
+    fi
 }

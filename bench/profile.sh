@@ -91,13 +91,14 @@ cleanup() {
     if [ -n "${DB:-}" ]; then
         psql -qX -d postgres -c "DROP DATABASE IF EXISTS $DB WITH (FORCE)" >/dev/null 2>&1 || true
     fi
+    autogroup_restore
 }
 trap cleanup EXIT
+# See autogroup_off in bench/lib.sh.
+autogroup_note "$W/autogroup.txt"
 
-nginx_conf "$W" up "server { listen 127.0.0.1:$P_UP; location / { return 200 \"ok\"; } }"
-nginx_conf "$W" px "upstream backend { server 127.0.0.1:$P_UP; keepalive 64; keepalive_requests 1000000; }
-server { listen 127.0.0.1:$P_NGX; location / {
-    proxy_pass http://backend; proxy_http_version 1.1; proxy_set_header Connection \"\"; } }"
+nginx_upstream_conf "$W" "$P_UP"
+nginx_proxy_conf "$W" "$P_UP" "$P_NGX"
 STORE_URL="sqlite://$W/fences.db"
 DB=""
 if [ "$SCENARIO" = raise ] || [ "$SCENARIO" = keyed ]; then

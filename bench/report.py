@@ -326,6 +326,7 @@ def build(a):
         "idempotency": idem,
         "loadavg_start": read(os.path.join(out, "loadavg_start.txt"), "?"),
         "pulses": machine_pulses,
+        "autogroup": read(os.path.join(out, "autogroup.txt"), "not recorded"),
     }
     meta["subtitle"] = (f"{meta['machine']['nproc']} cores, {meta['machine']['cpu']}; commit "
                         f"{a.commit}{' (+local changes)' if meta['dirty'] else ''}; "
@@ -392,6 +393,7 @@ def plain(res):
                    f"{result}   ({r['meaning']})")
     out.append("")
     out.append("machine: " + pulse_summary(res["meta"].get("pulses", {})))
+    out.append("autogroup: " + res["meta"].get("autogroup", "not recorded"))
     m = res["memory"]
     out.append(f"{'RSS':<8} {m['rss_mib']:>5.1f}MiB {'<= ' + str(RSS_TARGET_MIB) + 'MiB':>10}  "
                f"{'met' if m['met'] else 'NOT met'}   (after {m['forwarded']:,} forwarded PUTs to new "
@@ -494,6 +496,10 @@ def markdown(res, svg_link):
         f"- Load average (1, 5, 15 min) when the script started, before it built or ran "
         f"anything: {meta['loadavg_start']}. Well above 0 means other work (a build, a test "
         "run) was sharing the 2 cores, and may have gone on during the run.",
+        f"- Linux's autogroup (a scheduling group per session) during the run: "
+        f"{meta['autogroup']}. With it on, Postgres (started in another session) gets "
+        "the CPUs' share of a group against the run's processes, and its backends waited "
+        "up to 1.6 s for a CPU under the GET load (see `autogroup_off` in bench/lib.sh).",
         "- The machine during each measured run (`bench/util.py pulse`): "
         + pulse_summary(meta["pulses"]),
         f"- 503 answers (store unavailable) during (c)-(f), (h) and (i): {meta['store_unavailable']}; "

@@ -141,6 +141,7 @@ cleanup() {
         psql -qX -d postgres -c "DROP DATABASE IF EXISTS $db WITH (FORCE)" >/dev/null 2>&1
     done
     [ -n "$MEMDIR" ] && rm -rf "$MEMDIR"
+    autogroup_restore
     if [ "${BENCH_KEEP:-0}" = 1 ]; then
         log "kept $WORK"
     else
@@ -151,6 +152,8 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
+# See autogroup_off in bench/lib.sh.
+autogroup_off > "$OUT/autogroup.txt"
 
 forget_pid() {
     local keep=() p
