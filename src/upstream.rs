@@ -534,6 +534,8 @@ where
         cutoff: cutoff.clone(),
     };
     let (sender, conn) = http1::Builder::new()
+        // One buffer per write, as the server side (see `server::serve_io`).
+        .writev(false)
         .handshake(TokioIo::new(watched))
         .await
         .map_err(|e| SendError::Connect(format!("HTTP/1.1 handshake failed: {e}")))?;
