@@ -91,18 +91,8 @@ autogroup_note "$W/autogroup.txt"
 nginx_upstream_conf "$W" "$P_UP"
 nginx -p "$W/up" -c "$W/up/nginx.conf" -g 'daemon off;' & NGX=$!
 
-cat > "$W/fencegate.toml" <<EOF
-[server]
-listen = "127.0.0.1:$P_FG"
-admin_listen = "127.0.0.1:$P_ADM"
-[store]
-url = "postgres://$PGUSER@$PGHOST:$PGPORT/$DB"
-mode = "$MODE"
-$STORE_LINES
-[locks]
-enabled = false
-EOF
-fg_routes "$P_UP" >> "$W/fencegate.toml"
+fg_conf "$W/fencegate.toml" "$P_FG" "$P_ADM" "postgres://$PGUSER@$PGHOST:$PGPORT/$DB" "$MODE" \
+    "$P_UP" "$STORE_LINES"
 
 echo "bench/ab.sh: ${#BINS[@]} binaries x $ROUNDS rounds, $MODE mode, wrk -t2 -c64 -d${SECONDS_PER}s; outputs in $W"
 printf '%-3s %-28s %-7s %10s %12s %12s %8s %s\n' rnd binary mode "2xx/s" "fg us/2xx" "pg us/2xx" "2xx/xact" note

@@ -52,16 +52,7 @@ autogroup_note "$W/autogroup.txt"
 
 nginx_upstream_conf "$W" "$P_UP"
 nginx_proxy_conf "$W" "$P_UP" "$P_NGX"
-cat > "$W/fencegate.toml" <<TOML
-[server]
-listen = "127.0.0.1:$P_FG"
-admin_listen = "127.0.0.1:$P_ADM"
-[store]
-url = "sqlite://$W/fences.db"
-[locks]
-enabled = false
-TOML
-fg_routes "$P_UP" >> "$W/fencegate.toml"
+fg_conf "$W/fencegate.toml" "$P_FG" "$P_ADM" "sqlite://$W/fences.db" single "$P_UP"
 
 nginx -p "$W/up" -c "$W/up/nginx.conf" -g 'daemon off;' & PIDS+=($!); NGX_UP=$!
 nginx -p "$W/px" -c "$W/px/nginx.conf" -g 'daemon off;' & PIDS+=($!); NGX_PX=$!
@@ -95,9 +86,7 @@ for round in $(seq 1 "$ROUNDS"); do
         kill -TERM "$pulse"; wait "$pulse" || true
         line=$(python3 "$REPO/bench/util.py" split "$W/wrk_${name}_$round.txt" "$name" \
             "$before" "$after")
-        printf '%s %7.2f %8.0f\n' "$line" \
-            "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["steal_pct"])' "$W/pulse_${name}_$round.json")" \
-            "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["longest_late_ms"])' "$W/pulse_${name}_$round.json")"
+        echo "$line $(python3 "$REPO/bench/util.py" pulse-line "$W/pulse_${name}_$round.json")"
         echo "$line" | awk -v n="$name" '{ print n, $2 }' >> "$W/rates.txt"
     done
 done

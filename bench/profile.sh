@@ -107,17 +107,7 @@ if [ "$SCENARIO" = raise ] || [ "$SCENARIO" = keyed ]; then
     psql -qX -d postgres -c "CREATE DATABASE $DB" >/dev/null
     STORE_URL="postgres://$PGUSER@$PGHOST:$PGPORT/$DB"
 fi
-cat > "$W/fencegate.toml" <<EOF
-[server]
-listen = "127.0.0.1:$P_FG"
-admin_listen = "127.0.0.1:$P_ADM"
-[store]
-url = "$STORE_URL"
-mode = "$MODE"
-[locks]
-enabled = false
-EOF
-fg_routes "$P_UP" >> "$W/fencegate.toml"
+fg_conf "$W/fencegate.toml" "$P_FG" "$P_ADM" "$STORE_URL" "$MODE" "$P_UP"
 
 nginx -p "$W/up" -c "$W/up/nginx.conf" -g 'daemon off;' & PIDS+=($!); NGX_UP=$!
 nginx -p "$W/px" -c "$W/px/nginx.conf" -g 'daemon off;' & PIDS+=($!); NGX_PX=$!

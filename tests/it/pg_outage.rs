@@ -23,7 +23,8 @@
 //! And the store answers late (its replies held back, then delivered):
 //! decisions pause and the single-writer lock stays with its session; or
 //! the lock's session falls silent while its server lets the lock go: a
-//! new session takes it within seconds.
+//! new session takes it within seconds; or it stays silent, alive on its
+//! server, past the watcher's patience: it is given up, then replaced.
 
 use std::time::{Duration, Instant};
 
@@ -1256,6 +1257,16 @@ async fn until_decisions_stop(app: &TestApp) -> usize {
     }
 }
 
+/// At the upstream, after [`until_decisions_stop`] and a write "after":
+/// of the writes "held", only the `forwarded` answered 200 arrived, and
+/// "after" came last.
+fn nothing_refused_was_forwarded(up: &Upstream, forwarded: usize) {
+    let bodies = up.bodies_on("/docs/x");
+    let held = bodies.iter().filter(|b| *b == "held").count();
+    assert_eq!(held, forwarded, "no 503 was forwarded");
+    assert_eq!(bodies.last().map(String::as_str), Some("after"));
+}
+
 /// Single mode with the default 2 s store timeout, the store behind a
 /// proxy that holds its replies back for a few seconds and then delivers
 /// them: a machine that got no CPU, or a network that stalled, and
@@ -1294,10 +1305,7 @@ async fn a_store_that_answers_late_pauses_decisions_and_keeps_the_single_writer_
         holder,
         "the single-writer lock stayed with its session"
     );
-    let bodies = up.bodies_on("/docs/x");
-    let held_bodies = bodies.iter().filter(|b| *b == "held").count();
-    assert_eq!(held_bodies, forwarded_while_held, "no 503 was forwarded");
-    assert_eq!(bodies.last().map(String::as_str), Some("after"));
+    nothing_refused_was_forwarded(&up, forwarded_while_held);
 }
 
 /// Single mode behind the proxy: the single-writer lock's session falls
@@ -1328,9 +1336,51 @@ async fn a_silent_lock_session_is_replaced_when_the_lock_is_free_on_a_new_one() 
         .await
         .expect("the gateway holds the single-writer lock again");
     assert_ne!(now, pid, "a new session holds it");
-    let bodies = up.bodies_on("/docs/x");
-    let held_bodies = bodies.iter().filter(|b| *b == "held").count();
-    assert_eq!(held_bodies, forwarded_while_held, "no 503 was forwarded");
-    assert_eq!(bodies.last().map(String::as_str), Some("after"));
+    nothing_refused_was_forwarded(&up, forwarded_while_held);
+    loss.release();
+}
+
+/// Single mode behind the proxy: only the single-writer lock's session
+/// falls silent (its replies held back), and stays silent past the
+/// watcher's patience (30 s) while its server keeps it alive. Until then,
+/// the watcher's attempts on new sessions find the lock held, by that same
+/// session, and change nothing: decisions stay stopped and the lock stays
+/// where it was. Then the watcher gives the session up; closing it frees
+/// the lock on the server, and a new session takes it. (A watcher that
+/// never gave up would stop decisions for good; one whose attempts took
+/// the lock while its session lived cannot, as the server refuses them.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_session_silent_past_the_patience_is_given_up_and_replaced() {
+    let (store, up, loss, app) = behind_with_default_timeout().await;
+    let (pid, port) = lock_holder(&store.url)
+        .await
+        .expect("the gateway holds the single-writer lock");
+
+    loss.hold_session(u16::try_from(port).expect("a port"));
+    let held = Instant::now();
+    let forwarded_while_held = until_decisions_stop(&app).await;
+    // Well inside the patience.
+    tokio::time::sleep(Duration::from_secs(20).saturating_sub(held.elapsed())).await;
+    problem(app.put("/docs/x", Some("5"), "held").await, 503).await;
+    assert_eq!(
+        lock_holder(&store.url).await.map(|(p, _)| p),
+        Some(pid),
+        "attempts on new sessions left the lock with the silent one"
+    );
+
+    let (resp, _) = until_not_503(Duration::from_secs(30), || {
+        fenced_put(&app.http, app.url("/docs/x"), "5", "after".to_string())
+    })
+    .await;
+    assert_eq!(resp.status(), 200, "decisions resume on a new session");
+    assert!(
+        held.elapsed() >= Duration::from_secs(30),
+        "the silent session was given up only after the patience"
+    );
+    let (now, _) = lock_holder(&store.url)
+        .await
+        .expect("the gateway holds the single-writer lock again");
+    assert_ne!(now, pid, "a new session holds it");
+    nothing_refused_was_forwarded(&up, forwarded_while_held);
     loss.release();
 }
