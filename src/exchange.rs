@@ -53,7 +53,7 @@ struct State {
     progress: Progress,
     /// What the upstream connection has heard since this request began:
     /// any byte of an answer before the request body is handed over in full
-    /// makes it an early answer, however late hyper reports the head.
+    /// makes it an early answer, however late its head is complete.
     heard: Option<crate::upstream::Heard>,
 }
 
@@ -234,8 +234,8 @@ mod tests {
         assert!(!p.done());
     }
 
-    /// hyper may read an early answer, then take the body's last frame, and
-    /// only then let the forward see the head: the head must not clear what
+    /// The client may read an early answer, then take the body's last frame,
+    /// and only then let the forward see the head: the head must not clear what
     /// the socket already told.
     #[test]
     fn an_answer_heard_before_the_body_ends_stays_early_whenever_the_head_is_reported() {

@@ -1223,14 +1223,14 @@ async fn forward(
     )
     .await;
     match sent {
-        Ok(Ok((resp, pooled))) => {
+        Ok(Ok(resp)) => {
             route.metrics.upstream_latency(started.elapsed());
             let (mut parts, body) = resp.into_parts();
             proxy::strip_hop_by_hop(&mut parts.headers);
             if let Some(x) = &exchange {
                 x.response_head();
             }
-            let body = Body::new(RelayBody::new(body, pooled, exchange));
+            let body = Body::new(RelayBody::new(body, exchange));
             Ok(Response::from_parts(parts, body))
         }
         Ok(Err(e)) => {

@@ -39,8 +39,9 @@
 //! * [`exchange`]: one fenced write's exchange with the upstream, and when
 //!   its key may open for another token.
 //! * [`proxy`]: header hygiene and the body wrappers of a forward.
-//! * [`upstream`]: the upstream client: per-worker HTTP/1.1 connections over
-//!   TCP or TLS, retried only when nothing was sent.
+//! * [`upstream`]: the upstream client, an HTTP/1.1 of its own: per-worker
+//!   connections over TCP or TLS, exchanges run in the asking future,
+//!   strict framing, retried only when nothing was sent.
 //! * [`error`]: errors by origin and their one mapping to problem documents.
 //! * [`locks`]: the lock API: leases whose grants carry fences, on the
 //!   store, Redis or Redlock.

@@ -1,4 +1,4 @@
-//! Forwarding to the upstream: header hygiene, the pooled client, and the
+//! Forwarding to the upstream: header hygiene, and the
 //! body wrappers that enforce the size limit and report a fenced exchange's
 //! progress to its [`Exchange`] (which decides when the key may open).
 
@@ -18,7 +18,7 @@ use tokio::time::Sleep;
 
 use crate::config::Upstream;
 use crate::exchange::Exchange;
-use crate::upstream::Pooled;
+use crate::upstream::{ExchangeError, UpstreamBody};
 
 /// Hop-by-hop headers (RFC 9110 §7.6.1) plus `Proxy-Connection`, which old
 /// clients still send. `Expect` is answered by our own server side. Typed
@@ -266,75 +266,61 @@ impl http_body::Body for LimitedBody {
 #[derive(Debug, thiserror::Error)]
 pub enum RelayError {
     #[error("upstream body error: {0}")]
-    Upstream(hyper::Error),
+    Upstream(ExchangeError),
     #[error("the fenced write's exchange ran past the route's timeout_ms")]
     Deadline,
 }
 
-pin_project_lite::pin_project! {
-    #[project = RelayBodyProj]
-    /// An upstream's response body on its way to the client. It hands the
-    /// upstream connection back to the worker's pool once the exchange is
-    /// over in both directions, and, for a fenced write, tells the
-    /// [`Exchange`] whether it ended normally and cuts the answer off at the
-    /// exchange's deadline. Dropped before its end (the client left, or the
-    /// body broke), it closes the connection and lets go of the exchange
-    /// without reporting an end, which keeps the key closed until the
-    /// deadline.
-    pub struct RelayBody {
-        #[pin]
-        inner: hyper::body::Incoming,
-        // Until the exchange is over: then back to the pool.
-        pooled: Option<Pooled>,
-        exchange: Option<Arc<Exchange>>,
-        deadline: Deadline,
-        // The upstream's body has ended; waiting for the connection to be
-        // done with the request too.
-        finishing: bool,
-        // Ended (normally or not); nothing more to do.
-        done: bool,
-    }
+/// An upstream's response body on its way to the client. It hands the
+/// upstream connection back to the worker's pool once the exchange is over
+/// in both directions, and, for a fenced write, tells the [`Exchange`]
+/// whether it ended normally and cuts the answer off at the exchange's
+/// deadline. Dropped before its end (the client left, or the body broke),
+/// it closes the connection and lets go of the exchange without reporting
+/// an end, which keeps the key closed until the deadline.
+pub struct RelayBody {
+    /// Taken (left empty) when the relay ends or is dropped.
+    inner: UpstreamBody,
+    exchange: Option<Arc<Exchange>>,
+    deadline: Deadline,
+    /// The upstream's body has ended; waiting for the request to be
+    /// written in full too.
+    finishing: bool,
+    /// Ended (normally or not); nothing more to do.
+    done: bool,
+}
 
-    impl PinnedDrop for RelayBody {
-        fn drop(this: Pin<&mut Self>) {
-            let this = this.project();
-            if *this.done {
-                return;
-            }
-            // A body empty from the start (a 204, a HEAD's answer) may never
-            // be polled: the server knows it has nothing to send. The
-            // upstream's answer did end normally; finish in the background.
-            let ended = *this.finishing || http_body::Body::is_end_stream(&*this.inner);
-            let (true, Some(mut pooled)) = (ended, this.pooled.take()) else {
-                return;
-            };
-            let exchange = this.exchange.take();
-            // Most often the connection is done already (hyper drops a body
-            // of known length once it has written its last byte, and the
-            // upstream's answer has ended): finish here, without a task.
-            let mut now = Context::from_waker(std::task::Waker::noop());
-            if let Poll::Ready(reusable) = pooled.poll_done(&mut now) {
-                ended_normally(pooled, reusable, exchange);
-            } else if let Ok(rt) = tokio::runtime::Handle::try_current() {
-                drop(rt.spawn(finish(pooled, exchange)));
-            }
+impl Drop for RelayBody {
+    fn drop(&mut self) {
+        if self.done {
+            return;
+        }
+        // A body empty from the start (a 204, a HEAD's answer) may never be
+        // polled: the server knows it has nothing to send. hyper also drops
+        // a body of known length once it has written its last byte. The
+        // upstream's answer did end normally; finish in the background.
+        let ended = self.finishing || http_body::Body::is_end_stream(&self.inner);
+        let mut inner = std::mem::take(&mut self.inner);
+        if !ended {
+            return;
+        }
+        let exchange = self.exchange.take();
+        // Most often the request is written in full already: finish here,
+        // without a task.
+        let mut now = Context::from_waker(std::task::Waker::noop());
+        if inner.poll_finish(&mut now).is_ready() {
+            ended_normally(exchange);
+        } else if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            drop(rt.spawn(async move {
+                std::future::poll_fn(|cx| inner.poll_finish(cx)).await;
+                ended_normally(exchange);
+            }));
         }
     }
 }
 
-/// Waits until the connection is done with the exchange, then hands it back
-/// and reports the normal end.
-async fn finish(mut pooled: Pooled, exchange: Option<Arc<Exchange>>) {
-    let reusable = std::future::poll_fn(|cx| pooled.poll_done(cx)).await;
-    ended_normally(pooled, reusable, exchange);
-}
-
-/// The connection is done with the exchange: back to the pool if it can
-/// take another request, and the normal end reported.
-fn ended_normally(pooled: Pooled, reusable: bool, exchange: Option<Arc<Exchange>>) {
-    if reusable {
-        pooled.give_back();
-    }
+/// The exchange is over in both directions: the normal end reported.
+fn ended_normally(exchange: Option<Arc<Exchange>>) {
     if let Some(x) = exchange {
         x.response_ended();
     }
@@ -342,19 +328,23 @@ fn ended_normally(pooled: Pooled, reusable: bool, exchange: Option<Arc<Exchange>
 
 impl RelayBody {
     /// `exchange` for a fenced write; `None` for pass-through.
-    pub fn new(
-        inner: hyper::body::Incoming,
-        pooled: Pooled,
-        exchange: Option<Arc<Exchange>>,
-    ) -> Self {
+    pub fn new(inner: UpstreamBody, exchange: Option<Arc<Exchange>>) -> Self {
         Self {
             inner,
-            pooled: Some(pooled),
             deadline: Deadline::new(exchange.as_ref().map(|x| x.deadline())),
             exchange,
             finishing: false,
             done: false,
         }
+    }
+
+    /// Ends the relay abnormally: the connection is closed, and the
+    /// exchange is let go without a normal end.
+    fn broken(&mut self, e: RelayError) -> RelayError {
+        self.done = true;
+        self.inner = UpstreamBody::default();
+        self.exchange.take();
+        e
     }
 }
 
@@ -363,15 +353,15 @@ impl http_body::Body for RelayBody {
     type Error = RelayError;
 
     fn poll_frame(
-        self: Pin<&mut Self>,
+        mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, RelayError>>> {
-        let mut this = self.project();
-        if *this.done {
+        let this = &mut *self;
+        if this.done {
             return Poll::Ready(None);
         }
-        if !*this.finishing {
-            match this.inner.as_mut().poll_frame(cx) {
+        if !this.finishing {
+            match Pin::new(&mut this.inner).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => {
                     if this.deadline.passed() {
                         return Poll::Ready(Some(Err(this.broken(RelayError::Deadline))));
@@ -382,33 +372,21 @@ impl http_body::Body for RelayBody {
                     // Broken off: the upstream may still be at work.
                     return Poll::Ready(Some(Err(this.broken(RelayError::Upstream(e)))));
                 }
-                Poll::Ready(None) => *this.finishing = true,
+                Poll::Ready(None) => this.finishing = true,
                 Poll::Pending => {
                     ready!(this.deadline.poll(cx));
                     return Poll::Ready(Some(Err(this.broken(RelayError::Deadline))));
                 }
             }
         }
-        // The answer has ended; the exchange is over when the connection is
-        // ready for the next request (hyper has written all of this one).
-        if let Some(pooled) = this.pooled.as_mut() {
-            match pooled.poll_done(cx) {
-                Poll::Pending => {
-                    ready!(this.deadline.poll(cx));
-                    return Poll::Ready(Some(Err(this.broken(RelayError::Deadline))));
-                }
-                Poll::Ready(reusable) => {
-                    let pooled = this.pooled.take();
-                    if let (true, Some(p)) = (reusable, pooled) {
-                        p.give_back();
-                    }
-                }
-            }
+        // The answer has ended; the exchange is over when the request is
+        // written in full too.
+        if this.inner.poll_finish(cx).is_pending() {
+            ready!(this.deadline.poll(cx));
+            return Poll::Ready(Some(Err(this.broken(RelayError::Deadline))));
         }
-        *this.done = true;
-        if let Some(x) = this.exchange.take() {
-            x.response_ended();
-        }
+        this.done = true;
+        ended_normally(this.exchange.take());
         Poll::Ready(None)
     }
 
@@ -418,17 +396,6 @@ impl http_body::Body for RelayBody {
 
     fn size_hint(&self) -> SizeHint {
         self.inner.size_hint()
-    }
-}
-
-impl RelayBodyProj<'_> {
-    /// Ends the relay abnormally: the connection is closed, and the
-    /// exchange is let go without a normal end.
-    fn broken(&mut self, e: RelayError) -> RelayError {
-        *self.done = true;
-        self.pooled.take();
-        self.exchange.take();
-        e
     }
 }
 

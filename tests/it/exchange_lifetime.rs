@@ -1046,7 +1046,7 @@ async fn abandoned_writes_do_not_use_up_key_lock_connections() {
 /// more of token 1 reaches the upstream, and token 1 is never applied.
 /// Without that check the rest of token 1's body, which the client sent
 /// during the pause, can follow token 2 to the upstream, depending on which
-/// task runs first (the unit test `upstream::nothing_is_written_past_the_
+/// task runs first (the unit test `upstream::conn::tests::nothing_is_written_past_the_
 /// deadline` checks the refusal itself, deterministically).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_paused_instance_sends_nothing_past_its_deadline() {

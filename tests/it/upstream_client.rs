@@ -107,42 +107,50 @@ async fn upstream_tls_settings_are_checked_at_load() {
     }
 }
 
+/// A listener on a free port whose every connection is served by `serve`,
+/// each in a task of its own, with `log` shared between them.
+async fn serve_each<L, F, Fut>(log: L, serve: F) -> std::net::SocketAddr
+where
+    L: Clone + Send + 'static,
+    F: Fn(tokio::net::TcpStream, L) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            if let Ok((tcp, _)) = listener.accept().await {
+                tokio::spawn(serve(tcp, log.clone()));
+            }
+        }
+    });
+    addr
+}
+
 /// An upstream that answers each request, then closes the connection after
 /// a random moment (0 to 3 ms), while promising keep-alive: pooled
 /// connections die just as they are picked. Every request is counted by its
 /// `x-test-id`.
 async fn closing_upstream() -> (std::net::SocketAddr, Arc<Mutex<HashMap<String, usize>>>) {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let seen: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
-    let log = seen.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut tcp, _)) = listener.accept().await else {
-                continue;
-            };
-            let log = log.clone();
-            tokio::spawn(async move {
-                // One request per connection.
-                let Some(headers) = read_one_request(&mut tcp).await else {
-                    return;
-                };
-                let id = headers
-                    .into_iter()
-                    .find(|(name, _)| name == "x-test-id")
-                    .map(|(_, v)| v)
-                    .unwrap_or_default();
-                *log.lock().unwrap().entry(id).or_default() += 1;
-                let _ = tcp
-                    .write_all(
-                        b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: keep-alive\r\n\r\nok",
-                    )
-                    .await;
-                let pause = rand::thread_rng().gen_range(0..=3);
-                tokio::time::sleep(Duration::from_millis(pause)).await;
-            });
-        }
-    });
+    let addr = serve_each(seen.clone(), |mut tcp, log| async move {
+        // One request per connection.
+        let Some(headers) = read_one_request(&mut tcp).await else {
+            return;
+        };
+        let id = headers
+            .into_iter()
+            .find(|(name, _)| name == "x-test-id")
+            .map(|(_, v)| v)
+            .unwrap_or_default();
+        *log.lock().unwrap().entry(id).or_default() += 1;
+        let _ = tcp
+            .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: keep-alive\r\n\r\nok")
+            .await;
+        let pause = rand::thread_rng().gen_range(0..=3);
+        tokio::time::sleep(Duration::from_millis(pause)).await;
+    })
+    .await;
     (addr, seen)
 }
 
@@ -292,4 +300,186 @@ async fn sni_names_the_upstream_host() {
         )]
     );
     assert_eq!(*by_ip.handshakes.lock().unwrap(), vec![None]);
+}
+
+/// An upstream that answers each request on a connection with the answer
+/// its path names (see [`scripted_answer`]), written in one piece, and keeps
+/// the connection for the next request unless the answer ends it. Counts
+/// connections, and the paths each one carried.
+async fn scripted_upstream() -> (std::net::SocketAddr, Arc<Mutex<Vec<Vec<String>>>>) {
+    let conns: Arc<Mutex<Vec<Vec<String>>>> = Arc::default();
+    let addr = serve_each(conns.clone(), |mut tcp, log| async move {
+        let n = {
+            let mut log = log.lock().unwrap();
+            log.push(Vec::new());
+            log.len() - 1
+        };
+        while let Some(headers) = read_one_request(&mut tcp).await {
+            let path = headers
+                .iter()
+                .find(|(name, _)| name == "x-test-path")
+                .map(|(_, v)| v.clone())
+                .unwrap_or_default();
+            log.lock().unwrap()[n].push(path.clone());
+            let (answer, close) = scripted_answer(&path);
+            if tcp.write_all(&answer).await.is_err() || close {
+                return;
+            }
+        }
+    })
+    .await;
+    (addr, conns)
+}
+
+/// The answer for a path, and whether the connection ends after it.
+fn scripted_answer(path: &str) -> (Vec<u8>, bool) {
+    let answer: &[u8] = match path {
+        "plain" => b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nplain",
+        // A second answer hidden after the first: it must never reach
+        // anyone as the answer to another request.
+        "smuggle" => {
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok\
+            HTTP/1.1 200 OK\r\ncontent-length: 8\r\n\r\nsmuggled"
+        }
+        "both" => {
+            b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\ntransfer-encoding: chunked\r\n\r\n\
+            0\r\n\r\nHTTP/1.1 200 OK\r\ncontent-length: 8\r\n\r\nsmuggled"
+        }
+        "lengths" => {
+            b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\ncontent-length: 10\r\n\r\nokokokokok"
+        }
+        "negative" => b"HTTP/1.1 200 OK\r\ncontent-length: -2\r\n\r\nok",
+        "chunked" => {
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n\
+            3;ext=1\r\nchu\r\n4\r\nnked\r\n0\r\nx-trailer: t\r\n\r\n"
+        }
+        "bad-chunk" => {
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nxx\r\n0\r\n\r\n"
+        }
+        "interim" => {
+            b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n\
+            HTTP/1.1 201 Created\r\ncontent-length: 7\r\n\r\ninterim"
+        }
+        "upgrade" => {
+            b"HTTP/1.1 101 Switching Protocols\r\nupgrade: x\r\nconnection: upgrade\r\n\r\n"
+        }
+        "to-close" => b"HTTP/1.1 200 OK\r\n\r\nread until the close",
+        "cut-short" => b"HTTP/1.1 200 OK\r\ncontent-length: 10\r\n\r\nshort",
+        "garbage" => b"HTTP/1.1 twohundred\r\n\r\n",
+        "many-fields" => {
+            let fields: String = (0..101).map(|i| format!("x-{i}: 1\r\n")).collect();
+            let answer = format!("HTTP/1.1 200 OK\r\n{fields}content-length: 0\r\n\r\n");
+            return (answer.into_bytes(), false);
+        }
+        _ => b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n",
+    };
+    let close = matches!(path, "to-close" | "cut-short" | "garbage" | "upgrade");
+    (answer.to_vec(), close)
+}
+
+/// Answers whose framing is broken, ambiguous or hostile never reach a
+/// client as something else: a head that cannot be trusted is a 502 problem,
+/// a body that breaks off breaks off for the client too, and bytes an
+/// upstream sends past its answer (a second, smuggled answer) are never
+/// taken for the answer to the next request: that connection is not used
+/// again. Well-framed answers of every kind pass whole, and their
+/// connections are kept.
+#[tokio::test]
+async fn hostile_answers_are_refused_and_never_answer_another_request() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let (addr, conns) = scripted_upstream().await;
+    // One worker: every request shares one pool of upstream connections.
+    let text = config_sections(
+        "workers = 1\n",
+        &store.url,
+        "",
+        &route("s", "/s/{id}", &format!("http://{addr}"), "s:{id}"),
+    );
+    let app = TestApp::from_text(&text).await;
+    let get = |path: &'static str| {
+        app.http
+            .get(app.url("/s/a"))
+            .header("x-test-path", path)
+            .send()
+    };
+
+    // Well framed: passed on whole, the connection kept for the next.
+    for (path, status, body) in [
+        ("plain", 200, "plain"),
+        ("chunked", 200, "chunked"),
+        ("interim", 201, "interim"),
+        ("plain", 200, "plain"),
+    ] {
+        let resp = get(path).await.unwrap();
+        assert_eq!(resp.status(), status, "{path}");
+        assert_eq!(resp.text().await.unwrap(), body, "{path}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        conns.lock().unwrap().clone(),
+        vec![vec!["plain", "chunked", "interim", "plain"]],
+        "one connection for well-framed answers"
+    );
+
+    // A smuggled second answer: the client gets the first, and the next
+    // request its own answer, on a new connection.
+    let resp = get("smuggle").await.unwrap();
+    assert_eq!(resp.text().await.unwrap(), "ok");
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    for _ in 0..3 {
+        let resp = get("plain").await.unwrap();
+        assert_eq!(
+            resp.text().await.unwrap(),
+            "plain",
+            "never the smuggled answer"
+        );
+    }
+
+    // Heads that cannot be trusted: 502, and nothing of them passed on.
+    for path in [
+        "both",
+        "lengths",
+        "negative",
+        "upgrade",
+        "garbage",
+        "many-fields",
+    ] {
+        let resp = get(path).await.unwrap();
+        let body = problem(resp, 502).await;
+        assert!(!body.to_string().contains("smuggled"), "{path}: {body}");
+        let resp = get("plain").await.unwrap();
+        assert_eq!(resp.text().await.unwrap(), "plain", "after {path}");
+    }
+
+    // Bodies: read to the close passes whole; one that breaks off, or whose
+    // chunks are malformed, breaks off for the client.
+    let resp = get("to-close").await.unwrap();
+    assert_eq!(resp.text().await.unwrap(), "read until the close");
+    for path in ["cut-short", "bad-chunk"] {
+        // The head was sound and is passed on, but the server may not have
+        // flushed it when the body broke: then the whole answer breaks off.
+        if let Ok(resp) = get(path).await {
+            assert_eq!(resp.status(), 200, "{path}: the head was sound");
+            assert!(resp.bytes().await.is_err(), "{path}: the body breaks off");
+        }
+        let resp = get("plain").await.unwrap();
+        assert_eq!(resp.text().await.unwrap(), "plain", "after {path}");
+    }
+
+    // Every connection that carried a broken or hostile answer carried
+    // nothing after it.
+    let conns = conns.lock().unwrap().clone();
+    for paths in &conns {
+        if let Some(i) = paths
+            .iter()
+            .position(|p| p != "plain" && p != "chunked" && p != "interim")
+        {
+            assert_eq!(
+                i,
+                paths.len() - 1,
+                "a connection was used after {}: {paths:?}",
+                paths[i]
+            );
+        }
+    }
 }

@@ -1,0 +1,253 @@
+//! One upstream connection: its socket (TCP, or TLS over TCP), the bytes
+//! read from it and not yet used, what it has heard, and its deadline.
+//!
+//! The connection owns its socket and reads it through tokio's stream,
+//! which takes a short read as proof that the socket is drained: the next
+//! read waits for readiness instead of asking the kernel once more for
+//! nothing. Its watchdog (see `cutoff`) knows the socket only by number.
+
+use std::io;
+use std::os::fd::AsRawFd;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use bytes::BytesMut;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio_rustls::client::TlsStream;
+
+use super::cutoff::{self, Cutoff, OnCut};
+use super::{Heard, SendError};
+use crate::config::Upstream;
+
+/// Longest a TCP connect (and TLS handshake) to an upstream may take: a
+/// refused or unroutable upstream must fail fast as 502.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// Room made in the read buffer before each read. Most answers of an API
+/// fit whole; a large body is read in pieces of at least this.
+const READ_ROOM: usize = 16 * 1024;
+
+pub(super) struct Conn {
+    stream: Stream,
+    /// Read from the upstream, not yet taken by a head or a body. Empty
+    /// between exchanges: anything left over means the upstream sent more
+    /// than its answer, and the connection is not reused.
+    pub(super) read: BytesMut,
+    pub(super) heard: Heard,
+    cutoff: Arc<Cutoff>,
+    /// Whether the watchdog runs (from the first fenced write on).
+    watched: bool,
+}
+
+enum Stream {
+    Tcp(TcpStream),
+    /// Boxed: TLS state is kilobytes, and plain TCP should not carry it.
+    Tls(Box<TlsStream<TcpStream>>),
+}
+
+impl Conn {
+    /// A new connection to `upstream`.
+    pub(super) async fn connect(upstream: &Upstream) -> Result<Conn, SendError> {
+        let connected = tokio::time::timeout(CONNECT_TIMEOUT, async {
+            let tcp = TcpStream::connect(upstream.address()).await.map_err(|e| {
+                SendError::Connect(format!("cannot connect to {}: {e}", upstream.authority))
+            })?;
+            let _ = tcp.set_nodelay(true);
+            let stream = match &upstream.tls {
+                None => Stream::Tcp(tcp),
+                Some(tls) => {
+                    let stream = tokio_rustls::TlsConnector::from(tls.config.clone())
+                        .connect(tls.server_name.clone(), tcp)
+                        .await
+                        .map_err(|e| {
+                            SendError::Connect(format!(
+                                "TLS handshake with {} failed: {e}",
+                                upstream.authority
+                            ))
+                        })?;
+                    Stream::Tls(Box::new(stream))
+                }
+            };
+            Ok(Conn::over(stream))
+        })
+        .await;
+        match connected {
+            Ok(r) => r,
+            Err(_) => Err(SendError::Connect(format!(
+                "connecting to {} took longer than {CONNECT_TIMEOUT:?}",
+                upstream.authority
+            ))),
+        }
+    }
+
+    fn over(stream: Stream) -> Conn {
+        Conn {
+            stream,
+            read: BytesMut::new(),
+            heard: Heard::default(),
+            cutoff: Arc::new(Cutoff::default()),
+            watched: false,
+        }
+    }
+
+    fn tcp(&self) -> &TcpStream {
+        match &self.stream {
+            Stream::Tcp(tcp) => tcp,
+            Stream::Tls(tls) => tls.get_ref().0,
+        }
+    }
+
+    /// Arms the deadline of the exchange about to be written (see
+    /// `cutoff`), starting the watchdog with the first one.
+    pub(super) fn arm(&mut self, at: Instant, on_cut: Arc<dyn OnCut>) {
+        if !self.watched {
+            self.watched = true;
+            tokio::spawn(cutoff::watchdog(
+                self.cutoff.clone(),
+                self.tcp().as_raw_fd(),
+            ));
+        }
+        self.cutoff.arm(at, on_cut);
+    }
+
+    /// The exchange is over: its deadline no longer applies. Answers
+    /// whether the connection may carry another (its watchdog did not shut
+    /// it down).
+    pub(super) fn disarm(&self) -> bool {
+        self.cutoff.clear();
+        !self.watched || !self.cutoff.was_cut()
+    }
+
+    /// Whether an idle connection is still open, as far as can be told
+    /// without waiting: the upstream has not closed it, nor sent anything
+    /// (an idle connection has nothing to say). Asks the kernel only when
+    /// the socket was reported readable since the last read.
+    pub(super) fn is_open(&mut self) -> bool {
+        match &mut self.stream {
+            Stream::Tcp(tcp) => matches!(
+                tcp.try_read(&mut [0u8; 1]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock
+            ),
+            Stream::Tls(tls) => {
+                let mut cx = Context::from_waker(std::task::Waker::noop());
+                let mut byte = [0u8; 1];
+                let mut buf = ReadBuf::new(&mut byte);
+                Pin::new(tls.as_mut())
+                    .poll_read(&mut cx, &mut buf)
+                    .is_pending()
+            }
+        }
+    }
+
+    /// Reads what the upstream has sent into `read`; `Ok(0)` at the end of
+    /// the stream. Notes in `heard` that something came.
+    pub(super) fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
+        if self.read.capacity() - self.read.len() < READ_ROOM / 4 {
+            self.read.reserve(READ_ROOM);
+        }
+        let read = match &mut self.stream {
+            Stream::Tcp(tcp) => tokio_util::io::poll_read_buf(Pin::new(tcp), cx, &mut self.read),
+            Stream::Tls(tls) => {
+                tokio_util::io::poll_read_buf(Pin::new(tls.as_mut()), cx, &mut self.read)
+            }
+        };
+        let n = std::task::ready!(read)?;
+        if n > 0 {
+            self.heard.note();
+        }
+        Poll::Ready(Ok(n))
+    }
+
+    /// Writes some of `buf`, unless the exchange's deadline has passed
+    /// (see `Cutoff::passed`).
+    pub(super) fn poll_write(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        if self.cutoff.passed() {
+            return Poll::Ready(Err(past_deadline()));
+        }
+        match &mut self.stream {
+            Stream::Tcp(tcp) => Pin::new(tcp).poll_write(cx, buf),
+            Stream::Tls(tls) => Pin::new(tls.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    /// Sends what TLS holds back (a TCP socket holds nothing), unless the
+    /// deadline has passed.
+    pub(super) fn poll_flush(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match &mut self.stream {
+            Stream::Tcp(_) => Poll::Ready(Ok(())),
+            Stream::Tls(_) if self.cutoff.passed() => Poll::Ready(Err(past_deadline())),
+            Stream::Tls(tls) => Pin::new(tls.as_mut()).poll_flush(cx),
+        }
+    }
+}
+
+impl Drop for Conn {
+    /// Says so to the watchdog before the socket closes (the fields are
+    /// dropped after this), so that it never shuts down a descriptor the
+    /// number of which a new socket may have taken.
+    fn drop(&mut self) {
+        if self.watched {
+            self.cutoff.close();
+        }
+    }
+}
+
+fn past_deadline() -> io::Error {
+    io::Error::new(
+        io::ErrorKind::TimedOut,
+        "the fenced write's deadline has passed",
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    struct Nobody;
+    impl OnCut for Nobody {
+        fn cut(&self) {}
+    }
+
+    /// Writes all of `bytes` without yielding to the runtime (so the
+    /// watchdog does not run meanwhile), or fails.
+    fn write_now(conn: &mut Conn, mut bytes: &[u8]) -> io::Result<()> {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        while !bytes.is_empty() {
+            match conn.poll_write(&mut cx, bytes) {
+                Poll::Ready(Ok(n)) => bytes = &bytes[n..],
+                Poll::Ready(Err(e)) => return Err(e),
+                Poll::Pending => panic!("a socket this empty takes a few bytes at once"),
+            }
+        }
+        Ok(())
+    }
+
+    /// Past its exchange's deadline a connection writes nothing, even
+    /// before its watchdog has shut it down (a process resumed after a
+    /// pause may poll the connection before the timer), and it flushes
+    /// nothing either.
+    #[tokio::test]
+    async fn nothing_is_written_past_the_deadline() {
+        let (ours, mut theirs) = super::super::socket_pair().await;
+        let mut conn = Conn::over(Stream::Tcp(ours));
+        write_now(&mut conn, b"before").expect("no deadline yet");
+        conn.arm(Instant::now() + Duration::from_secs(60), Arc::new(Nobody));
+        write_now(&mut conn, b" armed").expect("deadline ahead");
+        conn.arm(Instant::now(), Arc::new(Nobody));
+        let err = write_now(&mut conn, b" late").expect_err("past the deadline");
+        assert_eq!(err.kind(), io::ErrorKind::TimedOut);
+        assert!(conn.disarm(), "the watchdog has not run: nothing was cut");
+        write_now(&mut conn, b" next").expect("the next exchange");
+        drop(conn);
+        let mut got = String::new();
+        theirs.read_to_string(&mut got).await.expect("read");
+        assert_eq!(got, "before armed next");
+    }
+}

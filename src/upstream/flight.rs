@@ -1,0 +1,310 @@
+//! One request and its answer on a connection: the request written out
+//! (head, then body), the answer's head read, then its body, and the
+//! connection handed back to the pool when both directions are over.
+//!
+//! Everything runs in the futures and bodies that ask for it, with no task
+//! of its own: the request's future writes the request and reads the
+//! answer's head; the answer's body ([`UpstreamBody`]) is read by whoever
+//! polls it (the server's connection task) and goes on writing the request
+//! body if the answer came early, as an upstream that answers before it has
+//! read a streamed body expects.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use axum::body::Body;
+use bytes::{Buf, Bytes};
+use http::Method;
+use http_body::{Body as _, Frame, SizeHint};
+
+use super::conn::Conn;
+use super::wire::{self, Decoded, Decoder, RequestFraming};
+use super::{ExchangeError, UpstreamClient};
+
+/// How much of a request body is gathered before it is written: the head
+/// and a small body go out in one write.
+const GATHER: usize = 64 * 1024;
+
+/// The request on its way out.
+pub(super) struct RequestWriter {
+    /// Bytes not yet written, from `at`: the head, then the body as it
+    /// comes, framed. For a request without a body it keeps the whole head
+    /// (a bodiless GET may be sent again on another connection).
+    out: Vec<u8>,
+    at: usize,
+    /// The body still to be read from the client; `None` once it ended (or
+    /// for no body).
+    body: Option<Body>,
+    framing: RequestFraming,
+    /// Body bytes still owed under `Content-Length`.
+    owed: u64,
+    /// Bytes written to the connection so far: a request of which not one
+    /// byte was written may be sent on another connection.
+    pub(super) written: u64,
+    /// Everything was written (and flushed).
+    pub(super) finished: bool,
+}
+
+impl RequestWriter {
+    pub(super) fn new(parts: &http::request::Parts, body: Body) -> Self {
+        let hint = http_body::Body::size_hint(&body);
+        let framing = RequestFraming::of(http_body::Body::is_end_stream(&body), hint.exact());
+        let mut out = Vec::with_capacity(512);
+        wire::encode_head(parts, framing, &mut out);
+        let owed = match framing {
+            RequestFraming::Length(n) => n,
+            _ => 0,
+        };
+        Self {
+            out,
+            at: 0,
+            body: (framing != RequestFraming::Empty).then_some(body),
+            framing,
+            owed,
+            written: 0,
+            finished: false,
+        }
+    }
+
+    /// Whether the request may be sent again after it failed on a reused
+    /// connection with some of it written: a safe method without a body,
+    /// which HTTP lets a client repeat (RFC 9110 §9.2.2), and which is how
+    /// an idle connection the upstream closed mid-send shows. Fenced writes
+    /// are never among them.
+    pub(super) fn repeatable(&self, method: &Method) -> bool {
+        self.framing == RequestFraming::Empty
+            && matches!(*method, Method::GET | Method::HEAD | Method::OPTIONS)
+    }
+
+    /// For a repeatable request: from the start again.
+    pub(super) fn rewind(&mut self) {
+        self.at = 0;
+        self.written = 0;
+        self.finished = false;
+    }
+
+    /// Writes what there is to write; ready once everything is written.
+    pub(super) fn poll_send(
+        &mut self,
+        conn: &mut Conn,
+        cx: &mut Context<'_>,
+    ) -> Poll<Result<(), ExchangeError>> {
+        if self.finished {
+            return Poll::Ready(Ok(()));
+        }
+        loop {
+            // Gather what the body has ready, so that the head and a body
+            // that is already here go out in one write.
+            while let Some(body) = self.body.as_mut() {
+                if self.out.len() - self.at >= GATHER {
+                    break;
+                }
+                match Pin::new(body).poll_frame(cx) {
+                    Poll::Ready(Some(Ok(frame))) => {
+                        if let Ok(data) = frame.into_data() {
+                            self.frame(data)?;
+                        }
+                    }
+                    Poll::Ready(Some(Err(e))) => return Poll::Ready(Err(ExchangeError::Body(e))),
+                    Poll::Ready(None) => {
+                        self.end()?;
+                        self.body = None;
+                    }
+                    Poll::Pending => break,
+                }
+            }
+            if self.at < self.out.len() {
+                match conn.poll_write(cx, &self.out[self.at..]) {
+                    Poll::Ready(Ok(0)) => {
+                        return Poll::Ready(Err(ExchangeError::Io(
+                            std::io::ErrorKind::WriteZero.into(),
+                        )))
+                    }
+                    Poll::Ready(Ok(n)) => {
+                        self.at += n;
+                        self.written += n as u64;
+                        // Room for more of the body; a bodiless request
+                        // keeps its head (see `out`).
+                        if self.at == self.out.len() && self.body.is_some() {
+                            self.out.clear();
+                            self.at = 0;
+                        }
+                        continue;
+                    }
+                    Poll::Ready(Err(e)) => return Poll::Ready(Err(ExchangeError::Io(e))),
+                    Poll::Pending => return Poll::Pending,
+                }
+            }
+            if self.body.is_some() {
+                // All written; the body has nothing more yet.
+                return Poll::Pending;
+            }
+            std::task::ready!(conn.poll_flush(cx)).map_err(ExchangeError::Io)?;
+            self.finished = true;
+            return Poll::Ready(Ok(()));
+        }
+    }
+
+    /// Frames a piece of the body.
+    fn frame(&mut self, mut data: Bytes) -> Result<(), ExchangeError> {
+        match self.framing {
+            RequestFraming::Length(_) => {
+                let n = data.len() as u64;
+                if n > self.owed {
+                    return Err(ExchangeError::BodyLength);
+                }
+                self.owed -= n;
+                self.out.extend_from_slice(&data);
+            }
+            RequestFraming::Chunked if !data.is_empty() => {
+                wire::encode_chunk(&data, &mut self.out);
+            }
+            _ => data.advance(data.len()),
+        }
+        Ok(())
+    }
+
+    /// The body has ended.
+    fn end(&mut self) -> Result<(), ExchangeError> {
+        match self.framing {
+            RequestFraming::Length(_) if self.owed != 0 => Err(ExchangeError::BodyLength),
+            RequestFraming::Chunked => {
+                self.out.extend_from_slice(wire::LAST_CHUNK);
+                Ok(())
+            }
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A connection lent to one exchange.
+pub(super) struct Flight {
+    pub(super) conn: Conn,
+    pub(super) request: RequestWriter,
+    /// Where the connection goes back to, under which key.
+    pub(super) client: UpstreamClient,
+    pub(super) key: std::sync::Arc<str>,
+}
+
+impl Flight {
+    /// Writes the request and reads the answer's head, both at once: an
+    /// answer may come before the request body is written in full (the
+    /// rest of the body is then written as the answer's body is read).
+    pub(super) fn poll_head(
+        &mut self,
+        cx: &mut Context<'_>,
+        method: &Method,
+    ) -> Poll<Result<wire::AnswerHead, ExchangeError>> {
+        loop {
+            if let Poll::Ready(Err(e)) = self.request.poll_send(&mut self.conn, cx) {
+                return Poll::Ready(Err(e));
+            }
+            if let Some(head) = wire::parse_head(&mut self.conn.read, method)? {
+                return Poll::Ready(Ok(head));
+            }
+            match std::task::ready!(self.conn.poll_fill(cx)) {
+                Ok(0) => return Poll::Ready(Err(ExchangeError::Closed)),
+                Ok(_) => {}
+                Err(e) => return Poll::Ready(Err(ExchangeError::Io(e))),
+            }
+        }
+    }
+}
+
+/// An upstream's answer body, read from its connection as it is polled.
+/// When the answer has ended and the request is written in full, the
+/// connection goes back to the pool ([`UpstreamBody::poll_finish`]).
+/// Dropped before that, it closes the connection.
+#[derive(Default)]
+pub struct UpstreamBody {
+    /// `None` once the connection is handed back or closed. Held inline:
+    /// the body is boxed once as the server's body already.
+    flight: Option<Flight>,
+    decoder: Option<Decoder>,
+    keep_alive: bool,
+}
+
+impl UpstreamBody {
+    pub(super) fn new(flight: Flight, decoder: Decoder, keep_alive: bool) -> Self {
+        Self {
+            flight: Some(flight),
+            decoder: Some(decoder),
+            keep_alive,
+        }
+    }
+
+    /// The answer has ended: ready once the request is written in full
+    /// too, and the connection handed back if it can carry another
+    /// exchange (or closed). An exchange whose request could not be
+    /// finished is over as well: its connection is closed.
+    pub fn poll_finish(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(flight) = self.flight.as_mut() else {
+            return Poll::Ready(());
+        };
+        let sent = std::task::ready!(flight.request.poll_send(&mut flight.conn, cx)).is_ok();
+        let Some(flight) = self.flight.take() else {
+            return Poll::Ready(());
+        };
+        let Flight {
+            conn, client, key, ..
+        } = flight;
+        let ended = self.decoder.is_some_and(|d| d.ended());
+        // Anything the upstream sent past its answer is a broken upstream;
+        // a watchdog that shut the connection down ended with it.
+        if conn.disarm() && sent && ended && self.keep_alive && conn.read.is_empty() {
+            client.give_back(key, conn);
+        }
+        Poll::Ready(())
+    }
+}
+
+impl http_body::Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = ExchangeError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, ExchangeError>>> {
+        let this = &mut *self;
+        let (Some(flight), Some(decoder)) = (this.flight.as_mut(), this.decoder.as_mut()) else {
+            return Poll::Ready(None);
+        };
+        // An early answer: the rest of the request body goes on meanwhile.
+        if let Poll::Ready(Err(e)) = flight.request.poll_send(&mut flight.conn, cx) {
+            this.flight = None;
+            return Poll::Ready(Some(Err(e)));
+        }
+        loop {
+            match decoder.decode(&mut flight.conn.read) {
+                Ok(Decoded::Data(data)) => return Poll::Ready(Some(Ok(Frame::data(data)))),
+                Ok(Decoded::End) => return Poll::Ready(None),
+                Ok(Decoded::More) => {}
+                Err(e) => {
+                    this.flight = None;
+                    return Poll::Ready(Some(Err(ExchangeError::Wire(e))));
+                }
+            }
+            match std::task::ready!(flight.conn.poll_fill(cx)) {
+                Ok(0) if *decoder == Decoder::ToClose => *decoder = Decoder::Ended,
+                Ok(0) => {
+                    this.flight = None;
+                    return Poll::Ready(Some(Err(ExchangeError::Closed)));
+                }
+                Ok(_) => {}
+                Err(e) => {
+                    this.flight = None;
+                    return Poll::Ready(Some(Err(ExchangeError::Io(e))));
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.decoder.is_none_or(|d| d.ended())
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.decoder.map(|d| d.size_hint()).unwrap_or_default()
+    }
+}

@@ -1,0 +1,303 @@
+//! The upstream client: HTTP/1.1 connections to the upstreams, over TCP or
+//! TLS, kept by each worker for its own requests, and an exchange run in
+//! the future that asks for it.
+//!
+//! A general client (hyper's) runs each connection in a task of its own:
+//! a request goes to it through a channel, its answer comes back through
+//! another, and its body through a third, with a task wake in each
+//! direction. A proxy with a handful of upstreams per worker needs none of
+//! that. Here a worker keeps, per upstream, a stack of idle connections; a
+//! request pops one (or connects), writes itself and reads the answer's
+//! head in its own future, and the answer's body reads itself from the
+//! connection and hands it back when the exchange is over ([`flight`]).
+//! Heads are parsed with `httparse` once, headers written as the bytes they
+//! are, head and body sent in one write ([`wire`]).
+//!
+//! **Retries.** A request is sent again on a new connection only when not
+//! one byte of it was written: a reused connection is first checked for a
+//! close without waiting, and a write that fails at once is counted. A
+//! request of which any byte may have been written is never sent again —
+//! the upstream may be applying it — with one exception: a bodiless GET,
+//! HEAD or OPTIONS that failed on a reused connection before its answer,
+//! which HTTP lets a client repeat (RFC 9110 §9.2.2) and which is how an
+//! idle connection the upstream closed mid-send shows. Fenced writes are
+//! never among them.
+//!
+//! **When a connection is handed back**: after the answer's body ended
+//! *and* the request was written in full, so "the exchange is over" means
+//! both directions are, which is what the fenced write's `Exchange` needs
+//! to hear (see `proxy::RelayBody`). A connection that cannot carry another
+//! exchange (an answer read to the close, `Connection: close`, bytes past
+//! the answer, a request not finished) is closed instead.
+//!
+//! **Deadlines a connection enforces itself**: see [`cutoff`].
+//!
+//! **TLS** upstreams (`https://`) are verified against the platform's trust
+//! roots or the route's `upstream_ca_file`, with SNI and the hostname check
+//! always on. TLS wraps the same socket, and the exchange runs over it on
+//! the same path as plain TCP.
+//!
+//! # Layout
+//!
+//! * [`wire`]: the bytes: request heads, answer heads, body framing.
+//! * [`conn`]: one connection: its socket, reads and writes.
+//! * [`flight`]: one exchange on a connection, and the answer's body.
+//! * [`cutoff`]: a fenced exchange's deadline, and the watchdog that cuts
+//!   the connection at it.
+
+mod conn;
+mod cutoff;
+mod flight;
+mod wire;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use http::{Request, Response};
+
+use crate::config::Upstream;
+use conn::Conn;
+pub use cutoff::OnCut;
+pub use flight::UpstreamBody;
+use flight::{Flight, RequestWriter};
+pub use wire::WireError;
+
+/// Idle connections kept per upstream and worker.
+const MAX_IDLE: usize = 256;
+/// An idle connection older than this is closed rather than reused: the
+/// upstream has likely closed it already, or soon will.
+const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// TLS to an `https://` upstream, built when the config is loaded.
+#[derive(Clone)]
+pub struct UpstreamTls {
+    /// Trust roots (the platform's, or `upstream_ca_file`), ALPN http/1.1.
+    pub config: Arc<rustls::ClientConfig>,
+    /// Sent as SNI and checked against the certificate.
+    pub server_name: rustls::pki_types::ServerName<'static>,
+}
+
+impl std::fmt::Debug for UpstreamTls {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("UpstreamTls")
+            .field("server_name", &self.server_name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl UpstreamTls {
+    /// TLS for the upstream host `host`, trusting `ca_file` (PEM) or, without
+    /// one, the platform's roots. The error says what is wrong.
+    pub fn new(host: &str, ca_file: Option<&std::path::Path>) -> Result<Self, String> {
+        let roots = match ca_file {
+            None => {
+                crate::tls::platform_roots().map_err(|e| format!("{e}; set upstream_ca_file"))?
+            }
+            Some(path) => {
+                let pem = std::fs::read(path)
+                    .map_err(|e| format!("upstream_ca_file {}: {e}", path.display()))?;
+                let roots = crate::tls::pem_roots(&pem)
+                    .map_err(|e| format!("upstream_ca_file {}: {e}", path.display()))?;
+                Arc::new(roots)
+            }
+        };
+        // An IP literal in brackets (`[::1]`) is named without them.
+        let name = host.trim_start_matches('[').trim_end_matches(']');
+        let server_name = rustls::pki_types::ServerName::try_from(name.to_string())
+            .map_err(|_| format!("'{host}' is not a name a certificate can be checked against"))?;
+        let config = crate::tls::client_config(roots)?;
+        Ok(Self {
+            config: Arc::new(config),
+            server_name,
+        })
+    }
+}
+
+/// One worker's connections; cheap to clone (clones share them).
+#[derive(Clone, Default)]
+pub struct UpstreamClient {
+    idle: Arc<Mutex<HashMap<Arc<str>, Vec<Idle>>>>,
+}
+
+struct Idle {
+    conn: Conn,
+    since: Instant,
+}
+
+/// Whether any byte came from the upstream since the current request began.
+/// An answer that starts arriving while the request body is still being
+/// handed over is an early answer, whenever its head is complete.
+#[derive(Clone, Default)]
+pub struct Heard(Arc<AtomicBool>);
+
+impl Heard {
+    /// A request begins: nothing heard yet.
+    fn arm(&self) {
+        self.0.store(false, Ordering::Release);
+    }
+
+    /// Something came from the upstream.
+    fn note(&self) {
+        self.0.store(true, Ordering::Release);
+    }
+
+    /// Whether the upstream has sent anything since the request began.
+    pub fn anything(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
+
+/// Why an upstream request failed.
+#[derive(Debug, thiserror::Error)]
+pub enum SendError {
+    /// Nothing was sent: the connection (or its TLS handshake) failed, or
+    /// closed before a byte of the request was written.
+    #[error("{0}")]
+    Connect(String),
+    /// The exchange failed after the request may have been (partly) sent.
+    #[error("{0}")]
+    Exchange(ExchangeError),
+}
+
+impl SendError {
+    /// Whether nothing of the request can have reached the upstream.
+    pub fn nothing_sent(&self) -> bool {
+        matches!(self, SendError::Connect(_))
+    }
+}
+
+/// Why an exchange on a connection broke off.
+#[derive(Debug, thiserror::Error)]
+pub enum ExchangeError {
+    #[error("upstream connection: {0}")]
+    Io(std::io::Error),
+    #[error("the upstream closed the connection before its answer was complete")]
+    Closed,
+    #[error("{0}")]
+    Wire(#[from] WireError),
+    #[error("request body: {0}")]
+    Body(axum::Error),
+    #[error("the request body's length differs from the length announced")]
+    BodyLength,
+}
+
+impl UpstreamClient {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// An idle connection to `upstream` that is still open, if one is kept.
+    fn take_idle(&self, key: &str) -> Option<Conn> {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let stack = idle.get_mut(key)?;
+        while let Some(mut c) = stack.pop() {
+            // Newest first; anything this old below it is older still.
+            if c.since.elapsed() > IDLE_TIMEOUT {
+                stack.clear();
+                return None;
+            }
+            if c.conn.is_open() {
+                return Some(c.conn);
+            }
+        }
+        None
+    }
+
+    /// Returns a connection whose exchange is over to its pool.
+    fn give_back(&self, key: Arc<str>, conn: Conn) {
+        let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
+        let stack = idle.entry(key).or_default();
+        if stack.len() < MAX_IDLE {
+            stack.push(Idle {
+                conn,
+                since: Instant::now(),
+            });
+        }
+    }
+
+    /// Sends `req` to `upstream` (its URI in origin form, `Host` set) and
+    /// reads the answer's head; the answer's body reads the rest, and hands
+    /// the connection back when the exchange is over. `cut`: a fenced
+    /// write's deadline, past which the connection closes itself and then
+    /// tells the exchange (see [`cutoff`]). `listen` learns the
+    /// connection's [`Heard`] before the request is written.
+    pub async fn send(
+        &self,
+        upstream: &Upstream,
+        req: Request<Body>,
+        cut: Option<(Instant, Arc<dyn OnCut>)>,
+        listen: impl Fn(Heard),
+    ) -> Result<Response<UpstreamBody>, SendError> {
+        let (parts, body) = req.into_parts();
+        let mut request = RequestWriter::new(&parts, body);
+        let repeatable = request.repeatable(&parts.method);
+        loop {
+            let (mut conn, reused) = match self.take_idle(&upstream.pool_key) {
+                Some(c) => (c, true),
+                // Boxed: connecting (TCP, TLS) is the rare case, and its
+                // state would otherwise make every request's future, moved
+                // into its task and out of it, kilobytes larger.
+                None => (Box::pin(Conn::connect(upstream)).await?, false),
+            };
+            if let Some((at, on_cut)) = &cut {
+                conn.arm(*at, on_cut.clone());
+            }
+            conn.heard.arm();
+            listen(conn.heard.clone());
+            let mut flight = Flight {
+                conn,
+                request,
+                client: self.clone(),
+                key: upstream.pool_key.clone(),
+            };
+            match std::future::poll_fn(|cx| flight.poll_head(cx, &parts.method)).await {
+                Ok(head) => {
+                    let mut answer =
+                        Response::new(UpstreamBody::new(flight, head.body, head.keep_alive));
+                    *answer.status_mut() = head.status;
+                    *answer.version_mut() = head.version;
+                    *answer.headers_mut() = head.headers;
+                    return Ok(answer);
+                }
+                Err(e) => {
+                    let Flight {
+                        conn, request: r, ..
+                    } = flight;
+                    // Closed now: nothing more of this attempt moves.
+                    drop(conn);
+                    let io = matches!(e, ExchangeError::Io(_) | ExchangeError::Closed);
+                    request = r;
+                    match (io, request.written, reused) {
+                        // The upstream had closed the reused connection
+                        // before a byte was written: once more, on a new
+                        // one (which, not being reused, is not retried).
+                        (true, 0, true) => {}
+                        (true, 0, false) => {
+                            return Err(SendError::Connect(format!(
+                                "the new connection closed before the request was sent: {e}"
+                            )))
+                        }
+                        (true, _, true) if repeatable => request.rewind(),
+                        _ => return Err(SendError::Exchange(e)),
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A connected TCP socket and its peer, for the unit tests of this module.
+#[cfg(test)]
+async fn socket_pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let ours = tokio::net::TcpStream::connect(listener.local_addr().expect("addr"))
+        .await
+        .expect("connect");
+    let (theirs, _) = listener.accept().await.expect("accept");
+    (ours, theirs)
+}

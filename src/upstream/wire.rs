@@ -1,0 +1,647 @@
+//! The bytes of an HTTP/1.1 exchange with an upstream: the request head as
+//! written, the answer head as parsed, and how each body is framed.
+//!
+//! Framing is where a proxy can be made to disagree with its upstream about
+//! where one message ends and the next begins, so every rule here is the
+//! strict one:
+//!
+//! - **Requests** are framed by what the gateway knows of the body, never
+//!   by the client's headers: `Content-Length` when its size is known
+//!   exactly, `Transfer-Encoding: chunked` otherwise, and neither for no
+//!   body. A client's `Content-Length` is replaced, and `Transfer-Encoding`
+//!   never passes (it is hop-by-hop, and dropped here again).
+//! - **Answers**: no body for a HEAD, a 204 or a 304; `Transfer-Encoding`
+//!   whose last coding is chunked is decoded, any other is read to the
+//!   close; one valid `Content-Length` (equal repeats allowed); both headers
+//!   together, or lengths that disagree, are refused. Informational answers
+//!   (1xx) are skipped, except 101: no upgrade is ever asked for.
+//! - **Limits**: a head of at most [`MAX_HEAD_BYTES`] and [`MAX_HEADERS`]
+//!   fields, chunk-size lines and trailers bounded: an upstream cannot make
+//!   the gateway buffer without end.
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, StatusCode, Version};
+
+/// Most header fields an answer head may carry, as hyper's client allowed.
+const MAX_HEADERS: usize = 100;
+/// Longest answer head accepted. Within `u16`: a field's place in the
+/// head is kept as two of them while the head is parsed.
+const MAX_HEAD_BYTES: usize = u16::MAX as usize;
+/// Longest chunk-size line, with its extensions.
+const MAX_CHUNK_LINE: usize = 4096;
+/// Longest trailer section of a chunked answer (trailers are dropped).
+const MAX_TRAILERS: usize = 64 * 1024;
+
+/// What is wrong with an upstream's answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("the answer head is malformed")]
+    Head,
+    #[error("the answer head is larger than {MAX_HEAD_BYTES} bytes or has more than {MAX_HEADERS} fields")]
+    HeadTooLarge,
+    #[error("the answer switches protocols, which was not asked for")]
+    Upgrade,
+    #[error("the answer has both Transfer-Encoding and Content-Length")]
+    BothFramings,
+    #[error("the answer's Content-Length is invalid or ambiguous")]
+    Length,
+    #[error("the answer's chunked body is malformed")]
+    Chunk,
+}
+
+/// How the request's body goes on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestFraming {
+    /// No body.
+    Empty,
+    /// `Content-Length`: exactly this many bytes follow.
+    Length(u64),
+    /// `Transfer-Encoding: chunked`.
+    Chunked,
+}
+
+impl RequestFraming {
+    /// From what is known of the body: whether it has ended already, and
+    /// its exact size if known.
+    pub fn of(ended: bool, exact: Option<u64>) -> Self {
+        match (ended, exact) {
+            (true, _) => RequestFraming::Empty,
+            (false, Some(n)) => RequestFraming::Length(n),
+            (false, None) => RequestFraming::Chunked,
+        }
+    }
+}
+
+/// Appends the request head to `out`: the request line with the URI's path
+/// and query (origin form), every header as the bytes it holds except the
+/// framing ones, then this framing's own header.
+pub fn encode_head(parts: &http::request::Parts, framing: RequestFraming, out: &mut Vec<u8>) {
+    out.extend_from_slice(parts.method.as_str().as_bytes());
+    out.push(b' ');
+    match parts.uri.path_and_query() {
+        Some(pq) if !pq.as_str().is_empty() => out.extend_from_slice(pq.as_str().as_bytes()),
+        _ => out.push(b'/'),
+    }
+    out.extend_from_slice(b" HTTP/1.1\r\n");
+    let mut had_length = false;
+    for (name, value) in &parts.headers {
+        if name == header::CONTENT_LENGTH {
+            had_length = true;
+            continue;
+        }
+        if name == header::TRANSFER_ENCODING {
+            continue;
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    match framing {
+        // A client that said "no body" explicitly is still heard saying so.
+        RequestFraming::Empty if had_length => out.extend_from_slice(b"content-length: 0\r\n"),
+        RequestFraming::Empty => {}
+        RequestFraming::Length(n) => {
+            out.extend_from_slice(b"content-length: ");
+            out.extend_from_slice(itoa(n, &mut [0; 20]));
+            out.extend_from_slice(b"\r\n");
+        }
+        RequestFraming::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
+    }
+    out.extend_from_slice(b"\r\n");
+}
+
+/// `n` in decimal, written into the end of `buf`.
+fn itoa(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (n % 10) as u8;
+        n /= 10;
+        if n == 0 {
+            return &buf[i..];
+        }
+    }
+}
+
+/// Appends one chunk of a chunked body (`data` must not be empty: an empty
+/// chunk ends the body).
+pub fn encode_chunk(data: &[u8], out: &mut Vec<u8>) {
+    use std::io::Write;
+    // Writing to a Vec cannot fail.
+    let _ = write!(out, "{:X}\r\n", data.len());
+    out.extend_from_slice(data);
+    out.extend_from_slice(b"\r\n");
+}
+
+/// The end of a chunked body, without trailers.
+pub const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
+
+/// A final answer's head.
+#[derive(Debug)]
+pub struct AnswerHead {
+    pub status: StatusCode,
+    pub version: Version,
+    pub headers: HeaderMap,
+    pub body: Decoder,
+    /// Whether the connection may carry another exchange after this one
+    /// (HTTP/1.1 without `Connection: close`, and a body with its own end).
+    pub keep_alive: bool,
+}
+
+/// Parses the answer head at the start of `buf`, taking its bytes out.
+/// `None`: not all of it has arrived. Informational answers before it are
+/// taken out and skipped. `method` is the request's (a HEAD's answer has
+/// no body, whatever its headers say).
+pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<AnswerHead>, WireError> {
+    loop {
+        if buf.is_empty() {
+            return Ok(None);
+        }
+        // Uninitialised: zeroing a hundred fields for an answer that has
+        // five cost more than parsing them.
+        let mut fields = [const { std::mem::MaybeUninit::uninit() }; MAX_HEADERS];
+        let mut answer = httparse::Response::new(&mut []);
+        let parsed = httparse::ParserConfig::default().parse_response_with_uninit_headers(
+            &mut answer,
+            buf,
+            &mut fields,
+        );
+        let len = match parsed {
+            Ok(httparse::Status::Complete(len)) => len,
+            Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD_BYTES => {
+                return Err(WireError::HeadTooLarge)
+            }
+            Ok(httparse::Status::Partial) => return Ok(None),
+            Err(httparse::Error::TooManyHeaders) => return Err(WireError::HeadTooLarge),
+            Err(_) => return Err(WireError::Head),
+        };
+        if len > MAX_HEAD_BYTES {
+            return Err(WireError::HeadTooLarge);
+        }
+        let code = answer.code.ok_or(WireError::Head)?;
+        let status = StatusCode::from_u16(code).map_err(|_| WireError::Head)?;
+        if status == StatusCode::SWITCHING_PROTOCOLS {
+            return Err(WireError::Upgrade);
+        }
+        if status.is_informational() {
+            buf.advance(len);
+            continue;
+        }
+        let version = match answer.version {
+            Some(1) => Version::HTTP_11,
+            Some(0) => Version::HTTP_10,
+            _ => return Err(WireError::Head),
+        };
+        // Where each field lies in the head, so that its value can share
+        // the head's bytes once they are taken out of `buf`.
+        let base = buf.as_ptr() as usize;
+        // Each within the head, whose length is checked above.
+        let at = |s: &[u8]| (s.as_ptr() as usize - base) as u16;
+        let mut spans = [(0u16, 0u16, 0u16, 0u16); MAX_HEADERS];
+        let count = answer.headers.len();
+        // The fields that frame the body, read from the bytes as they pass:
+        // asking the header map for them afterwards cost more.
+        let mut framing = Framing::default();
+        for (span, field) in spans.iter_mut().zip(answer.headers.iter()) {
+            let (name, value) = (field.name.as_bytes(), field.value);
+            *span = (at(name), name.len() as u16, at(value), value.len() as u16);
+            framing.field(name, value);
+        }
+        let head = buf.split_to(len).freeze();
+        let mut headers = HeaderMap::with_capacity(count);
+        for &(name, name_len, value, value_len) in &spans[..count] {
+            let (name, value) = (usize::from(name), usize::from(value));
+            let name_end = name + usize::from(name_len);
+            let value_end = value + usize::from(value_len);
+            let name =
+                HeaderName::from_bytes(&head[name..name_end]).map_err(|_| WireError::Head)?;
+            let value = HeaderValue::from_maybe_shared(head.slice(value..value_end))
+                .map_err(|_| WireError::Head)?;
+            headers.append(name, value);
+        }
+        let body = framing.body(method, status)?;
+        let keep_alive =
+            version == Version::HTTP_11 && !framing.close && !matches!(body, Decoder::ToClose);
+        return Ok(Some(AnswerHead {
+            status,
+            version,
+            headers,
+            body,
+            keep_alive,
+        }));
+    }
+}
+
+/// What an answer head's framing fields say (see the module docs).
+#[derive(Default)]
+struct Framing {
+    /// `Content-Length`: `Some(Ok(n))` for one valid length however often
+    /// repeated, `Some(Err(_))` for an invalid or ambiguous one.
+    length: Option<Result<u64, WireError>>,
+    /// `Transfer-Encoding`: whether its last coding, over all its fields,
+    /// is chunked.
+    chunked: Option<bool>,
+    /// `Connection` names `close`.
+    close: bool,
+}
+
+impl Framing {
+    /// Takes in one field of the head.
+    fn field(&mut self, name: &[u8], value: &[u8]) {
+        let tokens = || value.split(|&b| b == b',').map(<[u8]>::trim_ascii);
+        match name.len() {
+            14 if name.eq_ignore_ascii_case(b"content-length") => {
+                for part in tokens() {
+                    self.length = Some(match (self.length, parse_length(part)) {
+                        (Some(Err(e)), _) | (_, Err(e)) => Err(e),
+                        (Some(Ok(l)), Ok(n)) if l != n => Err(WireError::Length),
+                        (_, Ok(n)) => Ok(n),
+                    });
+                }
+            }
+            17 if name.eq_ignore_ascii_case(b"transfer-encoding") => {
+                // Present, even empty, is present: never framed by a length.
+                match tokens().rfind(|c| !c.is_empty()) {
+                    Some(last) => self.chunked = Some(last.eq_ignore_ascii_case(b"chunked")),
+                    None => _ = self.chunked.get_or_insert(false),
+                }
+            }
+            10 if name.eq_ignore_ascii_case(b"connection") => {
+                self.close |= tokens().any(|t| t.eq_ignore_ascii_case(b"close"));
+            }
+            _ => {}
+        }
+    }
+
+    /// How the answer's body is framed.
+    fn body(&self, method: &Method, status: StatusCode) -> Result<Decoder, WireError> {
+        if method == Method::HEAD
+            || status == StatusCode::NO_CONTENT
+            || status == StatusCode::NOT_MODIFIED
+        {
+            return Ok(Decoder::Length(0));
+        }
+        match (self.chunked, self.length) {
+            (Some(_), Some(_)) => Err(WireError::BothFramings),
+            (Some(true), None) => Ok(Decoder::Chunked(Chunk::Size)),
+            (Some(false), None) | (None, None) => Ok(Decoder::ToClose),
+            (None, Some(length)) => length.map(Decoder::Length),
+        }
+    }
+}
+
+/// One `Content-Length` value: digits only (no sign, no spaces inside), at
+/// most 19 of them.
+fn parse_length(digits: &[u8]) -> Result<u64, WireError> {
+    if digits.is_empty() || digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
+        return Err(WireError::Length);
+    }
+    Ok(digits
+        .iter()
+        .fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
+}
+
+/// Where the reading of an answer's body is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decoder {
+    /// This many bytes are still to come.
+    Length(u64),
+    Chunked(Chunk),
+    /// Everything until the upstream closes the connection.
+    ToClose,
+    /// The body has ended.
+    Ended,
+}
+
+/// Where a chunked body is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Chunk {
+    /// Before a chunk-size line.
+    Size,
+    /// Inside a chunk's data: this many bytes are still to come.
+    Data(u64),
+    /// After a chunk's data, before its CRLF.
+    DataEnd,
+    /// After the last chunk: trailer lines (dropped), this many bytes so far.
+    Trailers(usize),
+}
+
+/// What [`Decoder::decode`] found in the buffer.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Decoded {
+    Data(Bytes),
+    /// More bytes must be read first.
+    More,
+    /// The body has ended.
+    End,
+}
+
+impl Decoder {
+    /// Takes the next piece of the body out of `buf`.
+    pub fn decode(&mut self, buf: &mut BytesMut) -> Result<Decoded, WireError> {
+        loop {
+            match self {
+                Decoder::Ended | Decoder::Length(0) => {
+                    *self = Decoder::Ended;
+                    return Ok(Decoded::End);
+                }
+                Decoder::Length(left) => return Ok(take(buf, left)),
+                Decoder::ToClose if buf.is_empty() => return Ok(Decoded::More),
+                Decoder::ToClose => return Ok(Decoded::Data(buf.split().freeze())),
+                Decoder::Chunked(Chunk::Size) => match httparse::parse_chunk_size(buf) {
+                    Ok(httparse::Status::Complete((used, size))) => {
+                        buf.advance(used);
+                        *self = Decoder::Chunked(match size {
+                            0 => Chunk::Trailers(0),
+                            n => Chunk::Data(n),
+                        });
+                    }
+                    Ok(httparse::Status::Partial) if buf.len() > MAX_CHUNK_LINE => {
+                        return Err(WireError::Chunk)
+                    }
+                    Ok(httparse::Status::Partial) => return Ok(Decoded::More),
+                    Err(_) => return Err(WireError::Chunk),
+                },
+                Decoder::Chunked(Chunk::Data(left)) => {
+                    let piece = take(buf, left);
+                    if *left == 0 {
+                        *self = Decoder::Chunked(Chunk::DataEnd);
+                    }
+                    return Ok(piece);
+                }
+                Decoder::Chunked(Chunk::DataEnd) => {
+                    if buf.len() < 2 {
+                        return Ok(Decoded::More);
+                    }
+                    if &buf[..2] != b"\r\n" {
+                        return Err(WireError::Chunk);
+                    }
+                    buf.advance(2);
+                    *self = Decoder::Chunked(Chunk::Size);
+                }
+                Decoder::Chunked(Chunk::Trailers(seen)) => {
+                    let Some(eol) = buf.windows(2).position(|w| w == b"\r\n") else {
+                        if *seen + buf.len() > MAX_TRAILERS {
+                            return Err(WireError::Chunk);
+                        }
+                        return Ok(Decoded::More);
+                    };
+                    buf.advance(eol + 2);
+                    if eol == 0 {
+                        *self = Decoder::Ended;
+                        return Ok(Decoded::End);
+                    }
+                    *seen += eol + 2;
+                    if *seen > MAX_TRAILERS {
+                        return Err(WireError::Chunk);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Whether the body has been read to its end.
+    pub fn ended(&self) -> bool {
+        matches!(self, Decoder::Ended | Decoder::Length(0))
+    }
+
+    /// What is known of the rest of the body's length.
+    pub fn size_hint(&self) -> http_body::SizeHint {
+        match self {
+            Decoder::Length(n) => http_body::SizeHint::with_exact(*n),
+            Decoder::Ended => http_body::SizeHint::with_exact(0),
+            _ => http_body::SizeHint::default(),
+        }
+    }
+}
+
+/// Up to `left` bytes from `buf`, counted off `left`.
+fn take(buf: &mut BytesMut, left: &mut u64) -> Decoded {
+    if buf.is_empty() {
+        return Decoded::More;
+    }
+    let n = usize::try_from(*left).map_or(buf.len(), |l| l.min(buf.len()));
+    *left -= n as u64;
+    Decoded::Data(buf.split_to(n).freeze())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(raw: &str, method: &Method) -> Result<Option<AnswerHead>, WireError> {
+        parse_head(&mut BytesMut::from(raw), method)
+    }
+
+    fn body_of(raw: &str) -> Result<Decoder, WireError> {
+        Ok(head(raw, &Method::GET)?.expect("complete").body)
+    }
+
+    /// Everything a decoder yields from `input` fed in pieces of `step`
+    /// bytes, and how it ended.
+    fn decode_all(mut d: Decoder, input: &[u8], step: usize) -> Result<(Vec<u8>, bool), WireError> {
+        let mut buf = BytesMut::new();
+        let mut out = Vec::new();
+        let mut fed = 0;
+        loop {
+            match d.decode(&mut buf)? {
+                Decoded::Data(b) => out.extend_from_slice(&b),
+                Decoded::End => return Ok((out, true)),
+                Decoded::More if fed == input.len() => return Ok((out, false)),
+                Decoded::More => {
+                    let n = step.min(input.len() - fed);
+                    buf.extend_from_slice(&input[fed..fed + n]);
+                    fed += n;
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_request_is_framed_by_its_body_not_by_the_client_headers() {
+        let (mut parts, ()) = http::Request::put("/a?b=1")
+            .header("host", "up")
+            .header("content-length", "999")
+            .header("transfer-encoding", "chunked")
+            .header("x-fence-token", "7")
+            .body(())
+            .unwrap()
+            .into_parts();
+        let mut out = Vec::new();
+        encode_head(&parts, RequestFraming::Length(5), &mut out);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "PUT /a?b=1 HTTP/1.1\r\nhost: up\r\nx-fence-token: 7\r\ncontent-length: 5\r\n\r\n"
+        );
+        let mut out = Vec::new();
+        encode_head(&parts, RequestFraming::Chunked, &mut out);
+        assert!(String::from_utf8(out)
+            .unwrap()
+            .ends_with("x-fence-token: 7\r\ntransfer-encoding: chunked\r\n\r\n"));
+        let mut out = Vec::new();
+        encode_head(&parts, RequestFraming::Empty, &mut out);
+        assert!(String::from_utf8(out)
+            .unwrap()
+            .ends_with("x-fence-token: 7\r\ncontent-length: 0\r\n\r\n"));
+        parts.headers.remove("content-length");
+        parts.method = Method::GET;
+        let mut out = Vec::new();
+        encode_head(&parts, RequestFraming::Empty, &mut out);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "GET /a?b=1 HTTP/1.1\r\nhost: up\r\nx-fence-token: 7\r\n\r\n"
+        );
+        let mut out = Vec::new();
+        encode_chunk(b"hello, world", &mut out);
+        assert_eq!(out, b"C\r\nhello, world\r\n");
+        assert_eq!(itoa(0, &mut [0; 20]), b"0");
+        assert_eq!(itoa(u64::MAX, &mut [0; 20]), b"18446744073709551615");
+    }
+
+    #[test]
+    fn answer_heads_are_parsed_after_informational_ones() {
+        let raw = "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n\
+                   HTTP/1.1 201 Created\r\nContent-Length: 2\r\nX-A: 1\r\nx-a: 2\r\n\r\nokHTTP";
+        let mut buf = BytesMut::from(raw);
+        let h = parse_head(&mut buf, &Method::PUT).unwrap().unwrap();
+        assert_eq!(h.status, StatusCode::CREATED);
+        assert_eq!(h.version, Version::HTTP_11);
+        assert_eq!(h.body, Decoder::Length(2));
+        assert!(h.keep_alive);
+        let xa: Vec<_> = h.headers.get_all("x-a").iter().collect();
+        assert_eq!(xa, ["1", "2"]);
+        assert_eq!(&buf[..], b"okHTTP", "only the head is taken");
+        assert!(head("HTTP/1.1 200 OK\r\nContent-Le", &Method::GET)
+            .unwrap()
+            .is_none());
+        assert!(head("HTTP/1.1 100 Continue\r\n\r\n", &Method::GET)
+            .unwrap()
+            .is_none());
+    }
+
+    #[test]
+    fn answer_framing_is_strict() {
+        let both = "HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n";
+        assert_eq!(body_of(both).unwrap_err(), WireError::BothFramings);
+        for bad in ["+3", "3 3", "0x3", "", "-1", "99999999999999999999", "3, 4"] {
+            let raw = format!("HTTP/1.1 200 OK\r\nContent-Length: {bad}\r\n\r\n");
+            assert_eq!(body_of(&raw).unwrap_err(), WireError::Length, "{bad:?}");
+        }
+        let raw = "HTTP/1.1 200 OK\r\nContent-Length: 3\r\nContent-Length: 4\r\n\r\n";
+        assert_eq!(body_of(raw).unwrap_err(), WireError::Length);
+        let raw = "HTTP/1.1 200 OK\r\nContent-Length: 3, 3\r\nContent-Length: 3\r\n\r\n";
+        assert_eq!(body_of(raw).unwrap(), Decoder::Length(3));
+        let raw = "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n";
+        assert_eq!(body_of(raw).unwrap(), Decoder::Chunked(Chunk::Size));
+        let raw = "HTTP/1.1 200 OK\r\nTransfer-Encoding:\r\nContent-Length: 3\r\n\r\n";
+        assert_eq!(body_of(raw).unwrap_err(), WireError::BothFramings);
+        let raw = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: \r\n\r\n";
+        assert_eq!(body_of(raw).unwrap(), Decoder::Chunked(Chunk::Size));
+        let raw = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n";
+        assert_eq!(body_of(raw).unwrap(), Decoder::ToClose);
+        let h = head("HTTP/1.1 200 OK\r\n\r\n", &Method::GET)
+            .unwrap()
+            .unwrap();
+        assert_eq!(h.body, Decoder::ToClose);
+        assert!(
+            !h.keep_alive,
+            "a body read to the close ends the connection"
+        );
+        let h = head(
+            "HTTP/1.1 200 OK\r\nContent-Length: 9\r\n\r\n",
+            &Method::HEAD,
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(h.body, Decoder::Length(0), "a HEAD's answer has no body");
+        for status in [204, 304] {
+            let raw = format!("HTTP/1.1 {status} X\r\nContent-Length: 9\r\n\r\n");
+            assert_eq!(body_of(&raw).unwrap(), Decoder::Length(0));
+        }
+        let h = head(
+            "HTTP/1.1 200 OK\r\nConnection: x, Close\r\nContent-Length: 0\r\n\r\n",
+            &Method::GET,
+        )
+        .unwrap()
+        .unwrap();
+        assert!(!h.keep_alive);
+        let h = head("HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n", &Method::GET)
+            .unwrap()
+            .unwrap();
+        assert!(!h.keep_alive);
+        assert_eq!(
+            head("HTTP/1.1 101 Switching Protocols\r\n\r\n", &Method::GET).unwrap_err(),
+            WireError::Upgrade
+        );
+        assert_eq!(
+            head("HTTP/1.1 2000 OK\r\n\r\n", &Method::GET).unwrap_err(),
+            WireError::Head
+        );
+        assert_eq!(
+            head("HTTP/1.1 200 OK\r\nBad Name: 1\r\n\r\n", &Method::GET).unwrap_err(),
+            WireError::Head
+        );
+    }
+
+    #[test]
+    fn answer_heads_are_bounded() {
+        let many: String = (0..=MAX_HEADERS).map(|i| format!("x-{i}: 1\r\n")).collect();
+        let raw = format!("HTTP/1.1 200 OK\r\n{many}\r\n");
+        assert_eq!(
+            head(&raw, &Method::GET).unwrap_err(),
+            WireError::HeadTooLarge
+        );
+        let long = format!("HTTP/1.1 200 OK\r\nx: {}", "a".repeat(MAX_HEAD_BYTES + 1));
+        assert_eq!(
+            head(&long, &Method::GET).unwrap_err(),
+            WireError::HeadTooLarge
+        );
+    }
+
+    #[test]
+    fn bodies_decode_in_any_pieces() {
+        let chunked = b"5;ext=1\r\nhello\r\n7\r\n, world\r\n0\r\nx-trailer: 1\r\n\r\n";
+        for step in [1, 2, 3, 7, 100] {
+            let d = Decoder::Chunked(Chunk::Size);
+            assert_eq!(
+                decode_all(d, chunked, step).unwrap(),
+                (b"hello, world".to_vec(), true),
+                "pieces of {step}"
+            );
+            let (got, ended) = decode_all(Decoder::Length(5), b"hello", step).unwrap();
+            assert_eq!((got.as_slice(), ended), (&b"hello"[..], true));
+        }
+        let (got, ended) = decode_all(Decoder::ToClose, b"all of it", 4).unwrap();
+        assert_eq!((got.as_slice(), ended), (&b"all of it"[..], false));
+        // What follows a body is left for whoever reads next.
+        let mut buf = BytesMut::from(&b"0\r\n\r\nHTTP/1.1"[..]);
+        let mut d = Decoder::Chunked(Chunk::Size);
+        assert_eq!(d.decode(&mut buf).unwrap(), Decoded::End);
+        assert_eq!(&buf[..], b"HTTP/1.1");
+    }
+
+    #[test]
+    fn malformed_or_endless_chunks_are_refused() {
+        for bad in [&b"5\r\nhelloXX"[..], b"zz\r\n", b"fffffffffffffffff\r\n"] {
+            let d = Decoder::Chunked(Chunk::Size);
+            assert_eq!(
+                decode_all(d, bad, 100).unwrap_err(),
+                WireError::Chunk,
+                "{bad:?}"
+            );
+        }
+        let mut input = b"1;".to_vec();
+        input.extend(std::iter::repeat_n(b'a', MAX_CHUNK_LINE + 1));
+        let d = Decoder::Chunked(Chunk::Size);
+        assert_eq!(decode_all(d, &input, 512).unwrap_err(), WireError::Chunk);
+        let mut trailers = b"0\r\n".to_vec();
+        trailers.extend(std::iter::repeat_n(b'a', MAX_TRAILERS + 1));
+        let d = Decoder::Chunked(Chunk::Size);
+        assert_eq!(
+            decode_all(d, &trailers, 4096).unwrap_err(),
+            WireError::Chunk
+        );
+    }
+}
