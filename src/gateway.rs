@@ -1225,8 +1225,9 @@ async fn forward(
     match sent {
         Ok(Ok(resp)) => {
             route.metrics.upstream_latency(started.elapsed());
-            let (mut parts, body) = resp.into_parts();
-            proxy::strip_hop_by_hop(&mut parts.headers);
+            // Hop-by-hop fields of the answer are consumed by the upstream
+            // client (see `upstream::wire`).
+            let (parts, body) = resp.into_parts();
             if let Some(x) = &exchange {
                 x.response_head();
             }

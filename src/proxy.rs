@@ -45,6 +45,28 @@ const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
+/// Whether a header of this name (as sent, in any case) is hop-by-hop
+/// itself (not counting those a `Connection` header names).
+pub fn is_hop_by_hop(name: &[u8]) -> bool {
+    HOP_BY_HOP
+        .iter()
+        .any(|h| h.as_str().as_bytes().eq_ignore_ascii_case(name))
+}
+
+/// Whether a `Connection` header's value names any header besides the
+/// usual `keep-alive` and `close` (which name none that is not hop-by-hop
+/// already).
+pub fn names_headers(connection: &[u8]) -> bool {
+    connection
+        .split(|&b| b == b',')
+        .map(<[u8]>::trim_ascii)
+        .any(|t| {
+            !t.is_empty()
+                && !t.eq_ignore_ascii_case(b"keep-alive")
+                && !t.eq_ignore_ascii_case(b"close")
+        })
+}
+
 /// Removes hop-by-hop headers, including every header `Connection` names.
 ///
 /// One pass over the message's few names finds which hop-by-hop ones it

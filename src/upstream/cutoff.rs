@@ -6,15 +6,23 @@
 //! client stops reading the answer (the gateway's socket to it is full) or
 //! the upstream stops reading the request. So a connection that carries a
 //! fenced write has a watchdog task: when the deadline passes with the
-//! exchange not over, it shuts the socket down (after that no byte moves
+//! exchange not over, it resets the connection (after that no byte moves
 //! either way) and only then tells the exchange.
+//!
+//! A reset, not a shutdown: a shutdown lets the kernel send what it still
+//! holds of the request and only then a FIN, and it tells an upstream that
+//! is writing a long answer into a window the client no longer drains
+//! nothing at all, so that upstream would wait for ever. A reset (on Linux,
+//! `connect(2)` to `AF_UNSPEC`, which is how a TCP socket is dissolved
+//! without closing its descriptor) drops both of the kernel's queues and
+//! sends RST, as closing a socket with unread data does.
 //!
 //! The watchdog knows the socket only by its descriptor's number, so that
 //! the connection can own its socket outright (and read it through
 //! tokio's own stream, which knows a short read drained it). A number
 //! outlives its descriptor and can be reused by another socket, so the
-//! shutdown happens under the cutoff's lock and only while the connection
-//! has not said it is closing, which it says under the same lock before its
+//! reset happens under the cutoff's lock and only while the connection has
+//! not said it is closing, which it says under the same lock before its
 //! socket is closed (see `Conn`'s drop).
 //!
 //! The watchdog is spawned with a connection's first fenced write and lives
@@ -67,8 +75,8 @@ struct State {
     /// The connection is closing: its descriptor may be closed from now on
     /// (see the module docs), and the watchdog ends.
     closed: bool,
-    /// The watchdog shut the connection down at a deadline: it must never
-    /// go back to the pool (its watchdog has ended).
+    /// The watchdog reset the connection at a deadline: it must never go
+    /// back to the pool (its watchdog has ended).
     cut: bool,
 }
 
@@ -121,7 +129,7 @@ impl Cutoff {
         }
     }
 
-    /// Whether the watchdog has shut the connection down.
+    /// Whether the watchdog has reset the connection.
     pub(super) fn was_cut(&self) -> bool {
         self.lock().cut
     }
@@ -151,9 +159,9 @@ impl Cutoff {
         Ok(timer)
     }
 
-    /// If its deadline is `by` or earlier: disarms it, shuts the socket
-    /// `fd` down unless the connection is closing (then the socket is
-    /// closed, or about to be), and answers whom to tell.
+    /// If its deadline is `by` or earlier: disarms it, resets the
+    /// connection on the socket `fd` unless the connection is closing (then
+    /// the socket is closed, or about to be), and answers whom to tell.
     fn fire(&self, by: Instant, fd: RawFd) -> Option<Arc<dyn OnCut>> {
         let mut state = self.lock();
         if state.armed.as_ref().is_none_or(|a| a.at > by) {
@@ -165,16 +173,35 @@ impl Cutoff {
             // SAFETY: under the lock, with the connection not closing, the
             // descriptor is open and is this connection's socket (see the
             // module docs): the borrow ends before the lock is let go.
-            let socket = unsafe { BorrowedFd::borrow_raw(fd) };
-            let _ = socket2::SockRef::from(&socket).shutdown(std::net::Shutdown::Both);
+            reset(unsafe { BorrowedFd::borrow_raw(fd) });
         }
         state.armed.take().map(|a| a.on_cut)
     }
 }
 
+/// Resets the TCP connection on `socket` (see the module docs); where that
+/// cannot be done, shuts it down both ways.
+fn reset(socket: BorrowedFd<'_>) {
+    #[cfg(target_os = "linux")]
+    {
+        use std::os::fd::AsRawFd;
+        let unspec = libc::sockaddr {
+            sa_family: libc::AF_UNSPEC as libc::sa_family_t,
+            sa_data: [0; 14],
+        };
+        let len = std::mem::size_of::<libc::sockaddr>() as libc::socklen_t;
+        // SAFETY: `socket` is an open descriptor for as long as it is
+        // borrowed, and `unspec` outlives the call, which only reads it.
+        if unsafe { libc::connect(socket.as_raw_fd(), &unspec, len) } == 0 {
+            return;
+        }
+    }
+    let _ = socket2::SockRef::from(&socket).shutdown(std::net::Shutdown::Both);
+}
+
 /// Watches a connection's deadlines until the connection closes; at a
-/// deadline that passes with its exchange not over, shuts the socket `fd`
-/// down and only then tells the exchange.
+/// deadline that passes with its exchange not over, resets the connection
+/// on the socket `fd` and only then tells the exchange.
 pub(super) async fn watchdog(cutoff: Arc<Cutoff>, fd: RawFd) {
     // One timer for the connection's life, moved (not made anew) when a
     // deadline earlier than it is armed; `set_for`: when it fires, if set.
@@ -222,7 +249,7 @@ pub(super) async fn watchdog(cutoff: Arc<Cutoff>, fd: RawFd) {
             }
         }
     };
-    tracing::debug!("upstream connection shut down at its fenced write's deadline");
+    tracing::debug!("upstream connection reset at its fenced write's deadline");
     on_cut.cut();
 }
 
@@ -248,13 +275,23 @@ mod tests {
     /// soon as the watchdog has set its timer for it, then one armed
     /// `second` from then. Answers which exchange the watchdog cut, and
     /// whether it did so at or after the second's deadline; the watchdog
-    /// must end at the cut, and the peer then reads the end of the stream.
+    /// must end at the cut, and a peer writing a long answer must then
+    /// fail.
     /// (The test's runtime has one thread: the watchdog runs only while the
     /// test yields, so no sleep has to be long enough.)
     async fn cut_after(first: Duration, second: Duration) -> (&'static str, bool) {
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let cutoff = Arc::new(Cutoff::default());
         let (socket, mut peer) = socket_pair().await;
+        // Writes until the connection fails (nobody reads it on this side).
+        let writer = tokio::spawn(async move {
+            let piece = vec![b'x'; 64 * 1024];
+            loop {
+                if let Err(e) = tokio::io::AsyncWriteExt::write_all(&mut peer, &piece).await {
+                    return e;
+                }
+            }
+        });
         let dog = tokio::spawn(watchdog(cutoff.clone(), socket.as_raw_fd()));
         cutoff.arm(Instant::now() + first, Arc::new(Told("first", tx.clone())));
         tokio::task::yield_now().await;
@@ -271,9 +308,19 @@ mod tests {
             .expect("told");
         dog.await.expect("the watchdog ends at the cut");
         assert!(cutoff.was_cut());
-        let mut byte = [0u8; 1];
-        let read = tokio::io::AsyncReadExt::read(&mut peer, &mut byte).await;
-        assert!(matches!(read, Ok(0) | Err(_)), "the peer sees the shutdown");
+        // The peer was writing a long answer into a window nobody drains:
+        // its writes fail now, it is not left waiting.
+        let failed = tokio::time::timeout(Duration::from_secs(10), writer)
+            .await
+            .expect("the peer's writes fail soon after the cut")
+            .expect("the writer ran");
+        assert!(
+            matches!(
+                failed.kind(),
+                std::io::ErrorKind::ConnectionReset | std::io::ErrorKind::BrokenPipe
+            ),
+            "{failed}"
+        );
         cutoff.close();
         drop(socket);
         (who, when >= at)

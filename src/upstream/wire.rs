@@ -15,6 +15,9 @@
 //!   close; one valid `Content-Length` (equal repeats allowed); both headers
 //!   together, or lengths that disagree, are refused. Informational answers
 //!   (1xx) are skipped, except 101: no upgrade is ever asked for.
+//! - **Hop-by-hop fields** of an answer (those of `proxy`'s list, and any a
+//!   `Connection` names) belong to this connection and are consumed here:
+//!   the answer's head comes out without them.
 //! - **Limits**: a head of at most [`MAX_HEAD_BYTES`] and [`MAX_HEADERS`]
 //!   fields, chunk-size lines and trailers bounded: an upstream cannot make
 //!   the gateway buffer without end.
@@ -211,15 +214,26 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<AnswerHe
         }
         let head = buf.split_to(len).freeze();
         let mut headers = HeaderMap::with_capacity(count);
+        // Fields a `Connection` names besides the usual (rare).
+        let mut named: Vec<HeaderName> = Vec::new();
         for &(name, name_len, value, value_len) in &spans[..count] {
             let (name, value) = (usize::from(name), usize::from(value));
-            let name_end = name + usize::from(name_len);
-            let value_end = value + usize::from(value_len);
-            let name =
-                HeaderName::from_bytes(&head[name..name_end]).map_err(|_| WireError::Head)?;
-            let value = HeaderValue::from_maybe_shared(head.slice(value..value_end))
-                .map_err(|_| WireError::Head)?;
+            let name = &head[name..name + usize::from(name_len)];
+            let value = head.slice(value..value + usize::from(value_len));
+            // This connection's own fields end here.
+            if crate::proxy::is_hop_by_hop(name) {
+                if framing.names_headers && name.eq_ignore_ascii_case(b"connection") {
+                    let tokens = value.split(|&b| b == b',').map(<[u8]>::trim_ascii);
+                    named.extend(tokens.filter_map(|t| HeaderName::from_bytes(t).ok()));
+                }
+                continue;
+            }
+            let name = HeaderName::from_bytes(name).map_err(|_| WireError::Head)?;
+            let value = HeaderValue::from_maybe_shared(value).map_err(|_| WireError::Head)?;
             headers.append(name, value);
+        }
+        for name in named {
+            headers.remove(name);
         }
         let body = framing.body(method, status)?;
         let keep_alive =
@@ -245,6 +259,8 @@ struct Framing {
     chunked: Option<bool>,
     /// `Connection` names `close`.
     close: bool,
+    /// `Connection` names other fields, which go with it.
+    names_headers: bool,
 }
 
 impl Framing {
@@ -270,6 +286,7 @@ impl Framing {
             }
             10 if name.eq_ignore_ascii_case(b"connection") => {
                 self.close |= tokens().any(|t| t.eq_ignore_ascii_case(b"close"));
+                self.names_headers |= crate::proxy::names_headers(value);
             }
             _ => {}
         }
@@ -512,6 +529,17 @@ mod tests {
         assert!(h.keep_alive);
         let xa: Vec<_> = h.headers.get_all("x-a").iter().collect();
         assert_eq!(xa, ["1", "2"]);
+        let raw = "HTTP/1.1 200 OK\r\nConnection: keep-alive, X-Hop\r\nKeep-Alive: timeout=5\r\n\
+                   X-Hop: 1\r\nUpgrade: h2c\r\nX-Kept: 1\r\nContent-Length: 0\r\n\r\n";
+        let h = head(raw, &Method::GET).unwrap().unwrap();
+        let mut names: Vec<_> = h.headers.keys().map(|n| n.as_str()).collect();
+        names.sort_unstable();
+        assert_eq!(
+            names,
+            ["content-length", "x-kept"],
+            "hop-by-hop fields are consumed"
+        );
+        assert!(h.keep_alive);
         assert_eq!(&buf[..], b"okHTTP", "only the head is taken");
         assert!(head("HTTP/1.1 200 OK\r\nContent-Le", &Method::GET)
             .unwrap()
