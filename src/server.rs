@@ -223,10 +223,10 @@ async fn serve_io<I, S>(
         // One buffer per write, the head and the body copied into it,
         // rather than a `writev` of hyper's queue of buffers: measured
         // (bench/ab.sh, six alternated rounds of GETs and of PUTs), 4–5%
-        // less CPU per request and 3–4% more requests/s, the client side's
-        // flattening with it (see `upstream::handshake`). The copy costs a
-        // body's bytes one more memcpy, less than the kernel's own copy
-        // into the socket.
+        // less CPU per request and 3–4% more requests/s, with the upstream
+        // client's requests written the same way (see `upstream::flight`).
+        // The copy costs a body's bytes one more memcpy, less than the
+        // kernel's own copy into the socket.
         .writev(false)
         .serve_connection(io, service);
     if let Err(e) = watcher.watch(conn).await {

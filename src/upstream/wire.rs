@@ -26,7 +26,7 @@ use bytes::{Buf, Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode, Version};
 
-/// Most header fields an answer head may carry, as hyper's client allowed.
+/// Most header fields an answer head may carry (hyper's limit too).
 const MAX_HEADERS: usize = 100;
 /// Longest answer head accepted. Within `u16`: a field's place in the
 /// head is kept as two of them while the head is parsed.
