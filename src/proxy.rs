@@ -250,7 +250,7 @@ impl http_body::Body for LimitedBody {
                     }
                     *this.remaining -= n;
                 }
-                // hyper does not poll again once the body says it has ended.
+                // A reader may not poll again once the body says it has ended.
                 if this.inner.is_end_stream() {
                     if let Some(x) = this.exchange.take() {
                         x.request_sent();
