@@ -483,3 +483,63 @@ async fn hostile_answers_are_refused_and_never_answer_another_request() {
         }
     }
 }
+
+/// A fenced write to an HTTPS upstream whose answer never ends, to a client
+/// that reads the head and then stops reading but stays connected: nothing
+/// polls the exchange any more, so only the upstream connection's own
+/// deadline can end it, through TLS as over plain TCP. At `timeout_ms` the
+/// gateway resets the connection (the upstream's answer is dropped, though
+/// the client is still there) and lets the key go: token 2 is forwarded
+/// then, not never.
+#[tokio::test]
+async fn a_stalled_https_exchange_is_cut_at_its_deadline() {
+    use tokio::io::AsyncReadExt;
+    let store = TestStore::new(Backend::Sqlite).await;
+    let (up, _ca, ca_file) = HttpsUpstream::with_new_ca("upstream CA", "upstream").await;
+    let mut route = https_route("tls", up.addr, Some(&ca_file));
+    route.push_str("timeout_ms = 600\n");
+    let app = TestApp::spawn(&store.url, &route).await;
+
+    let sent1 = std::time::Instant::now();
+    let mut client = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    client
+        .write_all(
+            b"PUT /tls/a?endless HTTP/1.1\r\nhost: gw\r\nx-fence-token: 1\r\n\
+              content-length: 1\r\n\r\nx",
+        )
+        .await
+        .unwrap();
+    let mut head = [0u8; 12];
+    client.read_exact(&mut head).await.unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200", "token 1's answer begins");
+    // From here on the client reads nothing, and stays connected.
+
+    let two = tokio::time::timeout(Duration::from_secs(10), app.put("/tls/a", Some("2"), "y"))
+        .await
+        .expect("token 2 is answered once token 1's exchange is cut");
+    assert_eq!(two.status(), 200);
+    assert_eq!(two.text().await.unwrap(), "secure");
+    let waited = sent1.elapsed();
+    assert!(
+        waited >= Duration::from_millis(600),
+        "token 2 went after {waited:?}, before token 1's deadline"
+    );
+    // The upstream learns of the reset when its next write fails.
+    let dropped = "endless answer dropped".to_string();
+    for _ in 0..50 {
+        if up.seen.lock().unwrap().contains(&dropped) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let seen = up.seen.lock().unwrap().clone();
+    let one = format!("PUT /tls/a?endless host={} proto=http", up.addr);
+    let two = format!("PUT /tls/a host={} proto=http", up.addr);
+    assert_eq!(seen.first(), Some(&one), "{seen:?}");
+    assert!(
+        seen.contains(&dropped),
+        "token 1's answer was cut at the upstream while its client stayed: {seen:?}"
+    );
+    assert!(seen.contains(&two), "{seen:?}");
+    drop(client);
+}

@@ -188,6 +188,27 @@ impl Drop for HttpsUpstream {
     }
 }
 
+/// An answer body that never ends (16 KiB pieces, as fast as they are
+/// taken); when it is dropped (its connection broke), `log` gets the line
+/// `endless answer dropped`.
+fn endless(
+    log: Arc<std::sync::Mutex<Vec<String>>>,
+) -> http_body_util::combinators::BoxBody<bytes::Bytes, std::convert::Infallible> {
+    use http_body_util::BodyExt;
+    struct Dropped(Arc<std::sync::Mutex<Vec<String>>>);
+    impl Drop for Dropped {
+        fn drop(&mut self) {
+            self.0.lock().unwrap().push("endless answer dropped".into());
+        }
+    }
+    let piece = bytes::Bytes::from(vec![b'x'; 16 * 1024]);
+    let pieces = futures_util::stream::unfold(Dropped(log), move |d| {
+        let piece = piece.clone();
+        async move { Some((Ok(http_body::Frame::data(piece)), d)) }
+    });
+    http_body_util::StreamBody::new(pieces).boxed()
+}
+
 impl HttpsUpstream {
     /// Serves HTTPS with a certificate for `cn` (and 127.0.0.1, localhost)
     /// from a new CA named `ca_name`; with that CA, and its certificate
@@ -201,6 +222,7 @@ impl HttpsUpstream {
 
     /// Serves HTTPS on 127.0.0.1:0 with `server` (a certificate and key).
     pub async fn start(server: &Issued) -> HttpsUpstream {
+        use http_body_util::BodyExt;
         use rustls::pki_types::pem::PemObject;
         use rustls::pki_types::{CertificateDer, PrivateKeyDer};
         let certs = vec![CertificateDer::from_pem_slice(server.cert_pem.as_bytes()).unwrap()];
@@ -250,9 +272,14 @@ impl HttpsUpstream {
                                         .unwrap_or("")
                                 );
                                 log.lock().unwrap().push(line);
-                                Ok::<_, std::convert::Infallible>(http::Response::new(
-                                    http_body_util::Full::new(bytes::Bytes::from_static(b"secure")),
-                                ))
+                                let body = if req.uri().query() == Some("endless") {
+                                    endless(log.clone())
+                                } else {
+                                    http_body_util::Full::new(bytes::Bytes::from_static(b"secure"))
+                                        .map_err(|never| match never {})
+                                        .boxed()
+                                };
+                                Ok::<_, std::convert::Infallible>(http::Response::new(body))
                             }
                         },
                     );
