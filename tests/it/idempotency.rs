@@ -607,10 +607,8 @@ async fn a_502_after_sending_is_never_forwarded_twice() {
 #[tokio::test]
 async fn an_unsent_request_is_forgotten() {
     let store = TestStore::new(Backend::Sqlite).await;
-    let addr = {
-        let free = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        free.local_addr().unwrap()
-    };
+    let held = crate::support::upstream::HeldPort::new();
+    let addr = held.addr();
     let app = TestApp::spawn(&store.url, &idem_route(&format!("http://{addr}"), "")).await;
     let body = problem(
         keyed(&app, "/docs/u", "1", Some("down"), "A", &[]).await,
@@ -618,7 +616,7 @@ async fn an_unsent_request_is_forgotten() {
     )
     .await;
     assert_eq!(body["type"], "urn:fencegate:problem:upstream-unreachable");
-    let up = Upstream::start_at(addr).await;
+    let up = Upstream::start_on(held).await;
     let retry = keyed(&app, "/docs/u", "1", Some("down"), "A", &[]).await;
     assert_eq!(retry.status(), 200, "forwarded once the upstream is up");
     assert!(retry.headers().get("idempotent-replayed").is_none());

@@ -140,6 +140,30 @@ pub struct Upstream {
     server: JoinHandle<()>,
 }
 
+/// A port of 127.0.0.1 bound but not listening: connections to it are
+/// refused, as to a server that is down, and no other socket can take it
+/// meanwhile (a port merely found free and let go can be, by a test running
+/// alongside, whose server then answers in the down one's place).
+pub struct HeldPort(socket2::Socket);
+
+impl HeldPort {
+    pub fn new() -> HeldPort {
+        let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+            .expect("a socket");
+        let any: SocketAddr = "127.0.0.1:0".parse().expect("an address");
+        socket.bind(&any.into()).expect("bind a port");
+        HeldPort(socket)
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.0
+            .local_addr()
+            .ok()
+            .and_then(|a| a.as_socket())
+            .expect("a bound port")
+    }
+}
+
 impl Upstream {
     /// Start a recorder with default options on `127.0.0.1:0`.
     /// Must be called within a tokio runtime.
@@ -166,12 +190,13 @@ impl Upstream {
         Self::serve(listener, opts)
     }
 
-    /// Start a recorder with default options on `addr` (a port a test kept
-    /// free, to start the upstream only after the gateway found it down).
-    pub async fn start_at(addr: SocketAddr) -> Upstream {
-        let listener = TcpListener::bind(addr)
-            .await
-            .expect("bind recording upstream");
+    /// Start a recorder with default options on a port a test held
+    /// refusing connections (to start the upstream only after the gateway
+    /// found it down).
+    pub async fn start_on(held: HeldPort) -> Upstream {
+        held.0.listen(1024).expect("listen on the held port");
+        held.0.set_nonblocking(true).expect("non-blocking");
+        let listener = TcpListener::from_std(held.0.into()).expect("a tokio listener");
         Self::serve(listener, UpstreamOptions::default())
     }
 
