@@ -113,8 +113,8 @@ impl Conn {
     }
 
     /// The exchange is over: its deadline no longer applies. Answers
-    /// whether the connection may carry another (its watchdog did not shut
-    /// it down).
+    /// whether the connection may carry another (its watchdog did not
+    /// reset it).
     pub(super) fn disarm(&self) -> bool {
         self.cutoff.clear();
         !self.watched || !self.cutoff.was_cut()
@@ -189,8 +189,8 @@ impl Conn {
 
 impl Drop for Conn {
     /// Says so to the watchdog before the socket closes (the fields are
-    /// dropped after this), so that it never shuts down a descriptor the
-    /// number of which a new socket may have taken.
+    /// dropped after this), so that it never resets a descriptor the number
+    /// of which a new socket may have taken.
     fn drop(&mut self) {
         if self.watched {
             self.cutoff.close();
@@ -230,7 +230,7 @@ mod tests {
     }
 
     /// Past its exchange's deadline a connection writes nothing, even
-    /// before its watchdog has shut it down (a process resumed after a
+    /// before its watchdog has reset it (a process resumed after a
     /// pause may poll the connection before the timer), and it flushes
     /// nothing either.
     #[tokio::test]

@@ -91,8 +91,8 @@ impl Cutoff {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Whether the exchange's deadline has passed. The watchdog shuts the
-    /// connection down then, but only once it runs: a process that was
+    /// Whether the exchange's deadline has passed. The watchdog resets the
+    /// connection then, but only once it runs: a process that was
     /// paused (SIGSTOP, a VM freeze) across the deadline may poll the
     /// connection before the timer, and by then other instances may have let
     /// a newer token through (shared mode's marker has ended). So no byte is
@@ -135,7 +135,7 @@ impl Cutoff {
     }
 
     /// The connection is closing (before its socket is closed): its
-    /// watchdog ends, and shuts nothing down any more.
+    /// watchdog ends, and resets nothing any more.
     pub(super) fn close(&self) {
         self.lock().closed = true;
         self.changed.notify_one();

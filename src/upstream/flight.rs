@@ -13,7 +13,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 
 use axum::body::Body;
-use bytes::{Buf, Bytes};
+use bytes::Bytes;
 use http::Method;
 use http_body::{Body as _, Frame, SizeHint};
 
@@ -145,8 +145,8 @@ impl RequestWriter {
         }
     }
 
-    /// Frames a piece of the body.
-    fn frame(&mut self, mut data: Bytes) -> Result<(), ExchangeError> {
+    /// Frames a piece of the body (only a request with a body has one).
+    fn frame(&mut self, data: Bytes) -> Result<(), ExchangeError> {
         match self.framing {
             RequestFraming::Length(_) => {
                 let n = data.len() as u64;
@@ -156,10 +156,11 @@ impl RequestWriter {
                 self.owed -= n;
                 self.out.extend_from_slice(&data);
             }
+            // An empty piece would be read as the last chunk.
             RequestFraming::Chunked if !data.is_empty() => {
                 wire::encode_chunk(&data, &mut self.out);
             }
-            _ => data.advance(data.len()),
+            RequestFraming::Chunked | RequestFraming::Empty => {}
         }
         Ok(())
     }
@@ -220,7 +221,8 @@ pub struct UpstreamBody {
     /// `None` once the connection is handed back or closed. Held inline:
     /// the body is boxed once as the server's body already.
     flight: Option<Flight>,
-    decoder: Option<Decoder>,
+    /// `Ended` for an empty (default) body.
+    decoder: Decoder,
     keep_alive: bool,
 }
 
@@ -228,7 +230,7 @@ impl UpstreamBody {
     pub(super) fn new(flight: Flight, decoder: Decoder, keep_alive: bool) -> Self {
         Self {
             flight: Some(flight),
-            decoder: Some(decoder),
+            decoder,
             keep_alive,
         }
     }
@@ -242,17 +244,16 @@ impl UpstreamBody {
             return Poll::Ready(());
         };
         let sent = std::task::ready!(flight.request.poll_send(&mut flight.conn, cx)).is_ok();
-        let Some(flight) = self.flight.take() else {
-            return Poll::Ready(());
-        };
-        let Flight {
+        if let Some(Flight {
             conn, client, key, ..
-        } = flight;
-        let ended = self.decoder.is_some_and(|d| d.ended());
-        // Anything the upstream sent past its answer is a broken upstream;
-        // a watchdog that shut the connection down ended with it.
-        if conn.disarm() && sent && ended && self.keep_alive && conn.read.is_empty() {
-            client.give_back(key, conn);
+        }) = self.flight.take()
+        {
+            // Anything the upstream sent past its answer is a broken
+            // upstream; a watchdog that reset the connection ended with it.
+            let reusable = sent && self.decoder.ended() && self.keep_alive && conn.read.is_empty();
+            if conn.disarm() && reusable {
+                client.give_back(key, conn);
+            }
         }
         Poll::Ready(())
     }
@@ -267,7 +268,8 @@ impl http_body::Body for UpstreamBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, ExchangeError>>> {
         let this = &mut *self;
-        let (Some(flight), Some(decoder)) = (this.flight.as_mut(), this.decoder.as_mut()) else {
+        let decoder = &mut this.decoder;
+        let Some(flight) = this.flight.as_mut() else {
             return Poll::Ready(None);
         };
         // An early answer: the rest of the request body goes on meanwhile.
@@ -301,10 +303,10 @@ impl http_body::Body for UpstreamBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.decoder.is_none_or(|d| d.ended())
+        self.decoder.ended()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.decoder.map(|d| d.size_hint()).unwrap_or_default()
+        self.decoder.size_hint()
     }
 }

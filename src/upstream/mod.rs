@@ -13,8 +13,9 @@
 //! Heads are parsed with `httparse` once, headers written as the bytes they
 //! are, head and body sent in one write ([`wire`]).
 //!
-//! **Retries.** A request is sent again on a new connection only when not
-//! one byte of it was written: a reused connection is first checked for a
+//! **Retries.** A request is sent again, once and on a new connection
+//! (the pool's others may be as dead), only when not one byte of it was
+//! written: a reused connection is first checked for a
 //! close without waiting, and a write that fails at once is counted. A
 //! request of which any byte may have been written is never sent again —
 //! the upstream may be applying it — with one exception: a bodiless GET,
@@ -233,9 +234,19 @@ impl UpstreamClient {
     ) -> Result<Response<UpstreamBody>, SendError> {
         let (parts, body) = req.into_parts();
         let mut request = RequestWriter::new(&parts, body);
-        let repeatable = request.repeatable(&parts.method);
+        let method = parts.method;
+        let repeatable = request.repeatable(&method);
+        // A retry goes on a new connection: the pool's others are likely as
+        // dead as the one that failed, and so a request is sent at most
+        // twice, however many of them there are.
+        let mut pooled = true;
         loop {
-            let (mut conn, reused) = match self.take_idle(&upstream.pool_key) {
+            let idle = if pooled {
+                self.take_idle(&upstream.pool_key)
+            } else {
+                None
+            };
+            let (mut conn, reused) = match idle {
                 Some(c) => (c, true),
                 // Boxed: connecting (TCP, TLS) is the rare case, and its
                 // state would otherwise make every request's future, moved
@@ -253,7 +264,7 @@ impl UpstreamClient {
                 client: self.clone(),
                 key: upstream.pool_key.clone(),
             };
-            match std::future::poll_fn(|cx| flight.poll_head(cx, &parts.method)).await {
+            match std::future::poll_fn(|cx| flight.poll_head(cx, &method)).await {
                 Ok(head) => {
                     let mut answer =
                         Response::new(UpstreamBody::new(flight, head.body, head.keep_alive));
@@ -274,13 +285,16 @@ impl UpstreamClient {
                         // The upstream had closed the reused connection
                         // before a byte was written: once more, on a new
                         // one (which, not being reused, is not retried).
-                        (true, 0, true) => {}
+                        (true, 0, true) => pooled = false,
                         (true, 0, false) => {
                             return Err(SendError::Connect(format!(
                                 "the new connection closed before the request was sent: {e}"
                             )))
                         }
-                        (true, _, true) if repeatable => request.rewind(),
+                        (true, _, true) if repeatable => {
+                            request.rewind();
+                            pooled = false;
+                        }
                         _ => return Err(SendError::Exchange(e)),
                     }
                 }

@@ -214,26 +214,22 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<AnswerHe
         }
         let head = buf.split_to(len).freeze();
         let mut headers = HeaderMap::with_capacity(count);
-        // Fields a `Connection` names besides the usual (rare).
-        let mut named: Vec<HeaderName> = Vec::new();
         for &(name, name_len, value, value_len) in &spans[..count] {
             let (name, value) = (usize::from(name), usize::from(value));
             let name = &head[name..name + usize::from(name_len)];
-            let value = head.slice(value..value + usize::from(value_len));
-            // This connection's own fields end here.
-            if crate::proxy::is_hop_by_hop(name) {
-                if framing.names_headers && name.eq_ignore_ascii_case(b"connection") {
-                    let tokens = value.split(|&b| b == b',').map(<[u8]>::trim_ascii);
-                    named.extend(tokens.filter_map(|t| HeaderName::from_bytes(t).ok()));
-                }
+            // This connection's own fields end here, unless a `Connection`
+            // names others (rare): then the gateway's general rule takes
+            // them all out below.
+            if !framing.names_headers && crate::proxy::is_hop_by_hop(name) {
                 continue;
             }
             let name = HeaderName::from_bytes(name).map_err(|_| WireError::Head)?;
+            let value = head.slice(value..value + usize::from(value_len));
             let value = HeaderValue::from_maybe_shared(value).map_err(|_| WireError::Head)?;
             headers.append(name, value);
         }
-        for name in named {
-            headers.remove(name);
+        if framing.names_headers {
+            crate::proxy::strip_hop_by_hop(&mut headers);
         }
         let body = framing.body(method, status)?;
         let keep_alive =
@@ -321,7 +317,7 @@ fn parse_length(digits: &[u8]) -> Result<u64, WireError> {
 }
 
 /// Where the reading of an answer's body is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Decoder {
     /// This many bytes are still to come.
     Length(u64),
@@ -329,6 +325,7 @@ pub enum Decoder {
     /// Everything until the upstream closes the connection.
     ToClose,
     /// The body has ended.
+    #[default]
     Ended,
 }
 

@@ -107,6 +107,16 @@ async fn upstream_tls_settings_are_checked_at_load() {
     }
 }
 
+/// The value of the header `name` in a request [`read_one_request`] read,
+/// or an empty one.
+fn field(headers: &[(String, String)], name: &str) -> String {
+    headers
+        .iter()
+        .find(|(n, _)| n == name)
+        .map(|(_, v)| v.clone())
+        .unwrap_or_default()
+}
+
 /// A listener on a free port whose every connection is served by `serve`,
 /// each in a task of its own, with `log` shared between them.
 async fn serve_each<L, F, Fut>(log: L, serve: F) -> std::net::SocketAddr
@@ -138,12 +148,10 @@ async fn closing_upstream() -> (std::net::SocketAddr, Arc<Mutex<HashMap<String, 
         let Some(headers) = read_one_request(&mut tcp).await else {
             return;
         };
-        let id = headers
-            .into_iter()
-            .find(|(name, _)| name == "x-test-id")
-            .map(|(_, v)| v)
-            .unwrap_or_default();
-        *log.lock().unwrap().entry(id).or_default() += 1;
+        *log.lock()
+            .unwrap()
+            .entry(field(&headers, "x-test-id"))
+            .or_default() += 1;
         let _ = tcp
             .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nconnection: keep-alive\r\n\r\nok")
             .await;
@@ -232,6 +240,62 @@ async fn a_request_is_never_sent_twice_when_pooled_connections_die() {
     assert!(writes_ok > 0, "no write got through: {answers:?}");
 }
 
+/// A GET that fails on a kept connection is sent again once, on a new
+/// connection: not on the next kept one, which may be as dead, and so on
+/// through the whole pool. The upstream here answers the first request on
+/// each connection and drops the connection at the second, unanswered, as
+/// an upstream that closed its idle connections does; every arrival is
+/// counted by its `x-test-id`.
+#[tokio::test]
+async fn a_failed_get_is_sent_again_once_on_a_new_connection() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let seen: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let addr = serve_each(seen.clone(), |mut tcp, log| async move {
+        let mut first = true;
+        while let Some(headers) = read_one_request(&mut tcp).await {
+            *log.lock()
+                .unwrap()
+                .entry(field(&headers, "x-test-id"))
+                .or_default() += 1;
+            if !first {
+                return;
+            }
+            first = false;
+            // Slow enough that the warm-up's GETs each open a connection.
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            let answer = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok";
+            if tcp.write_all(answer).await.is_err() {
+                return;
+            }
+        }
+    })
+    .await;
+    // One worker: one pool, which the warm-up fills with four connections.
+    let text = config_sections(
+        "workers = 1\n",
+        &store.url,
+        "",
+        &route("r", "/r/{id}", &format!("http://{addr}"), "r:{id}"),
+    );
+    let app = TestApp::from_text(&text).await;
+    let get = |id: String| app.http.get(app.url("/r/a")).header("x-test-id", id).send();
+    let warm = futures_util::future::join_all((0..4).map(|i| get(format!("warm-{i}")))).await;
+    for resp in warm {
+        assert_eq!(resp.unwrap().status(), 200);
+    }
+    // Each kept connection back in the pool.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+
+    let resp = get("probe".into()).await.unwrap();
+    assert_eq!(resp.status(), 200, "answered on a new connection");
+    assert_eq!(resp.text().await.unwrap(), "ok");
+    assert_eq!(
+        seen.lock().unwrap().get("probe"),
+        Some(&2),
+        "sent on one kept connection, then once on a new one"
+    );
+}
+
 /// HTTPS upstreams keep their connections alive like `http://` ones: one
 /// TLS handshake for a run of requests, reads and fenced writes alike.
 #[tokio::test]
@@ -315,11 +379,7 @@ async fn scripted_upstream() -> (std::net::SocketAddr, Arc<Mutex<Vec<Vec<String>
             log.len() - 1
         };
         while let Some(headers) = read_one_request(&mut tcp).await {
-            let path = headers
-                .iter()
-                .find(|(name, _)| name == "x-test-path")
-                .map(|(_, v)| v.clone())
-                .unwrap_or_default();
+            let path = field(&headers, "x-test-path");
             log.lock().unwrap()[n].push(path.clone());
             let (answer, close) = scripted_answer(&path);
             if tcp.write_all(&answer).await.is_err() || close {
