@@ -234,7 +234,12 @@ impl UpstreamClient {
     ) -> Result<Response<UpstreamBody>, SendError> {
         let (parts, body) = req.into_parts();
         let mut request = RequestWriter::new(&parts, body);
-        let method = parts.method;
+        // Only the method is needed from here on: the rest of the head goes
+        // now, and does not sit in this future's state.
+        let method = {
+            let parts = parts;
+            parts.method
+        };
         let repeatable = request.repeatable(&method);
         // A retry goes on a new connection: the pool's others are likely as
         // dead as the one that failed, and so a request is sent at most
