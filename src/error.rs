@@ -34,6 +34,9 @@ pub enum ClientError {
     NoRoute { path: String },
     #[error("{0}")]
     BadPath(&'static str),
+    /// A request head the server refused before any route saw it.
+    #[error(transparent)]
+    Head(#[from] crate::server::wire::HeadError),
     /// A fenced write whose path back ends may resolve differently.
     #[error("the path {0}")]
     AmbiguousPath(&'static str),
@@ -298,6 +301,25 @@ impl GatewayError {
                     "Request body too large",
                     format!("the request body exceeds the limit of {limit} bytes"),
                 ),
+                C::Head(e) => {
+                    use crate::server::wire::HeadError as H;
+                    let (status, kind, title) = match e {
+                        H::TooLarge => (
+                            StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+                            "head-too-large",
+                            "Request head too large",
+                        ),
+                        H::Timeout => (
+                            StatusCode::REQUEST_TIMEOUT,
+                            "head-timeout",
+                            "Request head too slow",
+                        ),
+                        H::Malformed | H::Length | H::Coding => {
+                            (StatusCode::BAD_REQUEST, "bad-request", "Bad request")
+                        }
+                    };
+                    Problem::new(status, kind, title, e.to_string())
+                }
                 C::BadRequest(why) => {
                     Problem::new(StatusCode::BAD_REQUEST, "bad-request", "Bad request", *why)
                 }

@@ -336,9 +336,12 @@ fn refusal_outcome(e: &GatewayError) -> Option<Outcome> {
             C::IdempotencyReused
             | C::IdempotencyInProgress { .. }
             | C::IdempotencyOutcomeUnknown => Outcome::IdempotencyConflict,
-            // Not fenced writes: no route, or refused before the method
-            // was known to be fenced.
-            C::NoRoute { .. } | C::BadPath(_) | C::MethodNotAllowed { .. } => return None,
+            // Not fenced writes: no route, refused before the method was
+            // known to be fenced, or a head the server refused before any
+            // route saw it.
+            C::NoRoute { .. } | C::BadPath(_) | C::MethodNotAllowed { .. } | C::Head(_) => {
+                return None
+            }
         },
         GatewayError::Store(StoreError::KeyBusy(_)) => Outcome::KeyBusy,
         GatewayError::Store(StoreError::Late) => Outcome::Late,

@@ -1,9 +1,15 @@
-//! The HTTP/1.1 accept loop shared by both listeners.
+//! The HTTP/1.1 server of both listeners: the accept loop, connections
+//! served by an HTTP/1.1 of our own (`conn`, `body`, `wire`), and the
+//! traffic listener's worker threads.
 //!
-//! We drive hyper directly instead of `axum::serve` for three protections
-//! axum's helper does not offer: a header-read timeout (slow-loris clients),
-//! a connection limit (a flood waits in the kernel backlog instead of
-//! exhausting memory or file descriptors), and a bounded graceful shutdown.
+//! Three protections are the accept loop's and the connection's: a
+//! header-read timeout (slow-loris clients, idle keep-alive connections), a
+//! connection limit (a flood waits in the kernel backlog instead of
+//! exhausting memory or file descriptors), and a bounded graceful drain.
+//! An HTTP/1.1 of our own rather than hyper's server: one task per
+//! connection as before, but a head parsed once into the request, a body
+//! that came with its head handed over whole, and one timer per
+//! connection instead of one per request (see BENCHMARKS.md).
 //!
 //! The traffic listener runs on [`Workers`]: `[server] workers` threads (one
 //! per CPU by default), each with a current-thread runtime. One acceptor takes connections (within the
@@ -17,20 +23,27 @@
 //! each worker its own `SO_REUSEPORT` socket, keeps the connection limit
 //! exact and spreads even a handful of connections evenly.
 
-use std::future::Future;
+use std::future::{poll_fn, Future};
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Poll, Waker};
 use std::time::Duration;
 
+use axum::body::Body;
 use axum::extract::ConnectInfo;
+use axum::response::Response;
 use axum::Router;
-use hyper::body::Incoming;
-use hyper::server::conn::http1;
-use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::{GracefulShutdown, Watcher};
+use http::Request;
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{mpsc, oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 use tower::ServiceExt;
+
+mod body;
+mod conn;
+pub mod wire;
+
+pub use body::{BodyError, RequestBody};
 
 /// Limits applied to every connection of one listener.
 #[derive(Debug, Clone, Copy)]
@@ -48,15 +61,18 @@ pub struct ConnInfo {
     pub tls: Option<crate::tls::TlsPeer>,
 }
 
+/// What answers one connection's requests, one at a time. Its future runs
+/// in the connection's task; a request's body is a [`RequestBody`] inside
+/// the [`Body`].
+pub trait Service: Send + 'static {
+    /// Unboxed: the traffic listener's answer is made with no allocation
+    /// and no copy of its (large) future.
+    fn call(&self, req: Request<Body>) -> impl Future<Output = Response> + Send + 'static;
+}
+
 /// A service for one accepted connection.
 pub trait MakeService: Clone + Send + 'static {
-    type Service: hyper::service::Service<
-            http::Request<Incoming>,
-            Response = http::Response<axum::body::Body>,
-            Error = std::convert::Infallible,
-            Future: Send,
-        > + Send
-        + 'static;
+    type Service: Service;
 
     fn make(&self, conn: ConnInfo) -> Self::Service;
 }
@@ -83,16 +99,17 @@ pub struct RouterConnection {
     peer: SocketAddr,
 }
 
-impl hyper::service::Service<http::Request<Incoming>> for RouterConnection {
-    type Response = http::Response<axum::body::Body>;
-    type Error = std::convert::Infallible;
-    type Future = tower::util::Oneshot<Router, http::Request<axum::body::Body>>;
-
-    fn call(&self, req: http::Request<Incoming>) -> Self::Future {
-        let mut req = req.map(axum::body::Body::new);
+impl Service for RouterConnection {
+    fn call(&self, mut req: Request<Body>) -> impl Future<Output = Response> + Send + 'static {
         req.extensions_mut()
             .insert(ConnectInfo::<SocketAddr>(self.peer));
-        self.router.clone().oneshot(req)
+        let answer = self.router.clone().oneshot(req);
+        async move {
+            match answer.await {
+                Ok(resp) => resp,
+                Err(never) => match never {},
+            }
+        }
     }
 }
 
@@ -104,13 +121,13 @@ pub async fn serve(
     limits: Limits,
     shutdown: impl Future<Output = ()>,
 ) {
-    let graceful = GracefulShutdown::new();
+    let drain = Arc::new(Drain::default());
     let slots = Arc::new(Semaphore::new(limits.max_connections));
     accept(listener, slots, shutdown, |stream, peer, permit| {
-        connection(stream, peer, &service, limits, &graceful, permit, None);
+        connection(stream, peer, &service, limits, &drain, permit, None);
     })
     .await;
-    drain(graceful, limits).await;
+    drain.finish(limits).await;
 }
 
 /// Accepts connections until `shutdown` resolves, each with a slot of
@@ -159,15 +176,15 @@ fn connection(
     peer: SocketAddr,
     service: &impl MakeService,
     limits: Limits,
-    graceful: &GracefulShutdown,
+    drain: &Arc<Drain>,
     permit: OwnedSemaphorePermit,
     tls: Option<&Arc<crate::tls::Tls>>,
 ) {
-    let watcher = graceful.watcher();
+    let drain = drain.clone();
     let Some(tls) = tls else {
         let service = service.make(ConnInfo { peer, tls: None });
         tokio::spawn(async move {
-            serve_io(TokioIo::new(stream), service, limits, watcher, peer).await;
+            conn::serve(stream, service, limits, drain).await;
             drop(permit);
         });
         return;
@@ -194,52 +211,88 @@ fn connection(
             peer,
             tls: Some(crate::tls::peer_of(stream.get_ref().1)),
         };
-        serve_io(TokioIo::new(stream), make.make(info), limits, watcher, peer).await;
+        conn::serve(stream, make.make(info), limits, drain).await;
         drop(permit);
     });
 }
 
-/// Serves HTTP/1.1 on one connection until it ends.
-async fn serve_io<I, S>(
-    io: TokioIo<I>,
-    service: S,
-    limits: Limits,
-    watcher: Watcher,
-    peer: SocketAddr,
-) where
-    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
-    S: hyper::service::Service<
-            http::Request<Incoming>,
-            Response = http::Response<axum::body::Body>,
-            Error = std::convert::Infallible,
-            Future: Send,
-        > + Send
-        + 'static,
-{
-    let conn = http1::Builder::new()
-        .timer(TokioTimer::new())
-        .header_read_timeout(limits.header_read_timeout)
-        .keep_alive(true)
-        // One buffer per write, the head and the body copied into it,
-        // rather than a `writev` of hyper's queue of buffers: measured
-        // (bench/ab.sh, six alternated rounds of GETs and of PUTs), 4–5%
-        // less CPU per request and 3–4% more requests/s, with the upstream
-        // client's requests written the same way (see `upstream::flight`).
-        // The copy costs a body's bytes one more memcpy, less than the
-        // kernel's own copy into the socket.
-        .writev(false)
-        .serve_connection(io, service);
-    if let Err(e) = watcher.watch(conn).await {
-        tracing::debug!(error = %e, %peer, "connection ended with an error");
+/// The graceful drain of one runtime's connections: once started, an idle
+/// connection ends at once and a busy one after its answer.
+///
+/// Each connection registers its task's waker once, when it starts, and
+/// checks the flag only where it would wait for a next head: nothing is
+/// polled per request for the drain's sake (a watcher future polled with
+/// every poll of the connection cost hundreds of instructions a request).
+#[derive(Default)]
+pub(crate) struct Drain {
+    started: AtomicBool,
+    /// The tasks of the open connections, woken when the drain starts.
+    conns: Mutex<slab::Slab<Waker>>,
+    /// Told when the last connection has ended.
+    empty: Notify,
+}
+
+/// A connection's place in its [`Drain`], for as long as it is open.
+struct Entered {
+    drain: Arc<Drain>,
+    key: usize,
+}
+
+impl Drain {
+    fn conns(&self) -> std::sync::MutexGuard<'_, slab::Slab<Waker>> {
+        // Wakers are only inserted, woken and removed under the lock: a
+        // poisoned lock still holds a consistent slab.
+        self.conns.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether the drain has started.
+    fn started(&self) -> bool {
+        self.started.load(Ordering::Acquire)
+    }
+
+    /// Registers the calling task as an open connection.
+    async fn enter(self: &Arc<Self>) -> Entered {
+        let waker = poll_fn(|cx| Poll::Ready(cx.waker().clone())).await;
+        let key = self.conns().insert(waker);
+        Entered {
+            drain: self.clone(),
+            key,
+        }
+    }
+
+    /// Starts the drain, then waits until every connection has ended, for
+    /// up to the grace period.
+    async fn finish(&self, limits: Limits) {
+        self.started.store(true, Ordering::Release);
+        for (_, waker) in self.conns().iter() {
+            waker.wake_by_ref();
+        }
+        let ended = async {
+            loop {
+                let notified = self.empty.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable();
+                if self.conns().is_empty() {
+                    return;
+                }
+                notified.await;
+            }
+        };
+        if tokio::time::timeout(limits.shutdown_grace, ended)
+            .await
+            .is_err()
+        {
+            tracing::warn!("shutdown grace period over; closing remaining connections");
+        }
     }
 }
 
-/// Lets open connections finish their requests, for up to the grace period.
-async fn drain(graceful: GracefulShutdown, limits: Limits) {
-    tokio::select! {
-        _ = graceful.shutdown() => {}
-        _ = tokio::time::sleep(limits.shutdown_grace) => {
-            tracing::warn!("shutdown grace period over; closing remaining connections");
+impl Drop for Entered {
+    fn drop(&mut self) {
+        let mut conns = self.drain.conns();
+        conns.remove(self.key);
+        if conns.is_empty() {
+            self.drain.empty.notify_waiters();
         }
     }
 }
@@ -312,7 +365,7 @@ impl Workers {
                 .spawn(move || {
                     runtime.block_on(async move {
                         tokio::spawn(timer_floor());
-                        let graceful = GracefulShutdown::new();
+                        let drain = Arc::new(Drain::default());
                         // Ends when the acceptor stops (shutdown).
                         while let Some((stream, peer, permit)) = take.recv().await {
                             // Registers the socket with this thread's runtime.
@@ -322,7 +375,7 @@ impl Workers {
                                     peer,
                                     &service,
                                     limits,
-                                    &graceful,
+                                    &drain,
                                     permit,
                                     tls.as_ref(),
                                 ),
@@ -331,7 +384,7 @@ impl Workers {
                                 }
                             }
                         }
-                        drain(graceful, limits).await;
+                        drain.finish(limits).await;
                         let _ = tokio::time::timeout(limits.shutdown_grace, settle).await;
                     });
                     let _ = tx.send(());

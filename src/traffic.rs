@@ -5,10 +5,8 @@
 //! prefix (the lock API, and the 404s around it) is handed to the full axum
 //! router on the store's runtime, where the store's connections live.
 
-use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -16,16 +14,14 @@ use axum::body::Body;
 use axum::extract::ConnectInfo;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
+use futures_util::future::Either;
 use http::Request;
-use hyper::body::Incoming;
 use tower::ServiceExt;
 
 use crate::config::is_reserved;
 use crate::error::GatewayError;
 use crate::gateway::{self, Downstream, GatewayState};
-use crate::server::{ConnInfo, MakeService};
-
-type BoxFuture = Pin<Box<dyn Future<Output = Result<Response, Infallible>> + Send + 'static>>;
+use crate::server::{ConnInfo, MakeService, Service};
 
 /// One worker's traffic service.
 #[derive(Clone)]
@@ -56,22 +52,17 @@ pub struct Connection {
     conn: Arc<ConnInfo>,
 }
 
-impl hyper::service::Service<Request<Incoming>> for Connection {
-    type Response = Response;
-    type Error = Infallible;
-    type Future = BoxFuture;
-
-    fn call(&self, req: Request<Incoming>) -> BoxFuture {
-        let req = req.map(Body::new);
+impl Service for Connection {
+    fn call(&self, req: Request<Body>) -> impl Future<Output = Response> + Send + 'static {
         if is_reserved(req.uri().path()) {
             let mut req = req;
             req.extensions_mut()
                 .insert(ConnectInfo::<SocketAddr>(self.conn.peer));
             req.extensions_mut().insert(self.conn.clone());
-            return self.traffic.reserved.call(req);
+            return Either::Left(self.traffic.reserved.call(req));
         }
         let (gateway, downstream) = (self.traffic.gateway.clone(), self.downstream.clone());
-        Box::pin(async move { Ok(gateway::respond(gateway, req, downstream).await) })
+        Either::Right(gateway::respond(gateway, req, downstream))
     }
 }
 
@@ -102,17 +93,17 @@ pub struct OnRuntime {
 }
 
 impl OnRuntime {
-    fn call(&self, req: Request<Body>) -> BoxFuture {
+    fn call(&self, req: Request<Body>) -> impl Future<Output = Response> + Send + 'static {
         let task = self.runtime.spawn(self.router.clone().oneshot(req));
-        Box::pin(async move {
-            Ok(match task.await {
+        async move {
+            match task.await {
                 Ok(Ok(resp)) => resp,
                 Ok(Err(never)) => match never {},
                 // Only if that runtime is shutting down.
                 Err(_) => GatewayError::Internal("the request's task ended early")
                     .to_problem(Duration::from_secs(1))
                     .into_response(),
-            })
-        })
+            }
+        }
     }
 }

@@ -49,7 +49,7 @@
 mod conn;
 mod cutoff;
 mod flight;
-mod wire;
+pub(crate) mod wire;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -116,7 +116,7 @@ pub fn encode_head(parts: &http::request::Parts, framing: RequestFraming, out: &
 }
 
 /// `n` in decimal, written into the end of `buf`.
-fn itoa(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
+pub(crate) fn itoa(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
     let mut i = buf.len();
     loop {
         i -= 1;
@@ -247,12 +247,8 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<AnswerHe
 /// What an answer head's framing fields say (see the module docs).
 #[derive(Default)]
 struct Framing {
-    /// `Content-Length`: `Some(Ok(n))` for one valid length however often
-    /// repeated, `Some(Err(_))` for an invalid or ambiguous one.
-    length: Option<Result<u64, WireError>>,
-    /// `Transfer-Encoding`: whether its last coding, over all its fields,
-    /// is chunked.
-    chunked: Option<bool>,
+    /// `Content-Length` and `Transfer-Encoding`.
+    body: BodyFields,
     /// `Connection` names `close`.
     close: bool,
     /// `Connection` names other fields, which go with it.
@@ -262,29 +258,12 @@ struct Framing {
 impl Framing {
     /// Takes in one field of the head.
     fn field(&mut self, name: &[u8], value: &[u8]) {
-        let tokens = || value.split(|&b| b == b',').map(<[u8]>::trim_ascii);
-        match name.len() {
-            14 if name.eq_ignore_ascii_case(b"content-length") => {
-                for part in tokens() {
-                    self.length = Some(match (self.length, parse_length(part)) {
-                        (Some(Err(e)), _) | (_, Err(e)) => Err(e),
-                        (Some(Ok(l)), Ok(n)) if l != n => Err(WireError::Length),
-                        (_, Ok(n)) => Ok(n),
-                    });
-                }
-            }
-            17 if name.eq_ignore_ascii_case(b"transfer-encoding") => {
-                // Present, even empty, is present: never framed by a length.
-                match tokens().rfind(|c| !c.is_empty()) {
-                    Some(last) => self.chunked = Some(last.eq_ignore_ascii_case(b"chunked")),
-                    None => _ = self.chunked.get_or_insert(false),
-                }
-            }
-            10 if name.eq_ignore_ascii_case(b"connection") => {
-                self.close |= tokens().any(|t| t.eq_ignore_ascii_case(b"close"));
-                self.names_headers |= crate::proxy::names_headers(value);
-            }
-            _ => {}
+        if self.body.field(name, value) {
+            return;
+        }
+        if name.len() == 10 && name.eq_ignore_ascii_case(b"connection") {
+            self.close |= tokens(value).any(|t| t.eq_ignore_ascii_case(b"close"));
+            self.names_headers |= crate::proxy::names_headers(value);
         }
     }
 
@@ -296,24 +275,71 @@ impl Framing {
         {
             return Ok(Decoder::Length(0));
         }
-        match (self.chunked, self.length) {
+        match (self.body.chunked, self.body.length) {
             (Some(_), Some(_)) => Err(WireError::BothFramings),
             (Some(true), None) => Ok(Decoder::Chunked(Chunk::Size)),
             (Some(false), None) | (None, None) => Ok(Decoder::ToClose),
-            (None, Some(length)) => length.map(Decoder::Length),
+            (None, Some(length)) => length.map(Decoder::Length).ok_or(WireError::Length),
         }
     }
 }
 
+/// The fields that frame a message's body, read from a head's bytes as
+/// they pass, by one rule for answers (here) and requests (the server's
+/// `wire`): asking a header map for them afterwards costs more.
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct BodyFields {
+    /// `Content-Length`: `Some(Some(n))` for one valid length however
+    /// often repeated, `Some(None)` for an invalid or ambiguous one.
+    pub length: Option<Option<u64>>,
+    /// `Transfer-Encoding`: whether its last coding, over all its fields,
+    /// is chunked.
+    pub chunked: Option<bool>,
+}
+
+impl BodyFields {
+    /// Takes in one field of a head; false if it is not a framing field.
+    pub fn field(&mut self, name: &[u8], value: &[u8]) -> bool {
+        match name.len() {
+            14 if name.eq_ignore_ascii_case(b"content-length") => {
+                for part in tokens(value) {
+                    self.length = Some(match (self.length, parse_length(part)) {
+                        (Some(None), _) | (_, None) => None,
+                        (Some(Some(l)), Some(n)) if l != n => None,
+                        (_, Some(n)) => Some(n),
+                    });
+                }
+                true
+            }
+            17 if name.eq_ignore_ascii_case(b"transfer-encoding") => {
+                // Present, even empty, is present: never framed by a length.
+                match tokens(value).rfind(|c| !c.is_empty()) {
+                    Some(last) => self.chunked = Some(last.eq_ignore_ascii_case(b"chunked")),
+                    None => _ = self.chunked.get_or_insert(false),
+                }
+                true
+            }
+            _ => false,
+        }
+    }
+}
+
+/// A field value's comma-separated tokens, trimmed.
+pub(crate) fn tokens(value: &[u8]) -> impl DoubleEndedIterator<Item = &[u8]> {
+    value.split(|&b| b == b',').map(<[u8]>::trim_ascii)
+}
+
 /// One `Content-Length` value: digits only (no sign, no spaces inside), at
 /// most 19 of them.
-fn parse_length(digits: &[u8]) -> Result<u64, WireError> {
+pub(crate) fn parse_length(digits: &[u8]) -> Option<u64> {
     if digits.is_empty() || digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
-        return Err(WireError::Length);
+        return None;
     }
-    Ok(digits
-        .iter()
-        .fold(0u64, |n, d| n * 10 + u64::from(d - b'0')))
+    Some(
+        digits
+            .iter()
+            .fold(0u64, |n, d| n * 10 + u64::from(d - b'0')),
+    )
 }
 
 /// Where the reading of an answer's body is.

@@ -15,6 +15,7 @@ mod failover_pg;
 mod failover_redis;
 mod group_commit;
 mod headers;
+mod http_server;
 mod idempotency;
 mod jwt_tokens;
 mod key_integrity;

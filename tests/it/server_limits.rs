@@ -10,7 +10,8 @@ use crate::support::db::{Backend, TestStore};
 use crate::support::process::GatewayProcess;
 use crate::support::upstream::Upstream;
 
-async fn app_with(server_extra: &str) -> (TestStore, Upstream, TestApp) {
+/// A gateway on SQLite with the docs route and `server_extra` in `[server]`.
+pub(crate) async fn app_with(server_extra: &str) -> (TestStore, Upstream, TestApp) {
     let store = TestStore::new(Backend::Sqlite).await;
     let up = Upstream::start().await;
     let text = config_sections(

@@ -1,0 +1,519 @@
+//! The bytes of an HTTP/1.1 exchange with a client: the request head as
+//! parsed, and the answer head as written.
+//!
+//! A request's framing decides where the next request begins, so every
+//! rule here is the strict one (RFC 9112 §6):
+//!
+//! - `Transfer-Encoding` wins: its last coding must be `chunked` (anything
+//!   else is 400, and so is any `Transfer-Encoding` in an HTTP/1.0
+//!   request). A `Content-Length` beside it is dropped from the request and
+//!   the connection closes after the answer, so nothing can be smuggled
+//!   behind such a message.
+//! - `Content-Length`: plain digits, repeats only if equal; anything else
+//!   is 400. Neither header: no body.
+//! - A head is at most [`MAX_HEAD_BYTES`] with at most [`MAX_HEADERS`]
+//!   fields, else 431.
+//!
+//! Answers are framed by the gateway's own knowledge of their body: the
+//! `Content-Length` the answer carries (an upstream's), else the body's
+//! exact size, else chunked (or, to an HTTP/1.0 client, to the close). No
+//! body for HEAD, 1xx, 204 and 304.
+
+use std::cell::RefCell;
+use std::time::SystemTime;
+
+use bytes::BytesMut;
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Method, StatusCode, Uri, Version};
+
+use crate::upstream::wire::{itoa, parse_length, tokens, BodyFields, Chunk, Decoder};
+
+/// Most header fields a request head may carry.
+pub const MAX_HEADERS: usize = 100;
+/// Longest request head accepted. Within `u16`: a field's place in the
+/// head is kept as two of them while the head is parsed.
+pub const MAX_HEAD_BYTES: usize = u16::MAX as usize;
+
+/// Why a request head is refused; answered by the server itself (see
+/// `error`), and the connection closes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum HeadError {
+    #[error("the request head is not valid HTTP/1.1")]
+    Malformed,
+    #[error("the request head is larger than 64 KiB or has more than 100 fields")]
+    TooLarge,
+    #[error("the request's Content-Length is not one plain number")]
+    Length,
+    #[error("the request's Transfer-Encoding does not end in chunked, or is not HTTP/1.1")]
+    Coding,
+    #[error("the request head did not arrive within the header-read timeout")]
+    Timeout,
+}
+
+/// A request head, parsed.
+#[derive(Debug)]
+pub struct RequestHead {
+    pub request: http::request::Parts,
+    /// How the body is framed on the connection.
+    pub body: Decoder,
+    /// Whether the connection may carry another request after this one's
+    /// answer: HTTP/1.1 without `Connection: close`, or HTTP/1.0 with
+    /// `Connection: keep-alive`; never after a request framed both ways.
+    pub keep_alive: bool,
+    /// `Expect: 100-continue` (HTTP/1.1): the client waits for a `100`
+    /// before it sends the body.
+    pub expect_continue: bool,
+}
+
+/// Parses the request head at the start of `buf`, taking its bytes out.
+/// `None`: not all of it has arrived.
+pub fn parse_head(buf: &mut BytesMut) -> Result<Option<RequestHead>, HeadError> {
+    // Uninitialised: zeroing a hundred fields for a request that has five
+    // costs more than parsing them.
+    let mut fields = [const { std::mem::MaybeUninit::uninit() }; MAX_HEADERS];
+    let mut req = httparse::Request::new(&mut []);
+    let len = match httparse::ParserConfig::default().parse_request_with_uninit_headers(
+        &mut req,
+        buf,
+        &mut fields,
+    ) {
+        Ok(httparse::Status::Complete(len)) => len,
+        Ok(httparse::Status::Partial) if buf.len() > MAX_HEAD_BYTES => {
+            return Err(HeadError::TooLarge)
+        }
+        Ok(httparse::Status::Partial) => return Ok(None),
+        Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
+        Err(_) => return Err(HeadError::Malformed),
+    };
+    if len > MAX_HEAD_BYTES {
+        return Err(HeadError::TooLarge);
+    }
+    let version = match req.version {
+        Some(1) => Version::HTTP_11,
+        Some(0) => Version::HTTP_10,
+        _ => return Err(HeadError::Malformed),
+    };
+    let method = Method::from_bytes(req.method.ok_or(HeadError::Malformed)?.as_bytes())
+        .map_err(|_| HeadError::Malformed)?;
+    // Where the target and each field lie in the head, so that they can
+    // share the head's bytes once it is taken out of `buf`.
+    let base = buf.as_ptr() as usize;
+    // Each within the head, whose length is checked above.
+    let at = |s: &[u8]| (s.as_ptr() as usize - base) as u16;
+    let target = req.path.ok_or(HeadError::Malformed)?.as_bytes();
+    let target = (at(target), target.len() as u16);
+    let mut spans = [(0u16, 0u16, 0u16, 0u16); MAX_HEADERS];
+    let count = req.headers.len();
+    let mut framing = Framing::default();
+    for (span, field) in spans.iter_mut().zip(req.headers.iter()) {
+        let (name, value) = (field.name.as_bytes(), field.value);
+        *span = (at(name), name.len() as u16, at(value), value.len() as u16);
+        framing.field(name, value);
+    }
+    let head = buf.split_to(len).freeze();
+    let (start, target_len) = (usize::from(target.0), usize::from(target.1));
+    let uri = Uri::from_maybe_shared(head.slice(start..start + target_len))
+        .map_err(|_| HeadError::Malformed)?;
+    // Room for what the gateway adds (`X-Forwarded-For`, `-Proto`,
+    // `-Host`) without the map growing.
+    let mut headers = HeaderMap::with_capacity(count + 3);
+    for &(name, name_len, value, value_len) in &spans[..count] {
+        let (name, value) = (usize::from(name), usize::from(value));
+        let name = HeaderName::from_bytes(&head[name..name + usize::from(name_len)])
+            .map_err(|_| HeadError::Malformed)?;
+        let value =
+            HeaderValue::from_maybe_shared(head.slice(value..value + usize::from(value_len)))
+                .map_err(|_| HeadError::Malformed)?;
+        headers.append(name, value);
+    }
+    let body = match (framing.body.chunked, framing.body.length) {
+        (Some(_), _) if version == Version::HTTP_10 => return Err(HeadError::Coding),
+        (Some(false), _) => return Err(HeadError::Coding),
+        (Some(true), length) => {
+            if length.is_some() {
+                headers.remove(header::CONTENT_LENGTH);
+            }
+            Decoder::Chunked(Chunk::Size)
+        }
+        (None, Some(None)) => return Err(HeadError::Length),
+        (None, Some(Some(n))) => Decoder::Length(n),
+        (None, None) => Decoder::Ended,
+    };
+    let both = framing.body.chunked.is_some() && framing.body.length.is_some();
+    let keep_alive = !framing.close && !both && (version == Version::HTTP_11 || framing.keep_alive);
+    let mut request = http::Request::new(()).into_parts().0;
+    request.method = method;
+    request.uri = uri;
+    request.version = version;
+    request.headers = headers;
+    Ok(Some(RequestHead {
+        request,
+        body,
+        keep_alive,
+        expect_continue: framing.expect_continue && version == Version::HTTP_11,
+    }))
+}
+
+/// What a request head's framing fields say (see the module docs).
+#[derive(Default)]
+struct Framing {
+    /// `Content-Length` and `Transfer-Encoding`.
+    body: BodyFields,
+    /// `Connection` names `close`.
+    close: bool,
+    /// `Connection` names `keep-alive` (what keeps an HTTP/1.0 one open).
+    keep_alive: bool,
+    /// `Expect: 100-continue`.
+    expect_continue: bool,
+}
+
+impl Framing {
+    /// Takes in one field of the head.
+    fn field(&mut self, name: &[u8], value: &[u8]) {
+        if self.body.field(name, value) {
+            return;
+        }
+        match name.len() {
+            10 if name.eq_ignore_ascii_case(b"connection") => {
+                for t in tokens(value) {
+                    self.close |= t.eq_ignore_ascii_case(b"close");
+                    self.keep_alive |= t.eq_ignore_ascii_case(b"keep-alive");
+                }
+            }
+            6 if name.eq_ignore_ascii_case(b"expect") => {
+                self.expect_continue |= value.trim_ascii().eq_ignore_ascii_case(b"100-continue");
+            }
+            _ => {}
+        }
+    }
+}
+
+/// How an answer's body goes on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AnswerFraming {
+    /// No body is written (HEAD, 1xx, 204, 304), whatever the answer has.
+    Empty,
+    /// Exactly this many bytes are still to be written.
+    Length(u64),
+    Chunked,
+    /// Written as it comes; the connection's close ends it (an HTTP/1.0
+    /// client, a body of unknown size).
+    ToClose,
+}
+
+/// What an answer's head is written for.
+#[derive(Debug, Clone, Copy)]
+pub struct Asked {
+    /// The request was a HEAD: the answer's head only.
+    pub head: bool,
+    /// The request was HTTP/1.0: no chunked answers.
+    pub http10: bool,
+    /// Whether the connection stays open after the answer, as far as the
+    /// request and the server go (the answer may still close it).
+    pub keep_alive: bool,
+}
+
+/// Writes an answer's head into `out`. `exact` is the body's exact size
+/// when known. Returns how the body is framed, and whether the connection
+/// stays open after it.
+pub fn encode_head(
+    parts: &mut http::response::Parts,
+    exact: Option<u64>,
+    asked: Asked,
+    out: &mut Vec<u8>,
+) -> (AnswerFraming, bool) {
+    let status = parts.status;
+    let headers = &mut parts.headers;
+    // Framing is ours: a `Transfer-Encoding` the answer carries is not
+    // believed, and `Connection` is written from what is decided here.
+    headers.remove(header::TRANSFER_ENCODING);
+    let mut keep_alive = asked.keep_alive;
+    if let Some(c) = headers.remove(header::CONNECTION) {
+        keep_alive &= !c
+            .as_bytes()
+            .split(|&b| b == b',')
+            .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"));
+    }
+    // An answer's own `Content-Length` (an upstream's) stands, also for a
+    // HEAD; an unreadable one is replaced by what the body says.
+    let declared = match headers
+        .get(header::CONTENT_LENGTH)
+        .map(|v| parse_length(v.as_bytes()))
+    {
+        Some(Some(n)) => Some(n),
+        Some(None) => {
+            headers.remove(header::CONTENT_LENGTH);
+            None
+        }
+        None => None,
+    };
+    let bodiless = status.is_informational()
+        || status == StatusCode::NO_CONTENT
+        || status == StatusCode::NOT_MODIFIED;
+    if status == StatusCode::NO_CONTENT || status.is_informational() {
+        headers.remove(header::CONTENT_LENGTH);
+    }
+    let (framing, length) = if bodiless {
+        (AnswerFraming::Empty, None)
+    } else if asked.head {
+        (
+            AnswerFraming::Empty,
+            declared
+                .is_none()
+                .then_some(exact)
+                .flatten()
+                .filter(|&n| n > 0),
+        )
+    } else {
+        match declared.or(exact) {
+            Some(n) => (AnswerFraming::Length(n), declared.is_none().then_some(n)),
+            None if asked.http10 => (AnswerFraming::ToClose, None),
+            None => (AnswerFraming::Chunked, None),
+        }
+    };
+    if framing == AnswerFraming::ToClose {
+        keep_alive = false;
+    }
+
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    for (name, value) in headers.iter() {
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    if let Some(n) = length {
+        let mut digits = [0; 20];
+        out.extend_from_slice(b"content-length: ");
+        out.extend_from_slice(itoa(n, &mut digits));
+        out.extend_from_slice(b"\r\n");
+    }
+    if framing == AnswerFraming::Chunked {
+        out.extend_from_slice(b"transfer-encoding: chunked\r\n");
+    }
+    if !headers.contains_key(header::DATE) {
+        out.extend_from_slice(b"date: ");
+        with_date(|d| out.extend_from_slice(d));
+        out.extend_from_slice(b"\r\n");
+    }
+    if !keep_alive {
+        out.extend_from_slice(b"connection: close\r\n");
+    } else if asked.http10 {
+        out.extend_from_slice(b"connection: keep-alive\r\n");
+    }
+    out.extend_from_slice(b"\r\n");
+    (framing, keep_alive)
+}
+
+thread_local! {
+    /// This thread's `Date` value and the second it is for: formatted once
+    /// a second, not once an answer.
+    static DATE: RefCell<(u64, [u8; 29])> = const { RefCell::new((u64::MAX, [0; 29])) };
+}
+
+/// Gives the current `Date` value (IMF-fixdate, always 29 bytes) to `f`.
+fn with_date(f: impl FnOnce(&[u8])) {
+    let now = SystemTime::now();
+    let second = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    DATE.with_borrow_mut(|(at, value)| {
+        if *at != second {
+            let text = httpdate::fmt_http_date(now);
+            if text.len() == value.len() {
+                value.copy_from_slice(text.as_bytes());
+                *at = second;
+            }
+        }
+        f(value)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(raw: &str) -> Result<Option<RequestHead>, HeadError> {
+        parse_head(&mut BytesMut::from(raw))
+    }
+
+    #[test]
+    fn request_framing_is_strict() {
+        let h = head("PUT /a HTTP/1.1\r\nContent-Length: 5\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(h.body, Decoder::Length(5));
+        assert!(h.keep_alive);
+        let h = head("PUT /a HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(h.body, Decoder::Length(5));
+        let h = head("GET /a HTTP/1.1\r\nHost: x\r\n\r\n").unwrap().unwrap();
+        assert_eq!(h.body, Decoder::Ended);
+        // Both framings: chunked wins, the length goes, the connection ends.
+        let h = head("PUT /a HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert_eq!(h.body, Decoder::Chunked(Chunk::Size));
+        assert!(!h.keep_alive);
+        assert!(!h.request.headers.contains_key(header::CONTENT_LENGTH));
+        for raw in [
+            "PUT /a HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nContent-Length: 5, 6\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nContent-Length: -5\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nContent-Length: +5\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nContent-Length: 0x5\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nContent-Length: \r\n\r\n",
+            "PUT /a HTTP/1.1\r\nContent-Length: 99999999999999999999\r\n\r\n",
+        ] {
+            assert_eq!(head(raw).unwrap_err(), HeadError::Length, "{raw}");
+        }
+        for raw in [
+            "PUT /a HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nTransfer-Encoding: chunked, gzip\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nTransfer-Encoding: \r\n\r\n",
+            "PUT /a HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n",
+        ] {
+            assert_eq!(head(raw).unwrap_err(), HeadError::Coding, "{raw}");
+        }
+        let h = head(
+            "PUT /a HTTP/1.1\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n",
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(h.body, Decoder::Chunked(Chunk::Size));
+    }
+
+    #[test]
+    fn connection_and_expect_are_read() {
+        let h = head("GET / HTTP/1.1\r\nConnection: close\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert!(!h.keep_alive);
+        let h = head("GET / HTTP/1.0\r\n\r\n").unwrap().unwrap();
+        assert!(!h.keep_alive);
+        let h = head("GET / HTTP/1.0\r\nConnection: Keep-Alive\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert!(h.keep_alive);
+        let h = head("PUT / HTTP/1.1\r\nExpect: 100-Continue\r\nContent-Length: 1\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert!(h.expect_continue);
+        let h = head("PUT / HTTP/1.0\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\n")
+            .unwrap()
+            .unwrap();
+        assert!(!h.expect_continue);
+    }
+
+    #[test]
+    fn heads_are_bounded_and_checked() {
+        assert_eq!(
+            head("GET / HTTP/1.1\r\nHost: x\r\n").unwrap().map(|_| ()),
+            None
+        );
+        let many: String = (0..=MAX_HEADERS).map(|i| format!("x-{i}: 1\r\n")).collect();
+        assert_eq!(
+            head(&format!("GET / HTTP/1.1\r\n{many}\r\n")).unwrap_err(),
+            HeadError::TooLarge
+        );
+        let long = format!("GET / HTTP/1.1\r\nx-long: {}", "a".repeat(MAX_HEAD_BYTES));
+        assert_eq!(head(&long).unwrap_err(), HeadError::TooLarge);
+        for raw in [
+            "GARBAGE\r\n\r\n",
+            "GET / HTTP/2.0\r\n\r\n",
+            "GET / HTTP/1.1\r\nBad Name: x\r\n\r\n",
+            "GET / HTTP/1.1\r\nX: a\rb\r\n\r\n",
+            "GET /\x01 HTTP/1.1\r\n\r\n",
+        ] {
+            assert_eq!(head(raw).unwrap_err(), HeadError::Malformed, "{raw:?}");
+        }
+        // The head is taken out; what follows stays.
+        let mut buf =
+            BytesMut::from("GET /a?b=1 HTTP/1.1\r\nHost: x\r\nX-A: 1\r\nx-a: 2\r\n\r\nNEXT");
+        let h = parse_head(&mut buf).unwrap().unwrap();
+        assert_eq!(&buf[..], b"NEXT");
+        assert_eq!(h.request.uri, "/a?b=1");
+        assert_eq!(h.request.headers.get_all("x-a").iter().count(), 2);
+    }
+
+    fn answer(
+        status: u16,
+        headers: &[(&str, &str)],
+        exact: Option<u64>,
+        asked: Asked,
+    ) -> (String, AnswerFraming, bool) {
+        let mut resp = http::Response::new(());
+        *resp.status_mut() = StatusCode::from_u16(status).unwrap();
+        for (n, v) in headers {
+            resp.headers_mut().append(
+                HeaderName::from_bytes(n.as_bytes()).unwrap(),
+                HeaderValue::from_str(v).unwrap(),
+            );
+        }
+        let (mut parts, ()) = resp.into_parts();
+        let mut out = Vec::new();
+        let (framing, keep) = encode_head(&mut parts, exact, asked, &mut out);
+        (String::from_utf8(out).unwrap(), framing, keep)
+    }
+
+    const PLAIN: Asked = Asked {
+        head: false,
+        http10: false,
+        keep_alive: true,
+    };
+
+    #[test]
+    fn answers_are_framed_by_what_is_known() {
+        let (text, framing, keep) = answer(200, &[], Some(5), PLAIN);
+        assert!(text.starts_with("HTTP/1.1 200 OK\r\n"), "{text}");
+        assert!(
+            text.contains("content-length: 5\r\n") && text.contains("date: "),
+            "{text}"
+        );
+        assert_eq!((framing, keep), (AnswerFraming::Length(5), true));
+        let (text, framing, _) = answer(200, &[("content-length", "7")], Some(7), PLAIN);
+        assert_eq!(text.matches("content-length").count(), 1, "{text}");
+        assert_eq!(framing, AnswerFraming::Length(7));
+        let (text, framing, _) = answer(200, &[("transfer-encoding", "gzip")], None, PLAIN);
+        assert!(
+            text.contains("transfer-encoding: chunked\r\n") && !text.contains("gzip"),
+            "{text}"
+        );
+        assert_eq!(framing, AnswerFraming::Chunked);
+        let (text, framing, keep) = answer(
+            200,
+            &[],
+            None,
+            Asked {
+                http10: true,
+                ..PLAIN
+            },
+        );
+        assert!(text.contains("connection: close\r\n"), "{text}");
+        assert_eq!((framing, keep), (AnswerFraming::ToClose, false));
+        let (text, framing, _) = answer(
+            200,
+            &[("content-length", "9")],
+            Some(0),
+            Asked {
+                head: true,
+                ..PLAIN
+            },
+        );
+        assert!(text.contains("content-length: 9\r\n"), "{text}");
+        assert_eq!(framing, AnswerFraming::Empty);
+        let (text, framing, _) = answer(204, &[("content-length", "0")], Some(0), PLAIN);
+        assert!(!text.contains("content-length"), "{text}");
+        assert_eq!(framing, AnswerFraming::Empty);
+        let (text, _, keep) = answer(409, &[("connection", "close")], Some(3), PLAIN);
+        assert_eq!(text.matches("connection").count(), 1, "{text}");
+        assert!(!keep);
+        let (text, _, _) = answer(200, &[("date", "then")], Some(0), PLAIN);
+        assert_eq!(text.matches("date").count(), 1, "{text}");
+    }
+}

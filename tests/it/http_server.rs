@@ -1,0 +1,363 @@
+//! The traffic listener's HTTP/1.1, byte by byte: refused heads, keep-alive
+//! and its end, pipelining, `Expect: 100-continue`, HTTP/1.0, bodies that
+//! arrive in pieces, bodies a refusal leaves unread, HEAD. Every refusal is
+//! checked at the upstream too: nothing reaches it.
+
+use std::time::Duration;
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+use crate::server_limits::app_with;
+use crate::support::app::TestApp;
+
+/// One answer as read off the wire.
+#[derive(Debug)]
+struct Answer {
+    status: u16,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+}
+
+impl Answer {
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers
+            .iter()
+            .find(|(n, _)| n.eq_ignore_ascii_case(name))
+            .map(|(_, v)| v.as_str())
+    }
+}
+
+/// A raw client connection that reads answers one at a time.
+struct Raw {
+    s: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl Raw {
+    async fn connect(app: &TestApp) -> Raw {
+        Raw {
+            s: TcpStream::connect(app.addr).await.unwrap(),
+            buf: Vec::new(),
+        }
+    }
+
+    async fn send(&mut self, bytes: &[u8]) {
+        self.s.write_all(bytes).await.unwrap();
+    }
+
+    /// Reads more; false at the close.
+    async fn fill(&mut self) -> bool {
+        let mut chunk = [0u8; 16 * 1024];
+        let n = tokio::time::timeout(Duration::from_secs(10), self.s.read(&mut chunk))
+            .await
+            .expect("an answer or the close within 10 s")
+            .unwrap_or(0);
+        self.buf.extend_from_slice(&chunk[..n]);
+        n > 0
+    }
+
+    /// The next answer; `head_only` for the answer to a HEAD.
+    async fn answer_to(&mut self, head_only: bool) -> Answer {
+        loop {
+            let mut fields = [httparse::EMPTY_HEADER; 64];
+            let mut resp = httparse::Response::new(&mut fields);
+            if let httparse::Status::Complete(len) = resp.parse(&self.buf).unwrap() {
+                let status = resp.code.unwrap();
+                let headers: Vec<(String, String)> = resp
+                    .headers
+                    .iter()
+                    .map(|h| {
+                        (
+                            h.name.to_string(),
+                            String::from_utf8_lossy(h.value).into_owned(),
+                        )
+                    })
+                    .collect();
+                let answer = Answer {
+                    status,
+                    headers,
+                    body: Vec::new(),
+                };
+                let mut answer = answer;
+                self.buf.drain(..len);
+                if head_only || status == 100 || status == 204 || status == 304 {
+                    return answer;
+                }
+                if answer.header("transfer-encoding").is_some() {
+                    while !self.buf.windows(5).any(|w| w == b"0\r\n\r\n") {
+                        assert!(self.fill().await, "closed inside a chunked answer");
+                    }
+                    let end = self.buf.windows(5).position(|w| w == b"0\r\n\r\n").unwrap() + 5;
+                    answer.body = self.buf.drain(..end).collect();
+                    return answer;
+                }
+                let len: usize = answer
+                    .header("content-length")
+                    .expect("a length or chunks")
+                    .parse()
+                    .unwrap();
+                while self.buf.len() < len {
+                    assert!(self.fill().await, "closed inside an answer's body");
+                }
+                answer.body = self.buf.drain(..len).collect();
+                return answer;
+            }
+            assert!(
+                self.fill().await,
+                "closed before a whole answer; had {:?}",
+                String::from_utf8_lossy(&self.buf)
+            );
+        }
+    }
+
+    async fn answer(&mut self) -> Answer {
+        self.answer_to(false).await
+    }
+
+    /// Whether the server closes the connection (within 10 s) without
+    /// sending anything more.
+    async fn closed(&mut self) -> bool {
+        let had = self.buf.len();
+        while self.fill().await {}
+        self.buf.len() == had
+    }
+}
+
+fn is_problem(a: &Answer) -> bool {
+    a.header("content-type") == Some("application/problem+json")
+        && serde_json::from_slice::<serde_json::Value>(&a.body)
+            .is_ok_and(|v| v["status"] == a.status)
+}
+
+#[tokio::test]
+async fn refused_heads_get_problems_and_nothing_is_forwarded() {
+    let (_s, up, app) = app_with("").await;
+    let many: String = (0..101).map(|i| format!("x-f{i}: 1\r\n")).collect();
+    let long = format!("x-long: {}\r\n", "a".repeat(70 * 1024));
+    let cases: Vec<(Vec<u8>, u16)> = vec![
+        (format!("GET /docs/a HTTP/1.1\r\nHost: x\r\n{many}\r\n").into_bytes(), 431),
+        (format!("GET /docs/a HTTP/1.1\r\nHost: x\r\n{long}\r\n").into_bytes(), 431),
+        (b"GET /docs/a HTTP/1.1\r\nBad Name: 1\r\n\r\n".to_vec(), 400),
+        (b"GET /docs/a HTTP/3.0\r\nHost: x\r\n\r\n".to_vec(), 400),
+        (
+            b"PUT /docs/a HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nTransfer-Encoding: gzip\r\n\r\nxx"
+                .to_vec(),
+            400,
+        ),
+        (
+            b"PUT /docs/a HTTP/1.0\r\nHost: x\r\nX-Fence-Token: 1\r\nTransfer-Encoding: chunked\r\n\r\n1\r\nx\r\n0\r\n\r\n"
+                .to_vec(),
+            400,
+        ),
+        (
+            b"PUT /docs/a HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nxx"
+                .to_vec(),
+            400,
+        ),
+        (
+            b"PUT /docs/a HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: +2\r\n\r\nxx"
+                .to_vec(),
+            400,
+        ),
+    ];
+    for (raw, status) in cases {
+        let mut c = Raw::connect(&app).await;
+        // A head too large may be refused before it is all sent.
+        let _ = c.s.write_all(&raw).await;
+        let a = c.answer().await;
+        let shown = String::from_utf8_lossy(&raw[..raw.len().min(60)]).into_owned();
+        assert_eq!(a.status, status, "{shown}");
+        assert!(is_problem(&a), "{shown}: {a:?}");
+        assert_eq!(a.header("connection"), Some("close"), "{shown}");
+        assert!(c.closed().await, "{shown}: the connection ends");
+    }
+    assert!(up.requests().is_empty(), "{:?}", up.requests());
+}
+
+#[tokio::test]
+async fn a_slow_head_gets_408_and_an_idle_connection_ends_quietly() {
+    let (_s, up, app) = app_with("header_read_timeout_ms = 300").await;
+    let mut c = Raw::connect(&app).await;
+    c.send(b"GET /docs/a HTTP/1.1\r\nHost: x\r\n").await;
+    let a = c.answer().await;
+    assert_eq!(a.status, 408);
+    assert!(is_problem(&a), "{a:?}");
+    assert!(c.closed().await);
+    // Idle between requests: the same timeout, and no answer at all.
+    let mut c = Raw::connect(&app).await;
+    c.send(b"GET /docs/a HTTP/1.1\r\nHost: x\r\n\r\n").await;
+    assert_eq!(c.answer().await.status, 404);
+    assert!(c.closed().await, "an idle keep-alive connection ends");
+    assert_eq!(up.requests().len(), 1);
+}
+
+#[tokio::test]
+async fn pipelined_requests_are_answered_in_order() {
+    let (_s, up, app) = app_with("").await;
+    let mut c = Raw::connect(&app).await;
+    // The first is the slowest; the answers still come in the order asked.
+    c.send(
+        b"GET /docs/a HTTP/1.1\r\nHost: x\r\nx-test-delay-ms: 300\r\nx-test-status: 201\r\n\r\n\
+          PUT /docs/b HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 5\r\n\r\nhello\
+          GET /docs/c HTTP/1.1\r\nHost: x\r\nx-test-status: 203\r\n\r\n",
+    )
+    .await;
+    let statuses = [
+        c.answer().await.status,
+        c.answer().await.status,
+        c.answer().await.status,
+    ];
+    assert_eq!(statuses, [201, 200, 203]);
+    let paths: Vec<String> = up.requests().iter().map(|r| r.path().to_string()).collect();
+    assert_eq!(paths, ["/docs/a", "/docs/b", "/docs/c"]);
+    assert_eq!(up.bodies_on("/docs/b"), ["hello"]);
+}
+
+#[tokio::test]
+async fn expect_continue_is_answered_only_when_the_body_is_wanted() {
+    let (_s, up, app) = app_with("").await;
+    let mut c = Raw::connect(&app).await;
+    c.send(b"PUT /docs/a HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 5\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
+        .await;
+    let go = c.answer().await;
+    assert_eq!(go.status, 100, "{go:?}");
+    c.send(b"hello").await;
+    assert_eq!(c.answer().await.status, 200);
+    assert_eq!(up.bodies_on("/docs/a"), ["hello"]);
+    // A stale write is refused before its body is wanted: no 100, and the
+    // connection ends (the client may or may not send the body now).
+    c.send(b"PUT /docs/a HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 4\r\nExpect: 100-continue\r\nContent-Length: 5\r\n\r\n")
+        .await;
+    let refused = c.answer().await;
+    assert_eq!(refused.status, 409, "{refused:?}");
+    assert_eq!(refused.header("connection"), Some("close"));
+    assert!(c.closed().await);
+    assert_eq!(up.applied().len(), 1);
+}
+
+#[tokio::test]
+async fn http10_clients_are_closed_unless_they_ask_to_keep_alive() {
+    let (_s, up, app) = app_with("").await;
+    let mut c = Raw::connect(&app).await;
+    c.send(b"GET /docs/a HTTP/1.0\r\nx-test-status: 202\r\n\r\n")
+        .await;
+    let a = c.answer().await;
+    assert_eq!(a.status, 202);
+    assert!(c.closed().await);
+    let mut c = Raw::connect(&app).await;
+    c.send(b"GET /docs/a HTTP/1.0\r\nConnection: keep-alive\r\n\r\n")
+        .await;
+    let a = c.answer().await;
+    assert_eq!(a.header("connection"), Some("keep-alive"), "{a:?}");
+    c.send(b"GET /docs/b HTTP/1.0\r\n\r\n").await;
+    assert_eq!(c.answer().await.status, 404);
+    assert!(c.closed().await);
+    assert_eq!(up.requests().len(), 3);
+}
+
+#[tokio::test]
+async fn bodies_that_arrive_in_pieces_reach_the_upstream_whole() {
+    let (_s, up, app) = app_with("").await;
+    let mut c = Raw::connect(&app).await;
+    c.send(b"PUT /docs/a HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nTransfer-Encoding: chunked\r\n\r\n4\r\nabcd")
+        .await;
+    for piece in [
+        &b"\r\n"[..],
+        b"3;ext=1\r\nefg\r\n",
+        b"0\r\n",
+        b"x-trailer: 1\r\n\r\n",
+    ] {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        c.send(piece).await;
+    }
+    assert_eq!(c.answer().await.status, 200);
+    c.send(
+        b"PUT /docs/b HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 10\r\n\r\n01234",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    c.send(b"56789").await;
+    assert_eq!(c.answer().await.status, 200);
+    assert_eq!(up.bodies_on("/docs/a"), ["abcdefg"]);
+    assert_eq!(up.bodies_on("/docs/b"), ["0123456789"]);
+    // A malformed chunk breaks the body off: nothing is applied, and the
+    // connection ends.
+    c.send(b"PUT /docs/c HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nab")
+        .await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    c.send(b"XX\r\n0\r\n\r\n").await;
+    let a = c.answer().await;
+    assert!(a.status >= 400, "{a:?}");
+    assert!(c.closed().await);
+    assert!(up.bodies_on("/docs/c").is_empty());
+}
+
+#[tokio::test]
+async fn an_unread_body_is_skipped_when_small_and_ends_the_connection_when_large() {
+    let (_s, up, app) = app_with("").await;
+    let mut c = Raw::connect(&app).await;
+    // No token: refused without reading the body, which is small and
+    // already sent: it is read past and the connection goes on.
+    let body = "b".repeat(3000);
+    c.send(
+        format!(
+            "PUT /docs/a HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .as_bytes(),
+    )
+    .await;
+    let a = c.answer().await;
+    assert_eq!(a.status, 428);
+    assert_eq!(a.header("connection"), None, "{a:?}");
+    c.send(b"GET /docs/a HTTP/1.1\r\nHost: x\r\nx-test-status: 203\r\n\r\n")
+        .await;
+    assert_eq!(c.answer().await.status, 203);
+    // A large one, half sent: the answer says close, and the connection ends.
+    c.send(b"PUT /docs/a HTTP/1.1\r\nHost: x\r\nContent-Length: 10000000\r\n\r\n")
+        .await;
+    c.send(&[b'x'; 100_000]).await;
+    let a = c.answer().await;
+    assert_eq!(a.status, 428);
+    assert_eq!(a.header("connection"), Some("close"));
+    assert!(c.closed().await);
+    assert_eq!(up.requests().len(), 1, "only the GET");
+}
+
+#[tokio::test]
+async fn a_head_answer_keeps_its_length_and_has_no_body() {
+    let (_s, _up, app) = app_with("").await;
+    let mut c = Raw::connect(&app).await;
+    assert_eq!(app.put("/docs/a", Some("1"), "hello").await.status(), 200);
+    c.send(b"GET /docs/a HTTP/1.1\r\nHost: x\r\n\r\n").await;
+    let got = c.answer().await;
+    assert_eq!(got.status, 200);
+    c.send(b"HEAD /docs/a HTTP/1.1\r\nHost: x\r\n\r\nGET /docs/a HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await;
+    let head = c.answer_to(true).await;
+    assert_eq!(head.status, 200);
+    assert_eq!(
+        head.header("content-length"),
+        Some(got.body.len().to_string().as_str()),
+        "{head:?}"
+    );
+    // Had the HEAD's answer carried a body, this would not parse as the
+    // next answer.
+    let again = c.answer().await;
+    assert_eq!((again.status, again.body), (200, got.body));
+}
+
+#[tokio::test]
+async fn an_idle_connection_ends_when_the_gateway_stops() {
+    let (_s, _up, app) = app_with("").await;
+    let mut c = Raw::connect(&app).await;
+    c.send(b"GET /docs/a HTTP/1.1\r\nHost: x\r\n\r\n").await;
+    assert_eq!(c.answer().await.status, 404);
+    let stopped = tokio::spawn(app.stop());
+    assert!(c.closed().await, "the drain ends an idle connection");
+    tokio::time::timeout(Duration::from_secs(10), stopped)
+        .await
+        .expect("the gateway stops without waiting out its grace period")
+        .unwrap();
+}
