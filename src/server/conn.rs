@@ -433,9 +433,9 @@ impl<I: AsyncRead + AsyncWrite + Unpin> Conn<I> {
         asked: Asked,
         piping: &mut Option<Piping>,
     ) -> io::Result<bool> {
-        let (mut parts, mut body) = answer.into_parts();
+        let (parts, mut body) = answer.into_parts();
         let (mut framing, keep) =
-            wire::encode_head(&mut parts, body.size_hint().exact(), asked, &mut self.out);
+            wire::encode_head(&parts, body.size_hint().exact(), asked, &mut self.out);
         drop(parts);
         let mut ended = framing == AnswerFraming::Empty;
         poll_fn(|cx| loop {

@@ -217,53 +217,51 @@ pub struct Asked {
 /// when known. Returns how the body is framed, and whether the connection
 /// stays open after it.
 pub fn encode_head(
-    parts: &mut http::response::Parts,
+    parts: &http::response::Parts,
     exact: Option<u64>,
     asked: Asked,
     out: &mut Vec<u8>,
 ) -> (AnswerFraming, bool) {
     let status = parts.status;
-    let headers = &mut parts.headers;
-    // Framing is ours: a `Transfer-Encoding` the answer carries is not
-    // believed, and `Connection` is written from what is decided here.
-    headers.remove(header::TRANSFER_ENCODING);
+    let no_length = status.is_informational() || status == StatusCode::NO_CONTENT;
+    let bodiless = no_length || status == StatusCode::NOT_MODIFIED;
+    out.extend_from_slice(b"HTTP/1.1 ");
+    out.extend_from_slice(status.as_str().as_bytes());
+    out.push(b' ');
+    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
+    out.extend_from_slice(b"\r\n");
+    // One pass over the fields, written as they come, except those that
+    // frame the body or the connection: framing is ours, and what those
+    // say is noted on the way (a lookup per name cost more than the pass).
     let mut keep_alive = asked.keep_alive;
-    if let Some(c) = headers.remove(header::CONNECTION) {
-        keep_alive &= !c
-            .as_bytes()
-            .split(|&b| b == b',')
-            .any(|t| t.trim_ascii().eq_ignore_ascii_case(b"close"));
-    }
-    // An answer's own `Content-Length` (an upstream's) stands, also for a
-    // HEAD; an unreadable one is replaced by what the body says.
-    let declared = match headers
-        .get(header::CONTENT_LENGTH)
-        .map(|v| parse_length(v.as_bytes()))
-    {
-        Some(Some(n)) => Some(n),
-        Some(None) => {
-            headers.remove(header::CONTENT_LENGTH);
-            None
+    let mut declared = None;
+    let mut dated = false;
+    for (name, value) in &parts.headers {
+        if name == header::CONTENT_LENGTH {
+            // An answer's own length (an upstream's) stands, also for a
+            // HEAD; an unreadable or repeated one is dropped.
+            match parse_length(value.as_bytes()) {
+                Some(n) if declared.is_none() && !no_length => declared = Some(n),
+                _ => continue,
+            }
+        } else if name == header::TRANSFER_ENCODING {
+            continue;
+        } else if name == header::CONNECTION {
+            keep_alive &= !tokens(value.as_bytes()).any(|t| t.eq_ignore_ascii_case(b"close"));
+            continue;
+        } else if name == header::DATE {
+            dated = true;
         }
-        None => None,
-    };
-    let bodiless = status.is_informational()
-        || status == StatusCode::NO_CONTENT
-        || status == StatusCode::NOT_MODIFIED;
-    if status == StatusCode::NO_CONTENT || status.is_informational() {
-        headers.remove(header::CONTENT_LENGTH);
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
     }
     let (framing, length) = if bodiless {
         (AnswerFraming::Empty, None)
     } else if asked.head {
-        (
-            AnswerFraming::Empty,
-            declared
-                .is_none()
-                .then_some(exact)
-                .flatten()
-                .filter(|&n| n > 0),
-        )
+        let known = declared.is_none().then_some(exact).flatten();
+        (AnswerFraming::Empty, known.filter(|&n| n > 0))
     } else {
         match declared.or(exact) {
             Some(n) => (AnswerFraming::Length(n), declared.is_none().then_some(n)),
@@ -274,18 +272,6 @@ pub fn encode_head(
     if framing == AnswerFraming::ToClose {
         keep_alive = false;
     }
-
-    out.extend_from_slice(b"HTTP/1.1 ");
-    out.extend_from_slice(status.as_str().as_bytes());
-    out.push(b' ');
-    out.extend_from_slice(status.canonical_reason().unwrap_or("").as_bytes());
-    out.extend_from_slice(b"\r\n");
-    for (name, value) in headers.iter() {
-        out.extend_from_slice(name.as_str().as_bytes());
-        out.extend_from_slice(b": ");
-        out.extend_from_slice(value.as_bytes());
-        out.extend_from_slice(b"\r\n");
-    }
     if let Some(n) = length {
         let mut digits = [0; 20];
         out.extend_from_slice(b"content-length: ");
@@ -295,7 +281,7 @@ pub fn encode_head(
     if framing == AnswerFraming::Chunked {
         out.extend_from_slice(b"transfer-encoding: chunked\r\n");
     }
-    if !headers.contains_key(header::DATE) {
+    if !dated {
         out.extend_from_slice(b"date: ");
         with_date(|d| out.extend_from_slice(d));
         out.extend_from_slice(b"\r\n");
@@ -455,9 +441,9 @@ mod tests {
                 HeaderValue::from_str(v).unwrap(),
             );
         }
-        let (mut parts, ()) = resp.into_parts();
+        let (parts, ()) = resp.into_parts();
         let mut out = Vec::new();
-        let (framing, keep) = encode_head(&mut parts, exact, asked, &mut out);
+        let (framing, keep) = encode_head(&parts, exact, asked, &mut out);
         (String::from_utf8(out).unwrap(), framing, keep)
     }
 
