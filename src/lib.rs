@@ -15,8 +15,10 @@
 //! A fenced write's path through the code, top to bottom, then what
 //! surrounds it. One line per module:
 //!
-//! * [`server`]: the accept loop (header-read timeout, connection limit,
-//!   graceful shutdown) and the traffic listener's worker threads.
+//! * [`server`]: the HTTP/1.1 server of both listeners, our own: the
+//!   accept loop (connection limit), a connection's phases (header-read
+//!   timeout, strict request framing, bodies read on demand), the graceful
+//!   drain, and the traffic listener's worker threads.
 //! * [`tls`]: HTTPS on the traffic listener: certificates, SIGHUP reload,
 //!   client identities.
 //! * [`traffic`]: a worker's service: proxied requests in place, the

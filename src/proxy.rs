@@ -318,9 +318,8 @@ impl Drop for RelayBody {
             return;
         }
         // A body empty from the start (a 204, a HEAD's answer) may never be
-        // polled: the server knows it has nothing to send. hyper also drops
-        // a body of known length once it has written its last byte. The
-        // upstream's answer did end normally; finish in the background.
+        // polled: the server knows it has nothing to send. The upstream's
+        // answer did end normally; finish in the background.
         let ended = self.finishing || http_body::Body::is_end_stream(&self.inner);
         let mut inner = std::mem::take(&mut self.inner);
         if !ended {

@@ -307,7 +307,7 @@ impl Drop for Entered {
 /// no request in flight has none, so the route timeout of the next request
 /// it takes paid that wake. With this tick pending, the driver always parks
 /// with a timer at most `TIMER_FLOOR` away, and the request timers (the
-/// route timeout, hyper's header-read timeout: seconds) are later than it.
+/// route timeout, the header-read timeout: seconds) are later than it.
 async fn timer_floor() {
     let mut tick = tokio::time::interval(TIMER_FLOOR);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
