@@ -395,8 +395,10 @@ enum Admitted {
         req: Request<Body>,
     },
     /// A fenced write whose token memory did not refuse; the store and the
-    /// gate decide the rest.
-    Fenced(FencedWrite),
+    /// gate decide the rest. Boxed: the write (its request among it) moves
+    /// from here into the request's future and on into its own task, and a
+    /// box moves as a pointer.
+    Fenced(Box<FencedWrite>),
 }
 
 /// Phases: match route → check framing and size → read token → the fence's
@@ -487,28 +489,28 @@ fn admit(
         },
     };
     if idem.is_some() {
-        return Admitted::Fenced(FencedWrite {
+        return Admitted::Fenced(Box::new(FencedWrite {
             route,
             key,
             token,
             arrival: None,
             idem,
             req,
-        });
+        }));
     }
     // Phase: the fence's memory-only step. A token below one already known
     // durable is stale (tokens only grow): refused here, without a task or
     // the store. Otherwise the key's ticket is taken here, in the same pass
     // through the gate.
     match state.fence.arrive(&key, token) {
-        Ok(arrival) => Admitted::Fenced(FencedWrite {
+        Ok(arrival) => Admitted::Fenced(Box::new(FencedWrite {
             route,
             key,
             token,
             arrival: Some(arrival),
             idem: None,
             req,
-        }),
+        })),
         Err(e) => refused(Some(&route), true, e),
     }
 }
@@ -631,7 +633,7 @@ impl FencedWrite {
     /// (or its 422) needs neither the store nor, in shared mode, a hop to
     /// the store's runtime.
     async fn run(
-        self,
+        self: Box<Self>,
         state: Arc<GatewayState>,
         peer: Downstream,
         access: Option<Access>,
@@ -647,7 +649,7 @@ impl FencedWrite {
     /// task's state would then count in the request's future too, which is
     /// moved into its box on every request.
     fn start(
-        self,
+        self: Box<Self>,
         state: Arc<GatewayState>,
         peer: Downstream,
         access: Option<Access>,
@@ -763,7 +765,7 @@ impl FencedWrite {
     /// write's: the write's task holds it, and moves it at its spawn and
     /// its end, so what the plain path does not need is not in it.
     async fn decide_and_forward(
-        mut self,
+        mut self: Box<Self>,
         state: &GatewayState,
         peer: Downstream,
         answer: &oneshot::Sender<Ended>,
@@ -832,7 +834,7 @@ impl FencedWrite {
     /// key's record, forward, and store the answer before returning it.
     /// Answers whether the write was forwarded, and the result.
     async fn decide_keyed_and_forward(
-        mut self,
+        mut self: Box<Self>,
         state: &GatewayState,
         peer: Downstream,
         first: FirstUse,

@@ -122,8 +122,6 @@ pub(super) struct PipeState {
     pub end: Option<Result<(), BodyError>>,
     /// The body asked for a piece and has none.
     pub wanted: bool,
-    /// The body was asked for at least once (for `100 Continue`).
-    pub asked: bool,
     /// The body was dropped: the connection stops passing pieces.
     pub dropped: bool,
     /// What is known of the length still to be read from the connection.
@@ -149,7 +147,6 @@ impl Pipe {
 
     fn poll_piece(&self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, BodyError>>> {
         let mut state = self.lock();
-        state.asked = true;
         if let Some(piece) = state.piece.take() {
             state.wake_conn();
             return Poll::Ready(Some(Ok(piece)));
