@@ -43,7 +43,7 @@ mod body;
 mod conn;
 pub mod wire;
 
-pub use body::{BodyError, RequestBody};
+pub use body::RequestBody;
 
 /// Limits applied to every connection of one listener.
 #[derive(Debug, Clone, Copy)]

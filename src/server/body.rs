@@ -116,16 +116,16 @@ pub(super) struct Pipe(Mutex<PipeState>);
 #[derive(Default)]
 pub(super) struct PipeState {
     /// A piece read and not yet taken by the body.
-    pub piece: Option<Bytes>,
+    piece: Option<Bytes>,
     /// How the body ended: `Some(Ok)` read to its end, `Some(Err)` broken
     /// off. Set by the connection only.
     pub end: Option<Result<(), BodyError>>,
     /// The body asked for a piece and has none.
-    pub wanted: bool,
+    wanted: bool,
     /// The body was dropped: the connection stops passing pieces.
     pub dropped: bool,
     /// What is known of the length still to be read from the connection.
-    pub rest: SizeHint,
+    rest: SizeHint,
     body: Option<Waker>,
     conn: Option<Waker>,
 }
@@ -169,7 +169,7 @@ impl Pipe {
 
 impl PipeState {
     /// Whether the body has nothing more to give.
-    pub fn ended(&self) -> bool {
+    fn ended(&self) -> bool {
         self.piece.is_none() && matches!(self.end, Some(Ok(())))
     }
 
