@@ -361,3 +361,30 @@ async fn an_idle_connection_ends_when_the_gateway_stops() {
         .expect("the gateway stops without waiting out its grace period")
         .unwrap();
 }
+
+#[tokio::test]
+async fn a_body_still_arriving_when_the_gateway_stops_is_finished_and_the_connection_closed() {
+    let (_s, up, app) = app_with("").await;
+    let mut c = Raw::connect(&app).await;
+    c.send(
+        b"PUT /docs/a HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 10\r\n\r\n01234",
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let stopped = tokio::spawn(app.stop());
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    c.send(b"56789").await;
+    let a = c.answer().await;
+    assert_eq!(a.status, 200, "{a:?}");
+    assert_eq!(
+        a.header("connection"),
+        Some("close"),
+        "a draining server says so"
+    );
+    assert!(c.closed().await);
+    tokio::time::timeout(Duration::from_secs(10), stopped)
+        .await
+        .expect("the gateway stops once the write is done")
+        .unwrap();
+    assert_eq!(up.bodies_on("/docs/a"), ["0123456789"]);
+}
