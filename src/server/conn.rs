@@ -575,3 +575,213 @@ fn put(framing: &mut AnswerFraming, data: Bytes, out: &mut Vec<u8>) -> Result<()
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    //! Interleavings of a body and its answer that need a service no
+    //! gateway route is: one that keeps a body past its answer, and a
+    //! client that does not read.
+
+    use std::sync::Mutex;
+
+    use http_body_util::BodyExt;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+
+    use super::*;
+
+    /// A service made of a function.
+    struct Fn<F>(F);
+
+    impl<F, A> Service for Fn<F>
+    where
+        F: std::ops::Fn(Request<Body>) -> A + Send + 'static,
+        A: Future<Output = Response> + Send + 'static,
+    {
+        fn call(&self, req: Request<Body>) -> impl Future<Output = Response> + Send + 'static {
+            (self.0)(req)
+        }
+    }
+
+    fn limits() -> Limits {
+        Limits {
+            header_read_timeout: Duration::from_millis(300),
+            max_connections: 8,
+            shutdown_grace: Duration::from_secs(1),
+        }
+    }
+
+    /// Reads until `until` has been seen `times` times, or fails after
+    /// a few seconds.
+    async fn read_until(client: &mut DuplexStream, got: &mut Vec<u8>, until: &str, times: usize) {
+        let seen = |got: &[u8]| String::from_utf8_lossy(got).matches(until).count();
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while seen(got) < times {
+                let mut piece = [0u8; 256];
+                let n = client.read(&mut piece).await.expect("read");
+                assert!(n > 0, "closed early: {:?}", String::from_utf8_lossy(got));
+                got.extend_from_slice(&piece[..n]);
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("no {until:?}: {:?}", String::from_utf8_lossy(got)));
+    }
+
+    /// A body the service keeps, unread, after its answer: its bytes
+    /// must never be read as the next request, and the connection must
+    /// not wait for it forever.
+    #[tokio::test]
+    async fn a_body_kept_unread_after_its_answer_ends_the_connection_within_the_bound() {
+        let (mut client, server) = tokio::io::duplex(64 * 1024);
+        let kept = Arc::new(Mutex::new(Vec::new()));
+        let keeper = kept.clone();
+        let service = Fn(move |req: Request<Body>| {
+            keeper.lock().unwrap().push(req.into_body());
+            async { Response::new(Body::from("first")) }
+        });
+        let conn = tokio::spawn(serve(server, service, limits(), Arc::default()));
+        client
+            .write_all(b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nabc")
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        read_until(&mut client, &mut got, "first", 1).await;
+        // The body's rest and a request behind it.
+        client
+            .write_all(b"defghijGET /b HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut got))
+            .await
+            .expect("the connection waited past its bound")
+            .unwrap();
+        let text = String::from_utf8_lossy(&got);
+        assert_eq!(text.matches("HTTP/1.1 ").count(), 1, "{text}");
+        tokio::time::timeout(Duration::from_secs(5), conn)
+            .await
+            .expect("the connection's task ended")
+            .unwrap();
+        assert_eq!(kept.lock().unwrap().len(), 1);
+    }
+
+    /// The same body, read by the service's own task after the answer
+    /// and within the bound: the connection feeds it, then goes on.
+    #[tokio::test]
+    async fn a_body_read_after_its_answer_is_fed_and_the_connection_goes_on() {
+        let (mut client, server) = tokio::io::duplex(64 * 1024);
+        let (read_tx, read_rx) = tokio::sync::oneshot::channel();
+        let read_tx = Mutex::new(Some(read_tx));
+        let service = Fn(move |req: Request<Body>| {
+            if let Some(tx) = read_tx.lock().unwrap().take() {
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    let body = req.into_body().collect().await.map(|b| b.to_bytes());
+                    let _ = tx.send(body);
+                });
+            }
+            async { Response::new(Body::from("done")) }
+        });
+        let conn = tokio::spawn(serve(server, service, limits(), Arc::default()));
+        client
+            .write_all(b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nabc")
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        read_until(&mut client, &mut got, "done", 1).await;
+        client
+            .write_all(b"defghijGET /b HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        read_until(&mut client, &mut got, "done", 2).await;
+        let body = read_rx.await.unwrap().expect("the body arrived whole");
+        assert_eq!(&body[..], b"abcdefghij");
+        drop(client);
+        tokio::time::timeout(Duration::from_secs(5), conn)
+            .await
+            .expect("the connection's task ended")
+            .unwrap();
+    }
+
+    /// A client that shuts down its writing side before its answer has
+    /// left: the request is cancelled, not answered.
+    #[tokio::test]
+    async fn a_client_that_half_closes_before_its_answer_cancels_it() {
+        let (mut client, server) = tokio::io::duplex(64 * 1024);
+        let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
+        let done_tx = Arc::new(Mutex::new(Some(done_tx)));
+        let service = Fn(move |_req: Request<Body>| {
+            let done_tx = done_tx.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                // Reached only if the request was not cancelled.
+                let _ = done_tx.lock().unwrap().take().map(|tx| tx.send(()));
+                Response::new(Body::from("late"))
+            }
+        });
+        let conn = tokio::spawn(serve(server, service, limits(), Arc::default()));
+        client
+            .write_all(b"GET /a HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        client.shutdown().await.unwrap();
+        let mut got = Vec::new();
+        tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut got))
+            .await
+            .expect("the connection ended")
+            .unwrap();
+        assert!(got.is_empty(), "{:?}", String::from_utf8_lossy(&got));
+        tokio::time::timeout(Duration::from_secs(5), conn)
+            .await
+            .expect("the connection's task ended")
+            .unwrap();
+        assert!(done_rx.await.is_err(), "the request ran to its answer");
+    }
+
+    /// A `100 Continue` the client has not taken in full when the answer
+    /// comes: the answer follows it intact, and the body the client then
+    /// sends is read past, not taken for a request.
+    #[tokio::test]
+    async fn an_answer_follows_a_partly_written_100_continue_intact() {
+        // Eight bytes of room: the 25 bytes of `100 Continue` cannot go
+        // out in one write while the client does not read.
+        let (mut client, server) = tokio::io::duplex(8);
+        let service = Fn(|req: Request<Body>| async move {
+            let mut body = req.into_body();
+            // Asks for the body (so `100 Continue` is sent), then answers
+            // without it.
+            let _ = tokio::time::timeout(Duration::from_millis(100), body.frame()).await;
+            Response::new(Body::from("early"))
+        });
+        let conn = tokio::spawn(serve(server, service, limits(), Arc::default()));
+        client
+            .write_all(
+                b"PUT /a HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: 5\r\n\r\n",
+            )
+            .await
+            .unwrap();
+        // The answer is made while the client still does not read.
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let mut got = Vec::new();
+        read_until(&mut client, &mut got, "early", 1).await;
+        let text = String::from_utf8_lossy(&got).into_owned();
+        assert!(
+            text.starts_with("HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n"),
+            "{text}"
+        );
+        assert!(text.ends_with("\r\n\r\nearly"), "{text}");
+        assert!(!text.contains("connection: close"), "{text}");
+        // The client, having had its `100`, sends the body; then a request.
+        client
+            .write_all(b"helloGET /b HTTP/1.1\r\nhost: x\r\n\r\n")
+            .await
+            .unwrap();
+        read_until(&mut client, &mut got, "early", 2).await;
+        let text = String::from_utf8_lossy(&got);
+        assert_eq!(text.matches("HTTP/1.1 200 OK").count(), 2, "{text}");
+        assert_eq!(text.matches("100 Continue").count(), 1, "{text}");
+        drop(client);
+        tokio::time::timeout(Duration::from_secs(5), conn)
+            .await
+            .expect("the connection's task ended")
+            .unwrap();
+    }
+}
