@@ -3,14 +3,22 @@
 //! match route → check framing and size → read token → check fence → forward
 //! → respond.
 //!
-//! Non-fenced (safe) methods skip the token and fence phases. Fenced writes
-//! run their fence check and forward in a spawned task: once a write has
-//! started its way to the upstream it must not be cut off halfway by the
-//! client leaving, and its key stays closed to other tokens until the
-//! upstream is done with it (see `exchange`).
+//! Non-fenced (safe) methods skip the token and fence phases. A fenced
+//! write's fence check and forward run to their end whatever the client
+//! does: once a write has started its way to the upstream it must not be
+//! cut off halfway by the client leaving, and its key stays closed to other
+//! tokens until the upstream is done with it (see `exchange`). Where the
+//! write's store part runs on this worker, it is polled in the request's
+//! own future and spawned only if the client leaves first
+//! ([`ToTheEnd`]); where it must run on the store's runtime, it is spawned
+//! there.
 
+use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
@@ -622,6 +630,102 @@ fn spawn_on(
     }
 }
 
+/// Whether the client a fenced write answers has left: then a write still
+/// waiting to start never starts (see [`FencedWrite::may_start`]).
+trait Audience: Sync {
+    fn left(&self) -> bool;
+}
+
+/// A write spawned on its own: its answer's receiver is the client.
+impl Audience for oneshot::Sender<Ended> {
+    fn left(&self) -> bool {
+        self.is_closed()
+    }
+}
+
+/// A write in the request's future: set when that future is dropped.
+impl Audience for AtomicBool {
+    fn left(&self) -> bool {
+        self.load(Ordering::Acquire)
+    }
+}
+
+/// A fenced write polled in the request's own future, on the connection's
+/// task, and spawned to run to its end only if that future is dropped
+/// before it (the client left).
+///
+/// Why not always spawn: a task per write costs its spawn, a second task
+/// woken when the upstream answers, and a channel to hand the answer back
+/// (about 2,000 instructions of a fenced PUT's 33,000). The write's future
+/// is boxed either way, so handing it to a task on drop moves a pointer;
+/// what it holds (its ticket or permit, the upstream exchange) goes on
+/// exactly as in a task spawned at the start.
+struct ToTheEnd {
+    /// `None` once it has ended (or was handed to a task).
+    write: Option<Pin<Box<dyn Future<Output = Ended> + Send>>>,
+    /// Set when the request's future is dropped before the write ended.
+    left: Arc<AtomicBool>,
+}
+
+impl ToTheEnd {
+    fn new(
+        write: Box<FencedWrite>,
+        state: Arc<GatewayState>,
+        peer: Downstream,
+        access: Option<Access>,
+    ) -> Self {
+        let left = Arc::new(AtomicBool::new(false));
+        let client = left.clone();
+        let books = Books {
+            route: write.route.clone(),
+            method: write.req.method().clone(),
+            keyed: false,
+            access,
+        };
+        let write = Box::pin(async move {
+            let (forwarded, ended) = write.decide_and_forward(&state, peer, &*client).await;
+            books.close(&state, forwarded, &ended);
+            ended
+        });
+        Self {
+            write: Some(write),
+            left,
+        }
+    }
+}
+
+impl Future for ToTheEnd {
+    type Output = Ended;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Ended> {
+        let Some(write) = self.write.as_mut() else {
+            return Poll::Ready(Err(GatewayError::Internal(
+                "a fenced write was polled after its end",
+            )));
+        };
+        let ended = ready!(write.as_mut().poll(cx));
+        self.write = None;
+        Poll::Ready(ended)
+    }
+}
+
+impl Drop for ToTheEnd {
+    fn drop(&mut self) {
+        let Some(write) = self.write.take() else {
+            return;
+        };
+        self.left.store(true, Ordering::Release);
+        // A write that panicked is not polled again; outside a runtime
+        // (it is shutting down) nothing would run a task.
+        if std::thread::panicking() {
+            return;
+        }
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            drop(rt.spawn(async move { drop(write.await) }));
+        }
+    }
+}
+
 impl FencedWrite {
     /// Phases: check fence, forward, respond — detached from the client: once
     /// a write has started its way to the upstream it must not be cut off
@@ -638,6 +742,9 @@ impl FencedWrite {
         peer: Downstream,
         access: Option<Access>,
     ) -> Result<Response, GatewayError> {
+        if self.idem.is_none() && !state.fence.talks_to_store() {
+            return ToTheEnd::new(self, state, peer, access).await;
+        }
         let (answer, answered) = oneshot::channel();
         self.start(state, peer, access, answer);
         answered.await.unwrap_or(Err(GatewayError::Internal(
@@ -768,7 +875,7 @@ impl FencedWrite {
         mut self: Box<Self>,
         state: &GatewayState,
         peer: Downstream,
-        answer: &oneshot::Sender<Ended>,
+        client: &dyn Audience,
     ) -> (bool, Ended) {
         let arrival = match self.arrival(state) {
             Ok(a) => a,
@@ -788,7 +895,7 @@ impl FencedWrite {
             Err(e) => return (false, Err(e)),
         };
         state.metrics.decision_time.observe(decided.elapsed());
-        if let Err(e) = self.may_start(&admission, answer, None) {
+        if let Err(e) = self.may_start(&admission, client, None) {
             return (false, Err(e));
         }
         let result = forward(state, &self.route, self.req, peer, Some(admission)).await;
@@ -806,10 +913,10 @@ impl FencedWrite {
     fn may_start(
         &self,
         admission: &Admission,
-        answer: &oneshot::Sender<Ended>,
+        client: &dyn Audience,
         record: Option<(Instant, Duration)>,
     ) -> Result<(), GatewayError> {
-        if answer.is_closed() {
+        if client.left() {
             return Err(ClientError::ClientGone.into());
         }
         let left = |end: Instant| end.saturating_duration_since(Instant::now());
@@ -838,7 +945,7 @@ impl FencedWrite {
         state: &GatewayState,
         peer: Downstream,
         first: FirstUse,
-        answer: &oneshot::Sender<Ended>,
+        client: &dyn Audience,
     ) -> (bool, Ended) {
         // Owned handles, so that the record's id does not borrow `self`,
         // whose request the forward consumes (an `Arc` and, for the usual
@@ -971,7 +1078,7 @@ impl FencedWrite {
         };
         state.metrics.decision_time.observe(decided.elapsed());
         let record = Some((record_until, store_timeout));
-        if let Err(e) = self.may_start(&admission, answer, record) {
+        if let Err(e) = self.may_start(&admission, client, record) {
             // Nothing was sent: the key's record goes.
             state.forgets.later(id(), attempt, expires);
             return (false, Err(e));
@@ -1180,6 +1287,41 @@ async fn idempotency_answer(
     }
 }
 
+/// Steps behind the tasks already ready on this worker, once: the
+/// requests that arrived together are read and decided first, and then
+/// go to the upstream together.
+///
+/// Why: under load each send to an upstream on this machine wakes the
+/// upstream's process, which on few cores then takes a core from the
+/// gateway's worker in the middle of its batch of ready connections.
+/// Sends made one after another wake it once for all of them. Measured
+/// (`bench/ab.sh`, 2 cores, wrk at 64 connections, four alternated
+/// rounds): GETs passed through 96.9k/s against 90.6k without the step; a
+/// fenced write polled in the request's future ([`ToTheEnd`]) ran 12%
+/// slower than one spawned without it, and 3% faster with it. (A spawned
+/// write took the same step by accident: its task was queued behind the
+/// ready connections.) Under light load nothing else is ready, and the
+/// step costs one more poll of the request's task, not a wait.
+#[derive(Default)]
+struct Behind {
+    stepped: bool,
+}
+
+impl Future for Behind {
+    type Output = ();
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<()> {
+        if self.stepped {
+            return Poll::Ready(());
+        }
+        self.stepped = true;
+        // Woken while it runs: the task goes to the back of the worker's
+        // queue, behind the tasks already ready there.
+        cx.waker().wake_by_ref();
+        Poll::Pending
+    }
+}
+
 /// Phase: forward, and build the response.
 async fn forward(
     state: &GatewayState,
@@ -1188,6 +1330,7 @@ async fn forward(
     peer: Downstream,
     permit: Option<Admission>,
 ) -> Result<Response, GatewayError> {
+    Behind::default().await;
     let started = Instant::now();
     let deadline = started + route.timeout;
     let (parts, body) = req.into_parts();

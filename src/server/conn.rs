@@ -11,8 +11,8 @@
 //!   through a [`Pipe`] that this task feeds only when the body asks.
 //! - **Await answer**: the service's future runs in this task, while the
 //!   body is fed and the client watched: a client that closes its side
-//!   before the answer cancels the request (a fenced write goes on in its
-//!   own task regardless: see `gateway`).
+//!   before the answer cancels the request (a fenced write goes on to its
+//!   end regardless, in a task of its own: see `gateway`).
 //! - **Write answer**: its head and as much of its body as is ready go out
 //!   in one write; the body is still fed meanwhile (an answer may come
 //!   before the request's body has been sent in full).

@@ -196,6 +196,13 @@ async fn forward_survives_client_disconnect() {
     assert!(violations.is_empty(), "{violations:?}");
     let order: Vec<_> = up.applied().iter().map(|a| a.token).collect();
     assert_eq!(order, vec![Some(33), Some(34)], "A ran to its end before B");
+    // A's own end accounted for it, though its client was gone: a write
+    // dropped with its client would never be counted.
+    let metrics = app.metrics().await;
+    assert!(
+        metrics.contains("fencegate_decisions_total{route=\"docs\",outcome=\"forwarded\"} 2"),
+        "{metrics}"
+    );
 }
 
 /// Equal tokens may be in flight together (one holder writing in parallel).
