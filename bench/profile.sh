@@ -10,8 +10,9 @@
 #   bash bench/profile.sh --instructions [BINARY]
 #
 # --instructions: fencegate (SQLite store) under valgrind's callgrind;
-# user-space instructions per request for a GET passed through and a PUT
-# with the key's current token (bench/run.sh's (c) and (d)), 10,000 each
+# user-space instructions per request for a GET passed through, a PUT
+# with the key's current token and a stale PUT answered 409 (bench/run.sh's
+# (c), (d) and (f)), 10,000 each
 # (INSTR_REQUESTS) from oha at 16 connections. A count, not a time: it
 # repeats within a fraction of a percent on a busy machine, where CPU
 # times of the same code move by 20%, so it shows what a change of the
@@ -134,26 +135,30 @@ if [ "$SCENARIO" = instructions ]; then
     N=${INSTR_REQUESTS:-10000}
     url="http://127.0.0.1:$P_FG/docs/k1"
     put=(-m PUT -H 'X-Fence-Token: 1' -d written-by-bench)
+    stale=(-m PUT -H 'X-Fence-Token: 0' -d written-by-bench)
     curl -fsS -X PUT -H 'X-Fence-Token: 1' -d written-by-bench "$url" >/dev/null
     # Warm-up, not counted: pooled connections, caches.
     oha -n 2000 -c 16 --no-tui "$url" >/dev/null 2>&1
     oha -n 2000 -c 16 --no-tui "${put[@]}" "$url" >/dev/null 2>&1
     echo "user-space instructions per request, $N requests from 16 connections (callgrind)"
-    for what in get put; do
+    for what in get put stale; do
         callgrind_control -z "$FG" >/dev/null 2>&1
         callgrind_control -i on "$FG" >/dev/null 2>&1
-        if [ "$what" = get ]; then
-            oha -n "$N" -c 16 --no-tui "$url" >/dev/null 2>&1
-        else
-            oha -n "$N" -c 16 --no-tui "${put[@]}" "$url" >/dev/null 2>&1
-        fi
+        case $what in
+            get) oha -n "$N" -c 16 --no-tui "$url" >/dev/null 2>&1 ;;
+            put) oha -n "$N" -c 16 --no-tui "${put[@]}" "$url" >/dev/null 2>&1 ;;
+            stale) oha -n "$N" -c 16 --no-tui "${stale[@]}" "$url" >/dev/null 2>&1 ;;
+        esac
         callgrind_control -i off "$FG" >/dev/null 2>&1
         callgrind_control -d "$what" "$FG" >/dev/null 2>&1
         sleep 1
         out=$(grep -l "Trigger: dump $what" "$W"/callgrind.out.* | head -n1)
         total=$(callgrind_annotate "$out" 2>/dev/null | awk '/PROGRAM TOTALS/ {gsub(",", "", $1); print $1}')
-        label="GET pass-through"
-        [ "$what" = put ] && label="PUT, current token"
+        case $what in
+            get) label="GET pass-through" ;;
+            put) label="PUT, current token" ;;
+            stale) label="PUT, stale (409)" ;;
+        esac
         printf '%-20s %10d\n' "$label" "$((total / N))"
     done
     echo

@@ -6,7 +6,8 @@ use std::time::Duration;
 
 use axum::response::{IntoResponse, Response};
 use http::{header, HeaderValue, StatusCode};
-use serde_json::{json, Map, Value};
+use serde::ser::{Serialize, SerializeMap, Serializer};
+use serde_json::Value;
 
 /// Media type of problem documents.
 pub const PROBLEM_JSON: &str = "application/problem+json";
@@ -108,7 +109,9 @@ pub struct Problem {
     kind: &'static str,
     title: &'static str,
     detail: String,
-    extra: Map<String, Value>,
+    /// Members beyond the standard four, in the order added; a later one
+    /// of the same name replaces an earlier one.
+    extra: Vec<(&'static str, Value)>,
     headers: Vec<(header::HeaderName, HeaderValue)>,
 }
 
@@ -124,13 +127,14 @@ impl Problem {
             kind,
             title,
             detail: detail.into(),
-            extra: Map::new(),
+            extra: Vec::new(),
             headers: Vec::new(),
         }
     }
 
-    pub fn with(mut self, field: &str, value: impl Into<Value>) -> Self {
-        self.extra.insert(field.to_string(), value.into());
+    pub fn with(mut self, field: &'static str, value: impl Into<Value>) -> Self {
+        self.extra.retain(|(name, _)| *name != field);
+        self.extra.push((field, value.into()));
         self
     }
 
@@ -153,18 +157,63 @@ impl Problem {
     }
 }
 
+/// One member's value in a problem document.
+enum Member<'a> {
+    /// `type`: the URN of the problem's kind.
+    Kind(&'static str),
+    Str(&'a str),
+    Status(u16),
+    Json(&'a Value),
+}
+
+impl Serialize for Member<'_> {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            Member::Kind(kind) => s.collect_str(&format_args!("urn:fencegate:problem:{kind}")),
+            Member::Str(v) => s.serialize_str(v),
+            Member::Status(v) => s.serialize_u16(*v),
+            Member::Json(v) => v.serialize(s),
+        }
+    }
+}
+
+impl Serialize for Problem {
+    /// The members in the order of their names, extras replacing standard
+    /// members of the same name: the document a JSON map of them gives
+    /// (as it was made before), written without building one, which cost
+    /// a third of a refusal's instructions.
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut members: Vec<(&str, Member<'_>)> = Vec::with_capacity(4 + self.extra.len());
+        for (name, member) in [
+            ("type", Member::Kind(self.kind)),
+            ("title", Member::Str(self.title)),
+            ("status", Member::Status(self.status.as_u16())),
+            ("detail", Member::Str(&self.detail)),
+        ] {
+            if !self.extra.iter().any(|(n, _)| *n == name) {
+                members.push((name, member));
+            }
+        }
+        members.extend(self.extra.iter().map(|(n, v)| (*n, Member::Json(v))));
+        members.sort_unstable_by(|a, b| a.0.cmp(b.0));
+        let mut map = s.serialize_map(Some(members.len()))?;
+        for (name, member) in &members {
+            map.serialize_entry(name, member)?;
+        }
+        map.end()
+    }
+}
+
 impl IntoResponse for Problem {
     fn into_response(self) -> Response {
-        let mut body = Map::new();
-        body.insert(
-            "type".into(),
-            json!(format!("urn:fencegate:problem:{}", self.kind)),
-        );
-        body.insert("title".into(), json!(self.title));
-        body.insert("status".into(), json!(self.status.as_u16()));
-        body.insert("detail".into(), json!(self.detail));
-        body.extend(self.extra);
-        let mut resp = (self.status, Value::Object(body).to_string()).into_response();
+        let mut body = Vec::with_capacity(128 + self.detail.len());
+        // Writing into a Vec fails only for a map key that is not a
+        // string, and every key here is one.
+        if let Err(e) = serde_json::to_writer(&mut body, &self) {
+            tracing::error!(error = %e, "a problem document could not be written");
+        }
+        let mut resp = Response::new(axum::body::Body::from(body));
+        *resp.status_mut() = self.status;
         resp.headers_mut()
             .insert(header::CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
         for (name, value) in self.headers {
@@ -422,6 +471,65 @@ impl GatewayError {
                     timeout.as_millis()
                 ),
             ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{json, Map};
+
+    /// The document as a JSON map of its members gives it: how it was
+    /// made before it was written directly.
+    fn through_a_map(p: &Problem) -> String {
+        let mut body = Map::new();
+        body.insert(
+            "type".into(),
+            json!(format!("urn:fencegate:problem:{}", p.kind)),
+        );
+        body.insert("title".into(), json!(p.title));
+        body.insert("status".into(), json!(p.status.as_u16()));
+        body.insert("detail".into(), json!(p.detail));
+        for (name, value) in &p.extra {
+            body.insert((*name).into(), value.clone());
+        }
+        Value::Object(body).to_string()
+    }
+
+    #[tokio::test]
+    async fn a_document_is_written_as_a_map_of_its_members_gives_it() {
+        let odd = "quote \" backslash \\ tab \t nul \u{0} é ☃ \u{1F600} </script>";
+        for p in [
+            Problem::new(
+                StatusCode::CONFLICT,
+                "stale-token",
+                "Stale fencing token",
+                odd,
+            )
+            .with("resource_key", "doc:\"x\"")
+            .with("presented_token", 3)
+            .with("highest_token", i64::MAX)
+            .with("a_first", Value::Null)
+            .with("zz", json!({"b": [1, 2.5, true], "a": "x"})),
+            Problem::new(StatusCode::NOT_FOUND, "no-route", "No route", ""),
+            // An extra of a standard member's name replaces it, and a
+            // repeated extra keeps its last value.
+            Problem::new(StatusCode::BAD_REQUEST, "bad-request", "Bad", "d")
+                .with("status", "four hundred")
+                .with("x", 1)
+                .with("x", 2),
+        ] {
+            let expected = through_a_map(&p);
+            let resp = p.into_response();
+            assert_eq!(
+                resp.headers().get(header::CONTENT_TYPE).unwrap(),
+                PROBLEM_JSON
+            );
+            let body = axum::body::to_bytes(resp.into_body(), usize::MAX)
+                .await
+                .unwrap();
+            assert_eq!(String::from_utf8(body.to_vec()).unwrap(), expected);
         }
     }
 }

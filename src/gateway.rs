@@ -133,6 +133,7 @@ pub async fn respond(state: Arc<GatewayState>, req: Request<Body>, peer: Downstr
             method,
             path,
         } => {
+            Behind::default().await;
             let result = Err(error);
             let summary = Summary {
                 route: route.as_deref(),
@@ -1289,7 +1290,8 @@ async fn idempotency_answer(
 
 /// Steps behind the tasks already ready on this worker, once: the
 /// requests that arrived together are read and decided first, and then
-/// go to the upstream together.
+/// go to the upstream together (or, refused, get their answers together:
+/// stale 409s about 3% more per second, three rounds of four).
 ///
 /// Why: under load each send to an upstream on this machine wakes the
 /// upstream's process, which on few cores then takes a core from the

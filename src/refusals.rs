@@ -59,7 +59,46 @@ struct Ring {
     /// The last `seq` handed out.
     last: u64,
     /// Oldest first.
-    entries: VecDeque<Refusal>,
+    entries: VecDeque<Kept>,
+}
+
+/// A refusal as the ring keeps it.
+struct Kept {
+    refusal: Refusal,
+    /// Its `detail` is made from its other fields when it is shown (a
+    /// stale or unissued token): refusals come at the rate of the load,
+    /// reads at a dashboard's.
+    reason_later: bool,
+}
+
+impl Kept {
+    fn shown(&self) -> Refusal {
+        let mut r = self.refusal.clone();
+        if self.reason_later {
+            let why = match (
+                &r.resource_key,
+                r.presented_token,
+                r.highest_token,
+                r.highest_issued,
+            ) {
+                (Some(key), Some(presented), Some(highest), _) => Some(ClientError::StaleToken {
+                    key: key.clone(),
+                    presented,
+                    highest,
+                }),
+                (Some(key), Some(presented), None, Some(highest_issued)) => {
+                    Some(ClientError::UnissuedToken {
+                        key: key.clone(),
+                        presented,
+                        highest_issued,
+                    })
+                }
+                _ => None,
+            };
+            r.detail = why.map(|w| truncate(w.to_string())).unwrap_or_default();
+        }
+        r
+    }
 }
 
 /// A page of [`Refusals::recent`].
@@ -124,29 +163,39 @@ impl Refusals {
             C::AmbiguousKey(_) => ("ambiguous_key", None, None, None, None, Some(seen.path)),
             _ => return,
         };
+        // A stale or unissued token's reason is all in the entry's own
+        // fields: it is put into words when read, not at every refusal.
+        let later = matches!(c, C::StaleToken { .. } | C::UnissuedToken { .. });
         let entry = Refusal {
             seq: 0,
             at: Utc::now(),
             outcome,
             status: error.status().as_u16(),
             route: seen.route.map(str::to_string),
-            method: seen.method.to_string(),
+            method: seen.method.as_str().to_owned(),
             path: path.map(str::to_string),
             resource_key: key.cloned(),
             presented_token: presented,
             highest_token: highest,
             highest_issued: issued,
-            detail: truncate(c.to_string()),
+            detail: if later {
+                String::new()
+            } else {
+                truncate(c.to_string())
+            },
         };
-        self.push(entry);
+        self.push(Kept {
+            refusal: entry,
+            reason_later: later,
+        });
     }
 
-    fn push(&self, mut entry: Refusal) {
+    fn push(&self, mut entry: Kept) {
         // A poisoned lock only means a panic elsewhere mid-push; the ring
         // is still a valid ring.
         let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
         ring.last += 1;
-        entry.seq = ring.last;
+        entry.refusal.seq = ring.last;
         if ring.entries.len() == CAPACITY {
             ring.entries.pop_front();
         }
@@ -161,9 +210,9 @@ impl Refusals {
                 .entries
                 .iter()
                 .rev()
-                .take_while(|r| r.seq > after)
+                .take_while(|k| k.refusal.seq > after)
                 .take(limit)
-                .cloned()
+                .map(Kept::shown)
                 .collect(),
             last_seq: ring.last,
             capacity: CAPACITY,
@@ -224,6 +273,39 @@ mod tests {
             newer.refusals.iter().map(|e| e.seq).collect::<Vec<_>>(),
             [page.last_seq, page.last_seq - 1]
         );
+    }
+
+    #[test]
+    fn a_reason_put_into_words_when_shown_is_the_refusals_own() {
+        let r = Refusals::new();
+        let errors = [
+            stale(3),
+            ClientError::UnissuedToken {
+                key: "doc:b".into(),
+                presented: 12,
+                highest_issued: 11,
+            }
+            .into(),
+            ClientError::JwtForOtherKey {
+                expected: "doc:c".into(),
+                presented: "doc:d".into(),
+            }
+            .into(),
+        ];
+        for e in &errors {
+            r.note(seen(), e);
+        }
+        let shown = r.recent(0, 10).refusals;
+        let details: Vec<_> = shown.iter().rev().map(|e| e.detail.clone()).collect();
+        let expected: Vec<_> = errors
+            .iter()
+            .map(|e| match e {
+                GatewayError::Client(c) => c.to_string(),
+                _ => unreachable!("only client errors above"),
+            })
+            .collect();
+        assert_eq!(details, expected);
+        assert_eq!(shown[2].method, "PUT");
     }
 
     #[test]
