@@ -677,12 +677,7 @@ impl ToTheEnd {
     ) -> Self {
         let left = Arc::new(AtomicBool::new(false));
         let client = left.clone();
-        let books = Books {
-            route: write.route.clone(),
-            method: write.req.method().clone(),
-            keyed: false,
-            access,
-        };
+        let books = write.books(access);
         let write = Box::pin(async move {
             let (forwarded, ended) = write.decide_and_forward(&state, peer, &*client).await;
             books.close(&state, forwarded, &ended);
@@ -743,6 +738,9 @@ impl FencedWrite {
         peer: Downstream,
         access: Option<Access>,
     ) -> Result<Response, GatewayError> {
+        // Its store part on this worker: polled here. Otherwise `start`
+        // spawns it where that part runs (the store's runtime in shared
+        // mode; a keyed write takes its memory step here first).
         if self.idem.is_none() && !state.fence.talks_to_store() {
             return ToTheEnd::new(self, state, peer, access).await;
         }
@@ -770,12 +768,7 @@ impl FencedWrite {
             .fence
             .talks_to_store()
             .then(|| state.store_runtime.clone());
-        let books = Books {
-            route: self.route.clone(),
-            method: self.req.method().clone(),
-            keyed: self.idem.is_some(),
-            access,
-        };
+        let books = self.books(access);
         let mut write = self;
         let Some(key) = write.idem.take() else {
             spawn_on(store_rt, async move {
@@ -806,6 +799,16 @@ impl FencedWrite {
                 None => rest.await,
             }
         });
+    }
+
+    /// What accounting needs of the write once its request is consumed.
+    fn books(&self, access: Option<Access>) -> Books {
+        Books {
+            route: self.route.clone(),
+            method: self.req.method().clone(),
+            keyed: self.idem.is_some(),
+            access,
+        }
     }
 
     /// The write's arrival at the gate: the one the admit phase already

@@ -20,7 +20,7 @@ macro_rules! label_values {
     ($ty:ident { $($variant:ident => $text:literal,)+ }) => {
         impl $ty {
             /// The label value.
-            pub fn as_str(self) -> &'static str {
+            pub const fn as_str(self) -> &'static str {
                 match self {
                     $($ty::$variant => $text,)+
                 }

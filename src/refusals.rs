@@ -15,6 +15,7 @@ use std::sync::Mutex;
 use chrono::{DateTime, Utc};
 
 use crate::error::{ClientError, GatewayError};
+use crate::metrics::Outcome;
 
 /// How many refusals are kept.
 pub const CAPACITY: usize = 200;
@@ -59,47 +60,39 @@ struct Ring {
     /// The last `seq` handed out.
     last: u64,
     /// Oldest first.
-    entries: VecDeque<Kept>,
+    entries: VecDeque<Refusal>,
 }
 
-/// A refusal as the ring keeps it.
-struct Kept {
-    refusal: Refusal,
-    /// Its `detail` is made from its other fields when it is shown (a
-    /// stale or unissued token): refusals come at the rate of the load,
-    /// reads at a dashboard's.
-    reason_later: bool,
+/// A stale or unissued token's reason is all in its entry's other fields:
+/// it is put into words here, when the entry is shown, rather than at
+/// every refusal (refusals come at the rate of the load, reads at a
+/// dashboard's).
+fn shown(kept: &Refusal) -> Refusal {
+    let mut r = kept.clone();
+    let (Some(key), Some(presented)) = (&r.resource_key, r.presented_token) else {
+        return r;
+    };
+    let key = key.clone();
+    let why = match (r.outcome, r.highest_token, r.highest_issued) {
+        (STALE, Some(highest), _) => ClientError::StaleToken {
+            key,
+            presented,
+            highest,
+        },
+        (UNISSUED, _, Some(highest_issued)) => ClientError::UnissuedToken {
+            key,
+            presented,
+            highest_issued,
+        },
+        _ => return r,
+    };
+    r.detail = truncate(why.to_string());
+    r
 }
 
-impl Kept {
-    fn shown(&self) -> Refusal {
-        let mut r = self.refusal.clone();
-        if self.reason_later {
-            let why = match (
-                &r.resource_key,
-                r.presented_token,
-                r.highest_token,
-                r.highest_issued,
-            ) {
-                (Some(key), Some(presented), Some(highest), _) => Some(ClientError::StaleToken {
-                    key: key.clone(),
-                    presented,
-                    highest,
-                }),
-                (Some(key), Some(presented), None, Some(highest_issued)) => {
-                    Some(ClientError::UnissuedToken {
-                        key: key.clone(),
-                        presented,
-                        highest_issued,
-                    })
-                }
-                _ => None,
-            };
-            r.detail = why.map(|w| truncate(w.to_string())).unwrap_or_default();
-        }
-        r
-    }
-}
+/// The outcomes whose reason [`shown`] puts into words.
+const STALE: &str = Outcome::Stale.as_str();
+const UNISSUED: &str = Outcome::Unissued.as_str();
 
 /// A page of [`Refusals::recent`].
 #[derive(Debug, Clone, serde::Serialize)]
@@ -131,13 +124,16 @@ impl Refusals {
         let GatewayError::Client(c) = error else {
             return;
         };
+        // A path or key spelled ambiguously: no key was made; the path is
+        // what the entry shows.
+        let ambiguous = |o: Outcome| (o.as_str(), None, None, None, None, Some(seen.path));
         let (outcome, key, presented, highest, issued, path) = match c {
             C::StaleToken {
                 key,
                 presented,
                 highest,
             } => (
-                "stale",
+                STALE,
                 Some(key),
                 Some(*presented),
                 Some(*highest),
@@ -149,22 +145,26 @@ impl Refusals {
                 presented,
                 highest_issued,
             } => (
-                "unissued",
+                UNISSUED,
                 Some(key),
                 Some(*presented),
                 None,
                 Some(*highest_issued),
                 None,
             ),
-            C::JwtForOtherKey { expected, .. } => {
-                ("wrong_subject", Some(expected), None, None, None, None)
-            }
-            C::AmbiguousPath(_) => ("ambiguous_path", None, None, None, None, Some(seen.path)),
-            C::AmbiguousKey(_) => ("ambiguous_key", None, None, None, None, Some(seen.path)),
+            C::JwtForOtherKey { expected, .. } => (
+                Outcome::WrongSubject.as_str(),
+                Some(expected),
+                None,
+                None,
+                None,
+                None,
+            ),
+            C::AmbiguousPath(_) => ambiguous(Outcome::AmbiguousPath),
+            C::AmbiguousKey(_) => ambiguous(Outcome::AmbiguousKey),
             _ => return,
         };
-        // A stale or unissued token's reason is all in the entry's own
-        // fields: it is put into words when read, not at every refusal.
+        // See `shown`.
         let later = matches!(c, C::StaleToken { .. } | C::UnissuedToken { .. });
         let entry = Refusal {
             seq: 0,
@@ -184,18 +184,15 @@ impl Refusals {
                 truncate(c.to_string())
             },
         };
-        self.push(Kept {
-            refusal: entry,
-            reason_later: later,
-        });
+        self.push(entry);
     }
 
-    fn push(&self, mut entry: Kept) {
+    fn push(&self, mut entry: Refusal) {
         // A poisoned lock only means a panic elsewhere mid-push; the ring
         // is still a valid ring.
         let mut ring = self.ring.lock().unwrap_or_else(|e| e.into_inner());
         ring.last += 1;
-        entry.refusal.seq = ring.last;
+        entry.seq = ring.last;
         if ring.entries.len() == CAPACITY {
             ring.entries.pop_front();
         }
@@ -210,9 +207,9 @@ impl Refusals {
                 .entries
                 .iter()
                 .rev()
-                .take_while(|k| k.refusal.seq > after)
+                .take_while(|r| r.seq > after)
                 .take(limit)
-                .map(Kept::shown)
+                .map(shown)
                 .collect(),
             last_seq: ring.last,
             capacity: CAPACITY,

@@ -602,6 +602,27 @@ mod tests {
         }
     }
 
+    /// A request whose body has 3 of its 10 bytes, and then the other 7
+    /// with a request behind them.
+    const HALF_A_BODY: &[u8] = b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nabc";
+    const REST_THEN_NEXT: &[u8] = b"defghijGET /b HTTP/1.1\r\nhost: x\r\n\r\n";
+
+    /// A connection served by `service` over a pipe with `room` bytes of
+    /// buffer each way; the client's end, and the connection's task.
+    fn open<S: Service>(service: S, room: usize) -> (DuplexStream, tokio::task::JoinHandle<()>) {
+        let (client, server) = tokio::io::duplex(room);
+        let conn = tokio::spawn(serve(server, service, limits(), Arc::default()));
+        (client, conn)
+    }
+
+    /// Waits for the connection's task to end, for a few seconds at most.
+    async fn ended(conn: tokio::task::JoinHandle<()>) {
+        tokio::time::timeout(Duration::from_secs(5), conn)
+            .await
+            .expect("the connection's task ended")
+            .unwrap();
+    }
+
     fn limits() -> Limits {
         Limits {
             header_read_timeout: Duration::from_millis(300),
@@ -631,35 +652,25 @@ mod tests {
     /// not wait for it forever.
     #[tokio::test]
     async fn a_body_kept_unread_after_its_answer_ends_the_connection_within_the_bound() {
-        let (mut client, server) = tokio::io::duplex(64 * 1024);
         let kept = Arc::new(Mutex::new(Vec::new()));
         let keeper = kept.clone();
         let service = Fn(move |req: Request<Body>| {
             keeper.lock().unwrap().push(req.into_body());
             async { Response::new(Body::from("first")) }
         });
-        let conn = tokio::spawn(serve(server, service, limits(), Arc::default()));
-        client
-            .write_all(b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nabc")
-            .await
-            .unwrap();
+        let (mut client, conn) = open(service, 64 * 1024);
+        client.write_all(HALF_A_BODY).await.unwrap();
         let mut got = Vec::new();
         read_until(&mut client, &mut got, "first", 1).await;
         // The body's rest and a request behind it.
-        client
-            .write_all(b"defghijGET /b HTTP/1.1\r\nhost: x\r\n\r\n")
-            .await
-            .unwrap();
+        client.write_all(REST_THEN_NEXT).await.unwrap();
         tokio::time::timeout(Duration::from_secs(5), client.read_to_end(&mut got))
             .await
             .expect("the connection waited past its bound")
             .unwrap();
         let text = String::from_utf8_lossy(&got);
         assert_eq!(text.matches("HTTP/1.1 ").count(), 1, "{text}");
-        tokio::time::timeout(Duration::from_secs(5), conn)
-            .await
-            .expect("the connection's task ended")
-            .unwrap();
+        ended(conn).await;
         assert_eq!(kept.lock().unwrap().len(), 1);
     }
 
@@ -667,7 +678,6 @@ mod tests {
     /// and within the bound: the connection feeds it, then goes on.
     #[tokio::test]
     async fn a_body_read_after_its_answer_is_fed_and_the_connection_goes_on() {
-        let (mut client, server) = tokio::io::duplex(64 * 1024);
         let (read_tx, read_rx) = tokio::sync::oneshot::channel();
         let read_tx = Mutex::new(Some(read_tx));
         let service = Fn(move |req: Request<Body>| {
@@ -680,32 +690,22 @@ mod tests {
             }
             async { Response::new(Body::from("done")) }
         });
-        let conn = tokio::spawn(serve(server, service, limits(), Arc::default()));
-        client
-            .write_all(b"POST /a HTTP/1.1\r\nhost: x\r\ncontent-length: 10\r\n\r\nabc")
-            .await
-            .unwrap();
+        let (mut client, conn) = open(service, 64 * 1024);
+        client.write_all(HALF_A_BODY).await.unwrap();
         let mut got = Vec::new();
         read_until(&mut client, &mut got, "done", 1).await;
-        client
-            .write_all(b"defghijGET /b HTTP/1.1\r\nhost: x\r\n\r\n")
-            .await
-            .unwrap();
+        client.write_all(REST_THEN_NEXT).await.unwrap();
         read_until(&mut client, &mut got, "done", 2).await;
         let body = read_rx.await.unwrap().expect("the body arrived whole");
         assert_eq!(&body[..], b"abcdefghij");
         drop(client);
-        tokio::time::timeout(Duration::from_secs(5), conn)
-            .await
-            .expect("the connection's task ended")
-            .unwrap();
+        ended(conn).await;
     }
 
     /// A client that shuts down its writing side before its answer has
     /// left: the request is cancelled, not answered.
     #[tokio::test]
     async fn a_client_that_half_closes_before_its_answer_cancels_it() {
-        let (mut client, server) = tokio::io::duplex(64 * 1024);
         let (done_tx, done_rx) = tokio::sync::oneshot::channel::<()>();
         let done_tx = Arc::new(Mutex::new(Some(done_tx)));
         let service = Fn(move |_req: Request<Body>| {
@@ -717,7 +717,7 @@ mod tests {
                 Response::new(Body::from("late"))
             }
         });
-        let conn = tokio::spawn(serve(server, service, limits(), Arc::default()));
+        let (mut client, conn) = open(service, 64 * 1024);
         client
             .write_all(b"GET /a HTTP/1.1\r\nhost: x\r\n\r\n")
             .await
@@ -729,10 +729,7 @@ mod tests {
             .expect("the connection ended")
             .unwrap();
         assert!(got.is_empty(), "{:?}", String::from_utf8_lossy(&got));
-        tokio::time::timeout(Duration::from_secs(5), conn)
-            .await
-            .expect("the connection's task ended")
-            .unwrap();
+        ended(conn).await;
         assert!(done_rx.await.is_err(), "the request ran to its answer");
     }
 
@@ -741,9 +738,6 @@ mod tests {
     /// sends is read past, not taken for a request.
     #[tokio::test]
     async fn an_answer_follows_a_partly_written_100_continue_intact() {
-        // Eight bytes of room: the 25 bytes of `100 Continue` cannot go
-        // out in one write while the client does not read.
-        let (mut client, server) = tokio::io::duplex(8);
         let service = Fn(|req: Request<Body>| async move {
             let mut body = req.into_body();
             // Asks for the body (so `100 Continue` is sent), then answers
@@ -751,7 +745,9 @@ mod tests {
             let _ = tokio::time::timeout(Duration::from_millis(100), body.frame()).await;
             Response::new(Body::from("early"))
         });
-        let conn = tokio::spawn(serve(server, service, limits(), Arc::default()));
+        // Eight bytes of room: the 25 bytes of `100 Continue` cannot go
+        // out in one write while the client does not read.
+        let (mut client, conn) = open(service, 8);
         client
             .write_all(
                 b"PUT /a HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\ncontent-length: 5\r\n\r\n",
@@ -779,9 +775,6 @@ mod tests {
         assert_eq!(text.matches("HTTP/1.1 200 OK").count(), 2, "{text}");
         assert_eq!(text.matches("100 Continue").count(), 1, "{text}");
         drop(client);
-        tokio::time::timeout(Duration::from_secs(5), conn)
-            .await
-            .expect("the connection's task ended")
-            .unwrap();
+        ended(conn).await;
     }
 }

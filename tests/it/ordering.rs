@@ -179,15 +179,7 @@ async fn forward_survives_client_disconnect() {
     let up = Upstream::start().await;
     let app = Arc::new(TestApp::spawn(&store.url, &docs_route(&up.url())).await);
 
-    let a = {
-        let app = app.clone();
-        tokio::spawn(async move {
-            fenced_put(&app.http, app.url("/docs/y"), "33", "A")
-                .header("x-test-delay-ms", "400")
-                .send()
-                .await
-        })
-    };
+    let a = slow_put(&app, "/docs/y", "33", 400);
     wait_for(|| up.in_flight() == 1).await;
     a.abort(); // the client goes away mid-exchange
     let b = app.put("/docs/y", Some("34"), "B").await;
@@ -203,6 +195,48 @@ async fn forward_survives_client_disconnect() {
         metrics.contains("fencegate_decisions_total{route=\"docs\",outcome=\"forwarded\"} 2"),
         "{metrics}"
     );
+}
+
+/// A client that gives up while its write waits at the gate behind an
+/// older token's write: the write, polled in the request's future until
+/// then, goes on in a task of its own, is admitted once the older write is
+/// done, and is never started, because its client is gone. A newer token
+/// goes after the older one.
+#[tokio::test]
+async fn client_gone_while_waiting_at_the_gate_is_never_forwarded() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = Upstream::start().await;
+    let app = Arc::new(TestApp::spawn(&store.url, &docs_route(&up.url())).await);
+
+    let slow = slow_put(&app, "/docs/g", "5", 800);
+    wait_for(|| up.in_flight() == 1).await;
+    let gave_up = fenced_put(&app.http, app.url("/docs/g"), "6", "six")
+        .timeout(Duration::from_millis(300))
+        .send()
+        .await;
+    assert!(
+        gave_up.is_err(),
+        "token 6 was answered while 5 held the key"
+    );
+    assert_eq!(slow.await.unwrap().unwrap().status(), 200);
+    let gone = "fencegate_decisions_total{route=\"docs\",outcome=\"client_gone\"} 1";
+    let mut metrics = String::new();
+    for _ in 0..250 {
+        metrics = app.metrics().await;
+        if metrics.contains(gone) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(metrics.contains(gone), "{metrics}");
+    assert_eq!(app.put("/docs/g", Some("7"), "seven").await.status(), 200);
+    let tokens: Vec<_> = up.applied_on("/docs/g").iter().map(|a| a.token).collect();
+    assert_eq!(
+        tokens,
+        vec![Some(5), Some(7)],
+        "token 6 must never be applied"
+    );
+    assert!(up.violations().is_empty());
 }
 
 /// Equal tokens may be in flight together (one holder writing in parallel).
@@ -233,6 +267,20 @@ async fn equal_tokens_run_concurrently() {
     }
     assert!(max_in_flight > 1, "equal tokens were serialized");
     assert!(up.violations().is_empty());
+}
+
+/// A fenced PUT of `token` on `path` (its body: the token) that the
+/// upstream holds for `delay_ms` before applying it, sent in a task.
+fn slow_put(
+    app: &Arc<TestApp>,
+    path: &str,
+    token: &'static str,
+    delay_ms: u64,
+) -> tokio::task::JoinHandle<reqwest::Result<reqwest::Response>> {
+    let send = fenced_put(&app.http, app.url(path), token, token)
+        .header("x-test-delay-ms", delay_ms.to_string())
+        .send();
+    tokio::spawn(send)
 }
 
 async fn wait_for(mut cond: impl FnMut() -> bool) {
