@@ -434,6 +434,54 @@ async fn a_reset_reaches_every_shared_instance_within_a_second() {
     assert_eq!(bodies, vec!["forged", "after"]);
 }
 
+/// Shared mode: a reset while a write of the old token is still at the
+/// upstream. A write of a token above the reset value must not run beside
+/// it, and must go as soon as it has ended: its leave still names the old
+/// token, which the key no longer has, and must still count, or the key
+/// stays closed until that write's marker runs out (the route's timeout
+/// and then some: past `key_lock_wait_ms`, a 503).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_during_a_write_of_the_old_token_opens_the_key_when_it_ends() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let apps = shared_pair(&store, &up).await;
+    let held = crate::support::fenced_put(&apps[0].http, apps[0].url("/docs/w"), MAX, "forged")
+        .header("x-test-delay-ms", "1500")
+        .send();
+    let held = tokio::spawn(held);
+    for _ in 0..500 {
+        if up.in_flight() == 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        up.in_flight(),
+        1,
+        "the forged write did not reach the upstream"
+    );
+    assert_eq!(ops_reset(&apps[0], "doc:w", 2, "test").await.status(), 200);
+    let asked = Instant::now();
+    let after = apps[1].put("/docs/w", Some("3"), "after").await;
+    assert_eq!(after.status(), 200, "token 3 after the reset");
+    assert!(
+        asked.elapsed() < Duration::from_secs(5),
+        "token 3 waited {:?}: the forged write's leave did not open the key",
+        asked.elapsed()
+    );
+    assert_eq!(held.await.unwrap().unwrap().status(), 200);
+    // The recorder counts 3 applied after the forged token as a breach of
+    // monotonic tokens, which is what the reset is for; two tokens in
+    // flight at once would be one, and is not.
+    let beside: Vec<String> = up
+        .violations()
+        .into_iter()
+        .filter(|v| v.contains("in flight"))
+        .collect();
+    assert_eq!(beside, Vec::<String>::new());
+    assert_eq!(up.bodies_on("/docs/w"), vec!["forged", "after"]);
+}
+
 /// Two resets that overlap: the one with the lower id commits last. Other
 /// instances learn of resets by id, so if ids could commit out of order, a
 /// watcher that polled between the two commits would skip the lower id and
