@@ -164,8 +164,6 @@ impl Refusals {
             C::AmbiguousKey(_) => ambiguous(Outcome::AmbiguousKey),
             _ => return,
         };
-        // See `shown`.
-        let later = matches!(c, C::StaleToken { .. } | C::UnissuedToken { .. });
         let entry = Refusal {
             seq: 0,
             at: Utc::now(),
@@ -178,7 +176,8 @@ impl Refusals {
             presented_token: presented,
             highest_token: highest,
             highest_issued: issued,
-            detail: if later {
+            // Put into words when shown (see `shown`).
+            detail: if matches!(outcome, STALE | UNISSUED) {
                 String::new()
             } else {
                 truncate(c.to_string())

@@ -44,11 +44,11 @@ use tokio::net::TcpStream;
 
 use crate::support::app::{docs_route, TestApp};
 use crate::support::db::{Backend, TestStore};
-use crate::support::fenced_put;
 use crate::support::raw_upstream::{
     chunk, read_response, read_response_head, Behaviour, RawUpstream, BEHAVIOUR_HEADER,
     CHUNKS_HEADER, CHUNK_MS_HEADER, FENCE_HEADER, ID_HEADER, WORK_HEADER,
 };
+use crate::support::{fenced_put, wait_for};
 
 /// The route's `timeout_ms` in the single-exchange cases.
 const TIMEOUT: Duration = Duration::from_millis(2000);
@@ -192,15 +192,6 @@ async fn raw_write(
     );
     s.write_all(raw.as_bytes()).await.expect("send the write");
     s
-}
-
-/// Waits until `cond` holds, or panics after 10 s.
-async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while !cond() {
-        assert!(Instant::now() < deadline, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
 }
 
 /// The upstream's side after token 1's exchange ended abnormally and token

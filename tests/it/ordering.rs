@@ -18,9 +18,9 @@ use tokio::io::AsyncWriteExt;
 
 use crate::support::app::{docs_route, TestApp};
 use crate::support::db::{Backend, TestStore};
-use crate::support::fenced_put;
 use crate::support::per_store;
 use crate::support::upstream::Upstream;
+use crate::support::{fenced_put, wait_for};
 
 per_store!(#[tokio::test(flavor = "multi_thread", worker_threads = 4)] lock_holders_never_overlap => lock_holders_never_overlap_sqlite, lock_holders_never_overlap_postgres);
 
@@ -143,7 +143,7 @@ async fn client_disconnect_mid_body_does_not_let_newer_overtake() {
     .await
     .unwrap();
     // Wait until the upstream has A's request open.
-    wait_for(|| up.in_flight() == 1).await;
+    wait_for("the first write at the upstream", || up.in_flight() == 1).await;
 
     let app2 = Arc::new(app);
     let b = {
@@ -180,7 +180,7 @@ async fn forward_survives_client_disconnect() {
     let app = Arc::new(TestApp::spawn(&store.url, &docs_route(&up.url())).await);
 
     let a = slow_put(&app, "/docs/y", "33", 400);
-    wait_for(|| up.in_flight() == 1).await;
+    wait_for("the first write at the upstream", || up.in_flight() == 1).await;
     a.abort(); // the client goes away mid-exchange
     let b = app.put("/docs/y", Some("34"), "B").await;
     assert_eq!(b.status(), 200);
@@ -209,7 +209,7 @@ async fn client_gone_while_waiting_at_the_gate_is_never_forwarded() {
     let app = Arc::new(TestApp::spawn(&store.url, &docs_route(&up.url())).await);
 
     let slow = slow_put(&app, "/docs/g", "5", 800);
-    wait_for(|| up.in_flight() == 1).await;
+    wait_for("the first write at the upstream", || up.in_flight() == 1).await;
     let gave_up = fenced_put(&app.http, app.url("/docs/g"), "6", "six")
         .timeout(Duration::from_millis(300))
         .send()
@@ -281,14 +281,4 @@ fn slow_put(
         .header("x-test-delay-ms", delay_ms.to_string())
         .send();
     tokio::spawn(send)
-}
-
-async fn wait_for(mut cond: impl FnMut() -> bool) {
-    for _ in 0..500 {
-        if cond() {
-            return;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    panic!("condition not reached within 5 s");
 }

@@ -449,17 +449,7 @@ async fn a_reset_during_a_write_of_the_old_token_opens_the_key_when_it_ends() {
         .header("x-test-delay-ms", "1500")
         .send();
     let held = tokio::spawn(held);
-    for _ in 0..500 {
-        if up.in_flight() == 1 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(
-        up.in_flight(),
-        1,
-        "the forged write did not reach the upstream"
-    );
+    crate::support::wait_for("the forged write at the upstream", || up.in_flight() == 1).await;
     assert_eq!(ops_reset(&apps[0], "doc:w", 2, "test").await.status(), 200);
     let asked = Instant::now();
     let after = apps[1].put("/docs/w", Some("3"), "after").await;

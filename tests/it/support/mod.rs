@@ -100,6 +100,18 @@ pub async fn read_one_request(tcp: &mut tokio::net::TcpStream) -> Option<Vec<(St
     Some(headers)
 }
 
+/// Waits until `cond` holds, or panics after 10 s naming `what`.
+pub async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !cond() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for: {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
+
 /// A fenced write about to be sent: `PUT url` with `X-Fence-Token: token`
 /// and `body`. Add headers (`x-test-delay-ms`, say) before sending.
 pub fn fenced_put(
