@@ -434,14 +434,14 @@ async fn a_reset_reaches_every_shared_instance_within_a_second() {
     assert_eq!(bodies, vec!["forged", "after"]);
 }
 
-/// Shared mode: a reset while a write of the old token is still at the
-/// upstream. A write of a token above the reset value must not run beside
-/// it, and must go as soon as it has ended: its leave still names the old
-/// token, which the key no longer has, and must still count, or the key
-/// stays closed until that write's marker runs out (the route's timeout
-/// and then some: past `key_lock_wait_ms`, a 503).
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_reset_during_a_write_of_the_old_token_opens_the_key_when_it_ends() {
+/// Shared mode: a reset to 2 while a write of the old (forged) token is
+/// still at the upstream, then a write of `next` through the other
+/// instance. It must not run beside the old write, and must go as soon as
+/// that write has ended: the old write's leave still names the old token,
+/// which the key no longer has, and must still count, or the key stays
+/// closed until that write's marker runs out (the route's timeout and then
+/// some: past `key_lock_wait_ms`, a 503).
+async fn a_reset_during_a_write_of_the_old_token(next: &str) {
     let store = TestStore::new(Backend::Postgres).await;
     let up = Upstream::start().await;
     let apps = shared_pair(&store, &up).await;
@@ -452,17 +452,17 @@ async fn a_reset_during_a_write_of_the_old_token_opens_the_key_when_it_ends() {
     crate::support::wait_for("the forged write at the upstream", || up.in_flight() == 1).await;
     assert_eq!(ops_reset(&apps[0], "doc:w", 2, "test").await.status(), 200);
     let asked = Instant::now();
-    let after = apps[1].put("/docs/w", Some("3"), "after").await;
-    assert_eq!(after.status(), 200, "token 3 after the reset");
+    let after = apps[1].put("/docs/w", Some(next), "after").await;
+    assert_eq!(after.status(), 200, "token {next} after the reset");
     assert!(
         asked.elapsed() < Duration::from_secs(5),
-        "token 3 waited {:?}: the forged write's leave did not open the key",
+        "token {next} waited {:?}: the forged write's leave did not open the key",
         asked.elapsed()
     );
     assert_eq!(held.await.unwrap().unwrap().status(), 200);
-    // The recorder counts 3 applied after the forged token as a breach of
-    // monotonic tokens, which is what the reset is for; two tokens in
-    // flight at once would be one, and is not.
+    // The recorder counts a lower token applied after the forged one as a
+    // breach of monotonic tokens, which is what the reset is for; two
+    // tokens in flight at once would be one, and is not.
     let beside: Vec<String> = up
         .violations()
         .into_iter()
@@ -470,6 +470,20 @@ async fn a_reset_during_a_write_of_the_old_token_opens_the_key_when_it_ends() {
         .collect();
     assert_eq!(beside, Vec::<String>::new());
     assert_eq!(up.bodies_on("/docs/w"), vec!["forged", "after"]);
+}
+
+/// A token above the reset value.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_during_a_write_of_the_old_token_opens_the_key_when_it_ends() {
+    a_reset_during_a_write_of_the_old_token("3").await;
+}
+
+/// The reset value itself: the key's token now, so it would be admitted at
+/// once, beside the old write, if the reset had turned that write into one
+/// of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_during_a_write_of_the_old_token_keeps_the_reset_value_behind_it() {
+    a_reset_during_a_write_of_the_old_token("2").await;
 }
 
 /// Two resets that overlap: the one with the lower id commits last. Other
