@@ -133,31 +133,6 @@ fn sqlite_at(r: &sqlx::sqlite::SqliteRow, i: usize) -> Result<Option<DateTime<Ut
     Ok(ms.and_then(DateTime::<Utc>::from_timestamp_millis))
 }
 
-/// A reset on Postgres. The key's token changes, but writes of the old
-/// token that shared mode counts in flight (`inflight`, until
-/// `writer_until`) are still at the upstream: they become the writers the
-/// key drains before it opens (`draining_token`, `draining`, `open_at`), as
-/// when a higher token is admitted over them (migration 0010). Their
-/// leaves then still count (a leave names its own token, no longer the
-/// key's), so the key opens as soon as the last one has left, and no write
-/// of the new token runs beside them. A key already draining keeps its
-/// drain; writers whose markers ran out are dropped. Single-mode rows never
-/// have writers in flight, and are only re-tokened.
-const RESET_PG: &str = "\
-INSERT INTO fences AS f (resource_key, highest_token, updated_at) VALUES ($1, $2, now())
-ON CONFLICT (resource_key) DO UPDATE SET
-    highest_token = EXCLUDED.highest_token, updated_at = now(),
-    inflight = 0, writer_until = NULL,
-    open_at = CASE WHEN f.inflight > 0 AND f.writer_until > now()
-                    AND (f.open_at IS NULL OR f.open_at <= now())
-                   THEN f.writer_until ELSE f.open_at END,
-    draining_token = CASE WHEN f.inflight > 0 AND f.writer_until > now()
-                           AND (f.open_at IS NULL OR f.open_at <= now())
-                          THEN f.highest_token ELSE f.draining_token END,
-    draining = CASE WHEN f.inflight > 0 AND f.writer_until > now()
-                     AND (f.open_at IS NULL OR f.open_at <= now())
-                    THEN f.inflight ELSE f.draining END";
-
 impl FenceStore {
     /// A key's fence record, with its latest reset.
     pub async fn get(&self, key: &str) -> Result<Option<FenceRecord>, StoreError> {
@@ -247,17 +222,14 @@ impl FenceStore {
                     sqlx::query("LOCK TABLE fence_resets IN EXCLUSIVE MODE")
                         .execute(&mut *tx)
                         .await?;
-                    let from: Option<i64> = sqlx::query_scalar(
-                        "SELECT highest_token FROM fences WHERE resource_key = $1 FOR UPDATE",
-                    )
-                    .bind(key)
-                    .fetch_optional(&mut *tx)
-                    .await?;
-                    sqlx::query(RESET_PG)
-                    .bind(key)
-                    .bind(to)
-                    .execute(&mut *tx)
-                    .await?;
+                    // The key's writers in flight are kept track of
+                    // across the reset (migrations/postgres/0012).
+                    let from: Option<i64> =
+                        sqlx::query_scalar("SELECT from_token FROM fencegate_reset_one($1, $2)")
+                            .bind(key)
+                            .bind(to)
+                            .fetch_one(&mut *tx)
+                            .await?;
                     sqlx::query(
                         "INSERT INTO fence_resets (resource_key, by_client, reason, from_token, to_token) \
                          VALUES ($1, $2, $3, $4, $5)",

@@ -434,6 +434,19 @@ async fn a_reset_reaches_every_shared_instance_within_a_second() {
     assert_eq!(bodies, vec!["forged", "after"]);
 }
 
+/// The upstream never had writes of two tokens of a key in flight at once.
+/// The recorder also counts a lower token applied after a higher one as a
+/// breach of monotonic tokens, which is what a reset is for: only the
+/// first kind of breach is one here.
+fn no_two_tokens_in_flight(up: &Upstream) {
+    let beside: Vec<String> = up
+        .violations()
+        .into_iter()
+        .filter(|v| v.contains("in flight"))
+        .collect();
+    assert_eq!(beside, Vec::<String>::new());
+}
+
 /// Shared mode: a reset to 2 while a write of the old (forged) token is
 /// still at the upstream, then a write of `next` through the other
 /// instance. It must not run beside the old write, and must go as soon as
@@ -460,15 +473,7 @@ async fn a_reset_during_a_write_of_the_old_token(next: &str) {
         asked.elapsed()
     );
     assert_eq!(held.await.unwrap().unwrap().status(), 200);
-    // The recorder counts a lower token applied after the forged one as a
-    // breach of monotonic tokens, which is what the reset is for; two
-    // tokens in flight at once would be one, and is not.
-    let beside: Vec<String> = up
-        .violations()
-        .into_iter()
-        .filter(|v| v.contains("in flight"))
-        .collect();
-    assert_eq!(beside, Vec::<String>::new());
+    no_two_tokens_in_flight(&up);
     assert_eq!(up.bodies_on("/docs/w"), vec!["forged", "after"]);
 }
 
@@ -484,6 +489,86 @@ async fn a_reset_during_a_write_of_the_old_token_opens_the_key_when_it_ends() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reset_during_a_write_of_the_old_token_keeps_the_reset_value_behind_it() {
     a_reset_during_a_write_of_the_old_token("2").await;
+}
+
+/// A reset while the key drains: a write of 5 is at the upstream, a write
+/// of 7 has raised the key over it and waits, and the key is reset to 6
+/// between the two. The drain is kept: the write of 7, which asks again,
+/// is admitted when the write of 5 has left, not beside it (as it would be
+/// if the reset had opened the key), and not only when its marker ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_while_the_key_drains_keeps_the_drain() {
+    use sqlx::Connection;
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let apps = shared_pair(&store, &up).await;
+    let old = crate::support::fenced_put(&apps[0].http, apps[0].url("/docs/w"), 5, "old")
+        .header("x-test-delay-ms", "1500")
+        .send();
+    let old = tokio::spawn(old);
+    crate::support::wait_for("the write of 5 at the upstream", || up.in_flight() == 1).await;
+    let asked = Instant::now();
+    let raised = crate::support::fenced_put(&apps[1].http, apps[1].url("/docs/w"), 7, "raised");
+    let raised = tokio::spawn(raised.send());
+    let mut db = sqlx::PgConnection::connect(&store.url).await.unwrap();
+    loop {
+        let draining: Option<i64> = sqlx::query_scalar(
+            "SELECT draining_token FROM fences WHERE resource_key = 'doc:w' AND open_at > now()",
+        )
+        .fetch_optional(&mut db)
+        .await
+        .unwrap()
+        .flatten();
+        if draining == Some(5) {
+            break;
+        }
+        assert!(
+            asked.elapsed() < Duration::from_secs(5),
+            "the key never drained"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(ops_reset(&apps[0], "doc:w", 6, "test").await.status(), 200);
+    assert_eq!(old.await.unwrap().unwrap().status(), 200);
+    assert_eq!(raised.await.unwrap().unwrap().status(), 200);
+    assert!(
+        asked.elapsed() < Duration::from_secs(5),
+        "token 7 waited {:?}: the write of 5 did not open the key when it left",
+        asked.elapsed()
+    );
+    no_two_tokens_in_flight(&up);
+    assert_eq!(up.bodies_on("/docs/w"), vec!["old", "raised"]);
+}
+
+/// A reset over a write that will never leave: its instance crashed with
+/// it at the upstream, and only its marker's end says it is over. The
+/// reset keeps the crash bound: a write of the reset value waits for the
+/// marker to end, as a raise over that write would.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reset_over_a_crashed_write_waits_for_its_marker() {
+    use crate::support::db::PgHolder;
+    let store = TestStore::new(Backend::Postgres).await;
+    let up = Upstream::start().await;
+    let apps = shared_pair(&store, &up).await;
+    assert_eq!(apps[0].put("/docs/w", Some("5"), "a").await.status(), 200);
+    // What an instance that crashed during a write of 5 leaves behind.
+    let marker_ends = Instant::now() + Duration::from_secs(2);
+    PgHolder::begin(
+        &store.url,
+        "UPDATE fences SET inflight = 1, writer_until = clock_timestamp() + interval '2 seconds' \
+         WHERE resource_key = 'doc:w'",
+    )
+    .await
+    .commit()
+    .await;
+    assert_eq!(ops_reset(&apps[0], "doc:w", 3, "test").await.status(), 200);
+    assert_eq!(apps[1].put("/docs/w", Some("3"), "b").await.status(), 200);
+    let early = marker_ends.saturating_duration_since(Instant::now());
+    assert!(
+        early < Duration::from_millis(100),
+        "the write of 3 was admitted {early:?} before the crashed write's marker ended"
+    );
+    assert_eq!(up.bodies_on("/docs/w"), vec!["a", "b"]);
 }
 
 /// Two resets that overlap: the one with the lower id commits last. Other
