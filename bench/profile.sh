@@ -140,6 +140,7 @@ if [ "$SCENARIO" = instructions ]; then
     # Warm-up, not counted: pooled connections, caches.
     oha -n 2000 -c 16 --no-tui "$url" >/dev/null 2>&1
     oha -n 2000 -c 16 --no-tui "${put[@]}" "$url" >/dev/null 2>&1
+    oha -n 2000 -c 16 --no-tui "${stale[@]}" "$url" >/dev/null 2>&1
     echo "user-space instructions per request, $N requests from 16 connections (callgrind)"
     for what in get put stale; do
         callgrind_control -z "$FG" >/dev/null 2>&1
