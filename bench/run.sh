@@ -406,6 +406,7 @@ fi
 run_wrk a "$P_UP" get
 run_wrk b "$P_NGX" get
 run_wrk c "$P_FG" get
+run_wrk d "$P_FG" reuse
 # (b) again, open loop at (c)'s rate: the two proxies' latencies at the
 # same load.
 run_oha_same b "$P_NGX" c
@@ -422,12 +423,13 @@ for r in 2 3; do
     run_oha_same "b_r$r" "$P_NGX" c
     run_oha_same "c_r$r" "$P_FG" c
 done
-# (b) and (c) once more, alternated: c/b is the closest target, and one run
-# each on a shared 2-core machine swings by 10-20%. The report uses the
-# mean of the two runs of each.
+# (b), (c) and (d) once more, alternated: c/b and d/c are the closest
+# targets, and one run each on a shared 2-core machine swings by 10-20%.
+# The report uses the mean of the two runs of each. Both runs of (d) come
+# before (e), whose raised tokens would make its requests stale.
 run_wrk b_r2 "$P_NGX" get
 run_wrk c_r2 "$P_FG" get
-run_wrk d "$P_FG" reuse
+run_wrk d_r2 "$P_FG" reuse
 run_oha d "/docs/$SEEDED_RE" PUT 1
 run_wrk e "$P_FG" raise
 # oha sends one header value for the whole run, so here every request goes to a
