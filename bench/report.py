@@ -3,8 +3,9 @@
 
     report.py --out DIR [meta options] [--json FILE] [--markdown FILE] [--svg-link PATH]
 
-Reads DIR/wrk_*.txt (the BENCHJSON line of bench/fenced.lua), DIR/oha_*.json,
-DIR/pgbench_g.txt and the memory files; prints the table and the ratios to
+Reads DIR/wrk_*.txt (the BENCHJSON line of bench/fenced.lua), DIR/pace_*.json
+(bench/pace's open-loop runs), DIR/pgbench_g.txt and the memory files (with
+DIR/oha_mem.json); prints the table and the ratios to
 stdout; writes the results as JSON (for bench/chart.py) and the markdown
 report when asked. Never fails because a target is missed. Standard library only.
 """
@@ -46,11 +47,11 @@ TARGETS = [
     ("l/k", "l", "k", 1.0, "TLS pass-through GET vs nginx terminating TLS and proxying"),
 ]
 
-# Upper bounds on latency ratios: p99 of one scenario's oha run over
+# Upper bounds on latency ratios: p99 of one scenario's open-loop run over
 # another's, both open loop at the same rate.
 LATENCY_TARGETS = [
     # name, numerator, denominator, maximum, what it means
-    ("p99 c/b", "c", "b", 1.2, "pass-through GET p99 vs nginx proxy p99, both at (c)'s oha rate"),
+    ("p99 c/b", "c", "b", 1.2, "pass-through GET p99 vs nginx proxy p99, both at (c)'s open-loop rate"),
 ]
 
 # What the gateway counted in fencegate_idempotency_total during (h) and (i)
@@ -79,6 +80,14 @@ def wrk(out, sid):
 
 def oha(out, sid):
     text = read(os.path.join(out, f"oha_{sid}.json"))
+    if not text:
+        return None
+    return json.loads(text)
+
+
+def pace(out, sid):
+    """bench/pace's answer for one open-loop run (see its crate docs)."""
+    text = read(os.path.join(out, f"pace_{sid}.json"))
     if not text:
         return None
     return json.loads(text)
@@ -138,7 +147,7 @@ LATE_FLAG_MS = 250
 
 def pulses(out):
     """What util.py pulse saw during each measured run, by run: wrk and
-    pgbench runs by scenario id (a repeat as `e_r2`), oha runs as `oha_c`."""
+    pgbench runs by scenario id (a repeat as `e_r2`), open-loop runs as `pace_c`."""
     found = {}
     for name in sorted(os.listdir(out)):
         m = re.fullmatch(r"pulse_(.+)\.json", name)
@@ -228,44 +237,35 @@ def build(a):
                                   f"write {w['err_write']}, timeout {w['err_timeout']}")
             s["wrk_p50_ms"] = w["p50_us"] / 1000
             s["wrk_p99_ms"] = w["p99_us"] / 1000
-        o = oha(out, sid)
+        o = pace(out, sid)
         if o:
-            s["oha_rate"] = int(read(os.path.join(out, f"rate_{sid}.txt"), "0"))
-            p = o.get("latencyPercentiles", {})
-            if p.get("p50") is not None:
-                s["p50_ms"] = p["p50"] * 1000
-                s["p99_ms"] = p["p99"] * 1000
-                # Alternated repeats of the same open-loop run (full runs,
-                # (b) and (c)): each percentile is the median of the runs.
-                repeats = [r for r in (oha(out, f"{sid}_r{n}") for n in (2, 3)) if r]
-                pcts = [p] + [r.get("latencyPercentiles", {}) for r in repeats]
-                pcts = [q for q in pcts if q.get("p50") is not None]
-                if len(pcts) > 1:
-                    p50s = [q["p50"] * 1000 for q in pcts]
-                    p99s = [q["p99"] * 1000 for q in pcts]
-                    s["p50_ms"] = statistics.median(p50s)
-                    s["p99_ms"] = statistics.median(p99s)
-                    s["p99_runs"] = p99s
-                    s["notes"].append(f"p50/p99: median of {len(pcts)} alternated oha runs, p99 "
-                                      + ", ".join(f"{v:.2f}" for v in p99s) + " ms")
-            s["oha_status"] = o.get("statusCodeDistribution", {})
-            s["oha_errors"] = o.get("errorDistribution", {})
-            s["oha_achieved_rps"] = o.get("summary", {}).get("requestsPerSec")
-            s["oha_url"] = read(os.path.join(out, f"ohaurl_{sid}.txt"), "")
-            codes = ", ".join(f"{k}: {v}" for k, v in sorted(s["oha_status"].items()))
-            ach = s["oha_achieved_rps"]
-            s["notes"].append(f"oha at {s['oha_rate']}/s"
-                              + (f" (achieved {ach:,.0f}/s)" if ach is not None else "")
-                              + f", {s['oha_url']}; {codes}")
-            bad_errors = {k: v for k, v in s["oha_errors"].items() if "deadline" not in k}
-            if bad_errors:
-                s["notes"].append(f"oha errors: {bad_errors}")
+            s["open_rate"] = int(read(os.path.join(out, f"rate_{sid}.txt"), "0"))
+            s["p50_ms"] = o["p50_ms"]
+            s["p99_ms"] = o["p99_ms"]
+            # Alternated repeats of the same open-loop run (full runs,
+            # (b) and (c)): each percentile is the median of the runs.
+            runs = [o] + [r for r in (pace(out, f"{sid}_r{n}") for n in (2, 3)) if r]
+            if len(runs) > 1:
+                p99s = [r["p99_ms"] for r in runs]
+                s["p50_ms"] = statistics.median(r["p50_ms"] for r in runs)
+                s["p99_ms"] = statistics.median(p99s)
+                s["p99_runs"] = p99s
+                s["notes"].append(f"p50/p99: median of {len(runs)} alternated open-loop runs, p99 "
+                                  + ", ".join(f"{v:.2f}" for v in p99s) + " ms")
+            s["open_status"] = o.get("statuses", {})
+            s["open_errors"] = o.get("error_kinds", {})
+            s["open_url"] = read(os.path.join(out, f"paceurl_{sid}.txt"), "")
+            codes = ", ".join(f"{k}: {v}" for k, v in sorted(s["open_status"].items()))
+            s["notes"].append(f"pace at {s['open_rate']}/s (achieved {o['rate']:,.0f}/s), "
+                              f"{s['open_url']}; {codes}")
+            if s["open_errors"]:
+                s["notes"].append(f"pace errors: {s['open_errors']}")
         scen.append(s)
 
     by_id = {s["id"]: s for s in scen}
     machine_pulses = pulses(out)
     for run, p in machine_pulses.items():
-        sid = re.sub(r"^oha_", "", run).split("_r")[0]
+        sid = re.sub(r"^pace_", "", run).split("_r")[0]
         if p["disturbed"] and sid in by_id:
             by_id[sid]["notes"].append(disturbance(run, p))
     idem = {}
@@ -319,7 +319,6 @@ def build(a):
         "threads": a.threads,
         "conns": a.conns,
         "nkeys": a.nkeys,
-        "oha_random": a.oha_random == "yes",
         "versions": {"wrk": a.wrk_version, "oha": a.oha_version, "nginx": a.nginx_version,
                      "pgbench": a.pgbench_version, "postgres": a.pg_version},
         "store_unavailable": int(read(os.path.join(out, "fg_503.txt"), "0") or 0),
@@ -425,8 +424,6 @@ def markdown(res, svg_link):
     by = {s["id"]: s for s in res["scenarios"]}
     dirty = (" — the working tree had uncommitted changes under src/, tests/ or the manifests "
              "when the gateway was built" if meta["dirty"] else "")
-    oha_how = ("random keys through `--rand-regex-url`" if meta["oha_random"]
-               else "one fixed key per run (this oha has no `--rand-regex-url`)")
     e_share = by["e"].get("share_409")
     lines = [
         "# Benchmarks",
@@ -440,7 +437,7 @@ def markdown(res, svg_link):
         f"- **Commit:** `{meta['commit']}`{dirty}",
         f"- **Command:** `{meta['command']}` ({meta['mode']} run: {meta['duration_s']} s per scenario, "
         f"{meta['conns']} connections, {meta['nkeys']:,} keys)",
-        f"- **Tools:** {v['wrk']}; {v['oha']}; {v['nginx']}; {v['pgbench']}; "
+        f"- **Tools:** {v['wrk']}; bench/pace; {v['oha']}; {v['nginx']}; {v['pgbench']}; "
         f"PostgreSQL server {v['postgres']}",
         "",
         "Everything ran on the same machine in one run, one scenario after another: load "
@@ -449,9 +446,10 @@ def markdown(res, svg_link):
         "",
         "## Results",
         "",
-        "req/s: wrk, closed loop, 64 connections. p50/p99: oha, open loop at about half of "
-        "the req/s measured just before (rate in the notes), with `--latency-correction`; "
-        f"PUT scenarios use {oha_how}.",
+        "req/s: wrk, closed loop, 64 connections. p50/p99: `bench/pace`, open loop at about "
+        "half of the req/s measured just before (rate in the notes), 64 connections, each "
+        "request's latency counted from when it was due if it could not be sent then; "
+        "random keys (`{LO-HI}` in the notes).",
         "",
     ]
     lines += table_lines(res)
@@ -472,7 +470,7 @@ def markdown(res, svg_link):
         f"- (e) counts only 2xx answers as throughput"
         + (f"; {e_share * 100:.2f}% of its answers were 409" if e_share is not None else "")
         + " (a request overtaken on the wire by a newer token for the same key).",
-        "- (e) latency: oha sends the same header on every request, so its open-loop run sends "
+        "- (e) latency: pace sends the same header on every request, so its open-loop run sends "
         "token 1 to a fresh random key per request; each request still raises its key's token "
         "(from none to 1).",
         f"- (g) is Postgres alone running the single-row conditional upsert "
@@ -482,7 +480,7 @@ def markdown(res, svg_link):
         "- (h) sends every POST with an Idempotency-Key never used before (and the key's "
         "current token): the in-flight record (its insert is the lookup) and the stored "
         "answer, two store statements that commit, each group-committed with concurrent "
-        "first uses', against (g)'s one statement per write; oha has no run of (h), as it "
+        "first uses', against (g)'s one statement per write; pace has no run of (h), as it "
         "sends one header value per run. (i) replays one stored answer from the gateway's "
         "memory (it stored it): no store read, nothing forwarded; compared with (c), a GET "
         "passed through to nginx. A cached record costs about 1.3 KB of memory plus its "
@@ -511,7 +509,7 @@ def markdown(res, svg_link):
         "- (k) and (l): TLS 1.3 from wrk to the proxy, plain HTTP to the upstream; both proxies "
         "serve the same ECDSA P-256 certificate made for the run, and wrk keeps its 64 "
         "connections, so handshakes are not what is measured. (b) is also run open loop at "
-        "(c)'s oha rate, for the latency comparison.",
+        "(c)'s open-loop rate, for the latency comparison.",
         "",
         "## How to reproduce",
         "",
@@ -523,7 +521,7 @@ def markdown(res, svg_link):
         "```",
         "",
         "The script installs what is missing (`apt-get install nginx wrk postgresql-client`, "
-        "`cargo install oha --locked`), builds `cargo build --release`, starts nginx and "
+        "`cargo install oha --locked`), builds `cargo build --release` and `bench/pace`, starts nginx and "
         "fencegate on free 127.0.0.1 ports in a temp dir, creates and drops the database "
         "`fg_bench_<pid>`, and cleans everything up on exit. Stop other work on the machine "
         "first: a parallel build or test run shows up directly in these numbers.",
@@ -550,7 +548,6 @@ def main():
     p.add_argument("--commit", default="unknown")
     p.add_argument("--dirty", default="0")
     p.add_argument("--command", default="bash bench/run.sh")
-    p.add_argument("--oha-random", default="yes")
     p.add_argument("--oha-version", default="oha")
     p.add_argument("--wrk-version", default="wrk")
     p.add_argument("--nginx-version", default="nginx")

@@ -14,7 +14,8 @@
 # on PGHOST:PGPORT (default 127.0.0.1:5432), user PGUSER (default postgres),
 # trust auth. BENCH_KEEP=1 keeps the temp dir (configs, logs, raw outputs).
 # Missing tools (nginx, wrk, pgbench, oha) are installed: apt-get for the first
-# three, `cargo install oha --locked` for oha.
+# three, `cargo install oha --locked` for oha (the memory check). The
+# open-loop latency runs use bench/pace, built here with cargo.
 #
 # A missed target never fails the script; a harness failure (a process that
 # does not start, a scenario whose answers are not what it expects) does.
@@ -104,6 +105,10 @@ log "cargo build --release"
 cargo build --release >&2
 FG="$REPO/target/release/fencegate"
 [ -x "$FG" ] || die "$FG was not built"
+log "building bench/pace (the open-loop latency runs)"
+(cd "$BENCH/pace" && cargo build --release --quiet >&2)
+PACE_BIN="$BENCH/pace/target/release/pace"
+[ -x "$PACE_BIN" ] || die "$PACE_BIN was not built"
 # What the binary was built from (checked now: the tree may change during the run).
 COMMIT="$(git -C "$REPO" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
 DIRTY="$(git -C "$REPO" status --porcelain -- src tests Cargo.toml Cargo.lock migrations 2>/dev/null | wc -l)"
@@ -291,7 +296,7 @@ EOF
 [ "$(probe GET - /docs/probe)" = 200 ] || die "GET was not passed through (200)"
 
 # Keyed POSTs (h, i): a first use is forwarded, the same key again replayed.
-# Headers and body as bench/fenced.lua and oha send them (the fingerprint
+# Headers and body as bench/fenced.lua and bench/pace send them (the fingerprint
 # covers Content-Type, X-Fence-Token and the body). Another resource than
 # /docs/probe, whose token is 5 by now.
 probe_keyed() { # path key -> "status replayed-header"
@@ -315,7 +320,7 @@ python3 "$BENCH/util.py" seed "http://127.0.0.1:$P_FG" k "$NKEYS" 1 >&2 \
 # the k keys' tokens, after which token 1 would be stale there.
 python3 "$BENCH/util.py" seed "http://127.0.0.1:$P_FG" h "$NKEYS" 1 >&2 \
     || die "seeding the h keys failed (not every PUT answered 2xx)"
-# (i) replays this stored answer, and so does its oha run.
+# (i) replays this stored answer, and so does its open-loop run.
 [ "$(probe_keyed /keyed/h1 bench-replay)" = "200 -" ] || die "storing the answer (i) replays failed"
 
 # ---------------------------------------------------------------------------
@@ -343,55 +348,27 @@ run_wrk() { # id, port, mode, [key prefix, default k], [scheme, default http]
     grep '^BENCHJSON' "$OUT/wrk_$1.txt" | sed 's/^BENCHJSON /    /' >&2
 }
 
-# oha: open loop at half the throughput wrk just measured.
-# Uniform over k1000..k9999, all seeded with token 1. (rand_regex picks an
-# alternation's branch or a repeat count uniformly, so k(0|[1-9][0-9]{0,3})
-# would send half the requests to k0.)
-SEEDED_RE='k[1-9][0-9]{3}'
-run_oha() { # id, url path or regex path, method, token ("-": none), [Idempotency-Key]
-    local id=$1 path=$2 method=$3 token=$4 idem=${5:-} rate args=()
-    rate=$(python3 "$BENCH/util.py" rate "$OUT/wrk_$id.txt")
+# Open-loop latency runs: bench/pace at half the throughput wrk just
+# measured, each request's latency counted from when it was due. Not oha:
+# oha keeps every result in one growing vector, and each time it doubles
+# (2^17 and 2^18 results: 2.6 s and 5.2 s into a run at 50k/s) its requests
+# stall for tens of milliseconds whatever the server, which set p99s
+# (bench/analysis.md). Keys uniform over k1000..k9999, all seeded with
+# token 1.
+SEEDED='k{1000-9999}'
+run_pace() { # id, port, url path, method, token ("-": none), [Idempotency-Key], [scenario whose rate to use]
+    local id=$1 port=$2 path=$3 method=$4 token=$5 idem=${6:-} from=${7:-$1} rate args=()
+    rate=$(cat "$OUT/rate_$from.txt" 2>/dev/null || python3 "$BENCH/util.py" rate "$OUT/wrk_$from.txt")
     echo "$rate" > "$OUT/rate_$id.txt"
-    args=(-z "${DURATION}s" -q "$rate" --latency-correction --no-tui -c "$CONNS" "${OHA_JSON[@]}" -m "$method")
+    args=(--rate "$rate" --seconds "$DURATION" --connections "$CONNS" -m "$method")
     if [ "$token" != - ]; then args+=(-H "X-Fence-Token: $token" -d written-by-bench); fi
-    if [ -n "$idem" ]; then args+=(-H "Idempotency-Key: $idem" -T text/plain); fi
-    if [ "$OHA_RANDOM" = yes ] && [[ "$path" == *'['* ]]; then
-        # oha's regex URLs take '.' literally (escaping it as '\.' garbles the
-        # URL: check with --dump-urls).
-        args+=(--rand-regex-url "http://127.0.0.1:$P_FG$path")
-        echo "random: $path" > "$OUT/ohaurl_$id.txt"
-    else
-        # No regex URLs: one fixed key (k1 for the seeded-key scenarios); a
-        # path without a regex is used as it is.
-        if [[ "$path" == *'['* ]]; then path=$(sed -E 's/\[.*$//' <<<"$path")1; fi
-        args+=("http://127.0.0.1:$P_FG$path")
-        echo "fixed: $path" > "$OUT/ohaurl_$id.txt"
-    fi
-    log "($id) oha ${args[*]}"
-    pulse_start "oha_$id"
-    oha "${args[@]}" > "$OUT/oha_$id.json" 2>"$OUT/oha_$id.err" \
-        || { cat "$OUT/oha_$id.err" >&2; die "oha failed in scenario $id"; }
-    pulse_stop
-}
-
-# oha against another server at the rate of an earlier scenario, GETs on the
-# seeded keys: (b) at (c)'s rate.
-run_oha_same() { # id, port, scenario whose rate to use
-    local id=$1 port=$2 rate args=()
-    rate=$(cat "$OUT/rate_$3.txt" 2>/dev/null || python3 "$BENCH/util.py" rate "$OUT/wrk_$3.txt")
-    echo "$rate" > "$OUT/rate_$id.txt"
-    args=(-z "${DURATION}s" -q "$rate" --latency-correction --no-tui -c "$CONNS" "${OHA_JSON[@]}" -m GET)
-    if [ "$OHA_RANDOM" = yes ]; then
-        args+=(--rand-regex-url "http://127.0.0.1:$port/docs/$SEEDED_RE")
-        echo "random: /docs/$SEEDED_RE, at ($3)'s rate" > "$OUT/ohaurl_$id.txt"
-    else
-        args+=("http://127.0.0.1:$port/docs/k1")
-        echo "fixed: /docs/k1, at ($3)'s rate" > "$OUT/ohaurl_$id.txt"
-    fi
-    log "($id) oha ${args[*]}"
-    pulse_start "oha_$id"
-    oha "${args[@]}" > "$OUT/oha_$id.json" 2>"$OUT/oha_$id.err" \
-        || { cat "$OUT/oha_$id.err" >&2; die "oha failed in scenario $id"; }
+    if [ -n "$idem" ]; then args+=(-H "Idempotency-Key: $idem" -H "Content-Type: text/plain"); fi
+    args+=("http://127.0.0.1:$port$path")
+    echo "$path$([ "$from" != "$id" ] && echo ", at ($from)'s rate")" > "$OUT/paceurl_$id.txt"
+    log "($id) pace ${args[*]}"
+    pulse_start "pace_$id"
+    "$PACE_BIN" "${args[@]}" > "$OUT/pace_$id.json" 2>"$OUT/pace_$id.err" \
+        || { cat "$OUT/pace_$id.err" >&2; die "pace failed in scenario $id"; }
     pulse_stop
 }
 
@@ -409,8 +386,8 @@ run_wrk c "$P_FG" get
 run_wrk d "$P_FG" reuse
 # (b) again, open loop at (c)'s rate: the two proxies' latencies at the
 # same load.
-run_oha_same b "$P_NGX" c
-run_oha c "/docs/$SEEDED_RE" GET -
+run_pace b "$P_NGX" "/docs/$SEEDED" GET - "" c
+run_pace c "$P_FG" "/docs/$SEEDED" GET -
 # The repeated runs below happen in smoke mode too (1 s each), so that
 # CI's smoke run goes through them and through the report's means and
 # medians of them.
@@ -420,8 +397,8 @@ run_oha c "/docs/$SEEDED_RE" GET -
 # went from 0.93 to 9.08 between runs of the same code). The report takes
 # each proxy's median of its three runs.
 for r in 2 3; do
-    run_oha_same "b_r$r" "$P_NGX" c
-    run_oha_same "c_r$r" "$P_FG" c
+    run_pace "b_r$r" "$P_NGX" "/docs/$SEEDED" GET - "" c
+    run_pace "c_r$r" "$P_FG" "/docs/$SEEDED" GET - "" c
 done
 # (b), (c) and (d) once more, alternated: c/b and d/c are the closest
 # targets, and one run each on a shared 2-core machine swings by 10-20%.
@@ -430,19 +407,19 @@ done
 run_wrk b_r2 "$P_NGX" get
 run_wrk c_r2 "$P_FG" get
 run_wrk d_r2 "$P_FG" reuse
-run_oha d "/docs/$SEEDED_RE" PUT 1
+run_pace d "$P_FG" "/docs/$SEEDED" PUT 1
 run_wrk e "$P_FG" raise
-# oha sends one header value for the whole run, so here every request goes to a
-# fresh random key with token 1: each request still raises its key's token
-# (from none to 1), a write that changes the recorded token.
-run_oha e '/docs/e[a-z0-9]{16}' PUT 1
+# pace sends one header value for the whole run, so here every request goes
+# to a fresh random key with token 1: each request still raises its key's
+# token (from none to 1), a write that changes the recorded token.
+run_pace e "$P_FG" '/docs/e{0-18446744073709551615}' PUT 1
 run_wrk f "$P_FG" stale
-run_oha f "/docs/$SEEDED_RE" PUT 0
-# (h) first uses of fresh keys. No oha run: oha sends one header value for a
-# whole run, so every request after its first would be a replay.
+run_pace f "$P_FG" "/docs/$SEEDED" PUT 0
+# (h) first uses of fresh keys. No open-loop run: pace sends one header
+# value for a whole run, so every request after its first would be a replay.
 run_wrk h "$P_FG" fresh h
 run_wrk i "$P_FG" replay h
-run_oha i "/keyed/h1" POST 1 bench-replay
+run_pace i "$P_FG" "/keyed/h1" POST 1 bench-replay
 for outcome in first replayed in_progress reused outcome_unknown not_stored; do
     python3 "$BENCH/util.py" metric "http://127.0.0.1:$P_FGA/metrics" fencegate_idempotency_total \
         "outcome=\"$outcome\"" > "$OUT/fg_idem_$outcome.txt" || true
@@ -568,7 +545,7 @@ forget_pid "$MEM_PID"
 CMDLINE="bash bench/run.sh${*:+ $*}"
 REPORT_ARGS=(--out "$OUT" --mode "$MODE" --duration "$DURATION" --threads "$THREADS"
     --conns "$CONNS" --nkeys "$NKEYS" --mem-keys "$MEM_KEYS" --commit "$COMMIT"
-    --dirty "$DIRTY" --command "$CMDLINE" --oha-random "$OHA_RANDOM"
+    --dirty "$DIRTY" --command "$CMDLINE"
     --oha-version "$(oha --version 2>&1 | head -n1)"
     --wrk-version "$(wrk -v 2>&1 | head -n1 | awk '{print $1, $2}')"
     --nginx-version "$(nginx -v 2>&1 | head -n1 | sed 's/^nginx version: //')"
