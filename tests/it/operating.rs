@@ -1,7 +1,8 @@
 //! Operating the gateway: JSON and access logs that a pipeline can parse
-//! and that never carry a credential, and SIGHUP reloads that change routes
+//! and that never carry a credential, SIGHUP reloads that change routes
 //! under load without a failed request, or change nothing when the new
-//! config is wrong.
+//! config is wrong, and a gateway process that runs without transparent
+//! huge pages.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -215,4 +216,26 @@ async fn a_bad_reload_keeps_serving() {
         metrics.contains("fencegate_config_reloads_total{result=\"error\"} 2"),
         "{metrics}"
     );
+}
+
+/// `serve` turns transparent huge pages off for its own process, so that
+/// the first touch of new memory never zeroes 2 MiB while a thread holds
+/// the gate's lock (README, "Memory and huge pages"). The kernel reports
+/// the flag per process; the test runner's own stays as it was.
+#[cfg(target_os = "linux")]
+#[tokio::test]
+async fn the_gateway_process_runs_without_transparent_huge_pages() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = Upstream::start().await;
+    let gw = GatewayProcess::start(&config(&store, &docs_route(&up.url())));
+    assert_eq!(put_status(&gw, "/docs/a", "x").await, 200, "it serves");
+    let thp = |pid: String| {
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("THP_enabled:").map(|v| v.trim().to_string()))
+            .unwrap_or_else(|| panic!("no THP_enabled line in /proc/{pid}/status:\n{status}"))
+    };
+    assert_eq!(thp(gw.pid().to_string()), "0", "the gateway's process");
+    assert_eq!(thp("self".into()), "1", "the test runner's, untouched");
 }
