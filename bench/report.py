@@ -78,16 +78,10 @@ def wrk(out, sid):
     return None
 
 
-def oha(out, sid):
-    text = read(os.path.join(out, f"oha_{sid}.json"))
-    if not text:
-        return None
-    return json.loads(text)
-
-
-def pace(out, sid):
-    """bench/pace's answer for one open-loop run (see its crate docs)."""
-    text = read(os.path.join(out, f"pace_{sid}.json"))
+def tool_json(out, tool, sid):
+    """One JSON answer of a load tool for one run: `pace` (bench/pace's
+    open-loop runs, see its crate docs) or `oha` (the memory check)."""
+    text = read(os.path.join(out, f"{tool}_{sid}.json"))
     if not text:
         return None
     return json.loads(text)
@@ -237,14 +231,14 @@ def build(a):
                                   f"write {w['err_write']}, timeout {w['err_timeout']}")
             s["wrk_p50_ms"] = w["p50_us"] / 1000
             s["wrk_p99_ms"] = w["p99_us"] / 1000
-        o = pace(out, sid)
+        o = tool_json(out, "pace", sid)
         if o:
             s["open_rate"] = int(read(os.path.join(out, f"rate_{sid}.txt"), "0"))
             s["p50_ms"] = o["p50_ms"]
             s["p99_ms"] = o["p99_ms"]
             # Alternated repeats of the same open-loop run (full runs,
             # (b) and (c)): each percentile is the median of the runs.
-            runs = [o] + [r for r in (pace(out, f"{sid}_r{n}") for n in (2, 3)) if r]
+            runs = [o] + [r for r in (tool_json(out, "pace", f"{sid}_r{n}") for n in (2, 3)) if r]
             if len(runs) > 1:
                 p99s = [r["p99_ms"] for r in runs]
                 s["p50_ms"] = statistics.median(r["p50_ms"] for r in runs)
@@ -292,7 +286,7 @@ def build(a):
 
     before = read(os.path.join(out, "mem_before.txt"), "0 0").split()
     after = read(os.path.join(out, "mem_after.txt"), "0 0").split()
-    om = oha(out, "mem") or {}
+    om = tool_json(out, "oha", "mem") or {}
     mem = {
         "keys_requested": a.mem_keys,
         "forwarded": int(read(os.path.join(out, "mem_decisions.txt"), "0") or 0),

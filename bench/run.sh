@@ -106,7 +106,7 @@ cargo build --release >&2
 FG="$REPO/target/release/fencegate"
 [ -x "$FG" ] || die "$FG was not built"
 log "building bench/pace (the open-loop latency runs)"
-(cd "$BENCH/pace" && cargo build --release --quiet >&2)
+(cd "$BENCH/pace" && cargo build --release --locked --quiet >&2)
 PACE_BIN="$BENCH/pace/target/release/pace"
 [ -x "$PACE_BIN" ] || die "$PACE_BIN was not built"
 # What the binary was built from (checked now: the tree may change during the run).

@@ -368,32 +368,24 @@ async fn exchange(
     }
 }
 
+/// The run's answer as one JSON object. serde_json writes it, so an error
+/// message with any character in it still makes a line the report can read.
 fn print(t: &Tally, seconds: f64) {
     let requests: u64 = t.statuses.values().sum();
     let errors: u64 = t.errors.values().sum();
     let ms = |q: f64| t.latency.value_at_quantile(q) as f64 / 1000.0;
-    let statuses = t
-        .statuses
-        .iter()
-        .map(|(k, v)| format!("\"{k}\": {v}"))
-        .collect::<Vec<_>>()
-        .join(", ");
-    let error_kinds = t
-        .errors
-        .iter()
-        .map(|(k, v)| format!("\"{}\": {v}", k.replace('\\', "\\\\").replace('"', "\\\"")))
-        .collect::<Vec<_>>()
-        .join(", ");
-    println!(
-        "{{\"requests\": {requests}, \"errors\": {errors}, \"seconds\": {seconds:.3}, \
-         \"rate\": {:.1}, \"statuses\": {{{statuses}}}, \"error_kinds\": {{{error_kinds}}}, \
-         \"p50_ms\": {:.3}, \"p90_ms\": {:.3}, \"p99_ms\": {:.3}, \"p999_ms\": {:.3}, \
-         \"max_ms\": {:.3}}}",
-        requests as f64 / seconds,
-        ms(0.5),
-        ms(0.9),
-        ms(0.99),
-        ms(0.999),
-        t.latency.max() as f64 / 1000.0,
-    );
+    let answer = serde_json::json!({
+        "requests": requests,
+        "errors": errors,
+        "seconds": seconds,
+        "rate": requests as f64 / seconds,
+        "statuses": t.statuses.iter().map(|(k, v)| (k.to_string(), *v)).collect::<BTreeMap<_, _>>(),
+        "error_kinds": &t.errors,
+        "p50_ms": ms(0.5),
+        "p90_ms": ms(0.9),
+        "p99_ms": ms(0.99),
+        "p999_ms": ms(0.999),
+        "max_ms": t.latency.max() as f64 / 1000.0,
+    });
+    println!("{answer}");
 }
