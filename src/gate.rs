@@ -32,9 +32,19 @@
 //! after that slot was created, so the store already refused anything lower
 //! than what was forwarded before.
 //!
-//! Concurrency: one `std::sync::Mutex` over a map of slots. Critical sections
-//! are a few comparisons and never await, so a plain mutex beats an async
-//! one; waiting happens on per-waiter oneshot channels outside the lock.
+//! Concurrency: the keys are split over shards, each a `std::sync::Mutex`
+//! over a map of slots of its own; a key's shard is fixed by a keyed hash of
+//! the key, so everything about one key happens under one shard's lock.
+//! Critical sections are a few comparisons and never await, so a plain
+//! mutex beats an async one; waiting happens on per-waiter oneshot channels
+//! outside the lock. The shards are there for a map's growth, not for
+//! contention: a hash map grows by moving every slot into a table twice as
+//! large, under its lock. One map of a 100,000-key cache moved megabytes at
+//! a time into memory touched for the first time, and every fenced write of
+//! the process waited behind it (23–25 ms at the 99.9th percentile while a
+//! new gateway's cache filled, 3.4–3.8 ms with shards; README, "The gate's
+//! shards"). A shard's map is a few thousand slots, and only writes to its
+//! keys wait while it grows.
 //!
 //! The slots double as a bounded cache of each key's highest *durable*
 //! token, which lets the fence skip the store ([`Gate::arrive`]):
@@ -61,23 +71,33 @@
 //! Idle slots are only evicted when no ticket references them and no
 //! unknown outcome is pending on them, so neither a late, lower answer nor a
 //! forgotten "unsettled" mark can make the cache run ahead of the store. Up
-//! to `capacity` idle slots are kept; beyond that, a CLOCK (second chance)
-//! evicts the idle slots least recently arrived at, a bounded number of
-//! steps per release.
+//! to `capacity` idle slots are kept, split evenly over the shards; beyond a
+//! shard's share, a CLOCK (second chance) evicts that shard's idle slots
+//! least recently arrived at, a bounded number of steps per release.
 
 use std::collections::VecDeque;
-use std::hash::RandomState;
+use std::hash::{BuildHasher, RandomState};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use hashbrown::hash_map::{Entry, EntryRef};
+use hashbrown::hash_table::{Entry, HashTable};
 use tokio::sync::oneshot;
 
 /// The per-key admission state of one process.
 pub struct Gate {
-    slots: Mutex<Slots>,
-    /// Idle slots kept as a cache of durable tokens.
+    /// The slots, split by key (see the module docs); a power of two of
+    /// them, so a key's shard is a few bits of its hash.
+    shards: Box<[Shard]>,
+    /// Hashes keys, once per arrival: the hash picks the key's shard, finds
+    /// its slot there, and goes with the ticket and permit for every later
+    /// lookup. std's SipHash with a random key: keys come from clients, and
+    /// a hostile client must be able neither to make them collide in a
+    /// shard's table nor to aim them at one shard, whose share of the cache
+    /// they would then churn.
+    hasher: RandomState,
+    /// Idle slots kept as a cache of durable tokens, per shard: the
+    /// configured capacity split evenly, rounded up.
     capacity: usize,
     /// Single mode: this process is the store's only writer, so a settled
     /// cached token is exactly the store's and equal tokens may be admitted
@@ -93,18 +113,49 @@ pub struct Gate {
     unsettled_for: Duration,
 }
 
+/// One shard's lock, on a cache line of its own: the two workers' writes to
+/// keys of different shards should not contend for one line either.
+#[repr(align(128))]
+#[derive(Default)]
+struct Shard(Mutex<Slots>);
+
+impl Shard {
+    fn lock(&self) -> MutexGuard<'_, Slots> {
+        // A panic while holding this lock would be a bug in the few lines
+        // that take it; the map is still consistent then, so keep serving.
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Idle keys a shard caches, about, when the cache is full: a shard's map
+/// that grows (see the module docs) moves at most a few thousand slots.
+const KEYS_PER_SHARD: usize = 4096;
+
+/// At most this many shards, however large the cache: locking them all (for
+/// the metrics' count of active keys) stays cheap.
+const MAX_SHARDS: usize = 256;
+
+/// How many shards a cache of `capacity` idle keys is split into: one for a
+/// small cache (nothing to gain), a power of two of about
+/// [`KEYS_PER_SHARD`] keys each for a larger one.
+fn shards_for(capacity: usize) -> usize {
+    (capacity / KEYS_PER_SHARD)
+        .next_power_of_two()
+        .min(MAX_SHARDS)
+}
+
 #[derive(Default)]
 struct Slots {
-    /// hashbrown's map for its `entry_ref`: a key memory holds is found,
-    /// and its `Arc` cloned, in one lookup and without allocating. Hashed
-    /// with std's SipHash: keys come from clients, and a hostile client
-    /// must not be able to make them collide.
-    map: hashbrown::HashMap<Arc<str>, Slot, RandomState>,
+    /// Each key's slot, under the key's hash from [`Gate::hash`]. hashbrown's
+    /// table rather than a map, so that the caller's hash is used: a key
+    /// memory holds is found, and its `Arc` cloned, in one lookup, without
+    /// hashing again or allocating.
+    map: HashTable<(Arc<str>, Slot)>,
     /// Slots with a live ticket or permit (the rest are cached idle).
     active: usize,
-    /// Every key of `map`, once, in the order the eviction clock visits
-    /// them (see `make_room`).
-    clock: VecDeque<Arc<str>>,
+    /// Every key of `map`, once, with its hash, in the order the eviction
+    /// clock visits them (see `make_room`).
+    clock: VecDeque<(u64, Arc<str>)>,
 }
 
 /// Keys the eviction clock looks at, at most, per release: eviction costs
@@ -121,20 +172,27 @@ impl Slots {
             if self.map.len() <= capacity {
                 return;
             }
-            let Some(key) = self.clock.pop_front() else {
+            let Some((hash, key)) = self.clock.pop_front() else {
                 return;
             };
-            let Entry::Occupied(mut entry) = self.map.entry(key) else {
+            let Ok(mut entry) = self.map.find_entry(hash, |(k, _)| *k == key) else {
                 continue;
             };
-            let slot = entry.get_mut();
+            let slot = &mut entry.get_mut().1;
             if slot.used || !slot.evictable(now) {
                 slot.used = false;
-                self.clock.push_back(Arc::clone(entry.key()));
+                self.clock.push_back((hash, key));
             } else {
                 entry.remove();
             }
         }
+    }
+
+    /// The slot of `key`, whose hash is `hash`.
+    fn get_mut(&mut self, hash: u64, key: &str) -> Option<&mut Slot> {
+        self.map
+            .find_mut(hash, |(k, _)| **k == *key)
+            .map(|(_, slot)| slot)
     }
 }
 
@@ -207,6 +265,8 @@ pub enum Arrival {
 pub struct Ticket {
     gate: Arc<Gate>,
     key: Arc<str>,
+    /// The key's hash, computed once on arrival.
+    hash: u64,
     /// Moved into the permit on admission; a ticket that is dropped without
     /// being admitted releases its reference.
     live: bool,
@@ -225,6 +285,7 @@ pub struct Ticket {
 pub struct Permit {
     gate: Arc<Gate>,
     key: Arc<str>,
+    hash: u64,
 }
 
 /// How a ticket's store call ended.
@@ -248,13 +309,7 @@ impl Gate {
     /// in single mode (see the field); `unsettled_for` as long as a store
     /// call that timed out may still commit.
     pub fn new(capacity: usize, exact: bool, unsettled_for: Duration) -> Arc<Self> {
-        Arc::new(Self {
-            slots: Mutex::new(Slots::default()),
-            capacity,
-            exact,
-            writer: None,
-            unsettled_for,
-        })
+        Self::sharded(capacity, shards_for(capacity), exact, None, unsettled_for)
     }
 
     /// An exact gate whose memory is exact only within one generation of
@@ -265,11 +320,25 @@ impl Gate {
         generation: Arc<AtomicU64>,
         unsettled_for: Duration,
     ) -> Arc<Self> {
+        let shards = shards_for(capacity);
+        Self::sharded(capacity, shards, true, Some(generation), unsettled_for)
+    }
+
+    /// A gate of `shards` shards (a power of two) sharing `capacity`.
+    fn sharded(
+        capacity: usize,
+        shards: usize,
+        exact: bool,
+        writer: Option<Arc<AtomicU64>>,
+        unsettled_for: Duration,
+    ) -> Arc<Self> {
+        debug_assert!(shards.is_power_of_two());
         Arc::new(Self {
-            slots: Mutex::new(Slots::default()),
-            capacity,
-            exact: true,
-            writer: Some(generation),
+            shards: (0..shards).map(|_| Shard::default()).collect(),
+            hasher: RandomState::new(),
+            capacity: capacity.div_ceil(shards),
+            exact,
+            writer,
             unsettled_for,
         })
     }
@@ -280,10 +349,21 @@ impl Gate {
             .map_or(0, |g| g.load(Ordering::Acquire))
     }
 
-    fn lock(&self) -> MutexGuard<'_, Slots> {
-        // A panic while holding this lock would be a bug in the few lines
-        // below; the map is still consistent then, so keep serving.
-        self.slots.lock().unwrap_or_else(|e| e.into_inner())
+    fn hash(&self, key: &str) -> u64 {
+        self.hasher.hash_one(key)
+    }
+
+    /// The shard of the key hashed to `hash`. Bits 32 and up: hashbrown
+    /// finds a bucket by a hash's low bits and tags it with its top seven,
+    /// so bits taken from either would be the same for every key of a
+    /// shard, and its table would use a fraction of its buckets.
+    fn shard_of(&self, hash: u64) -> usize {
+        (hash >> 32) as usize & (self.shards.len() - 1)
+    }
+
+    /// The shard of the key hashed to `hash`, locked.
+    fn lock(&self, hash: u64) -> MutexGuard<'_, Slots> {
+        self.shards[self.shard_of(hash)].lock()
     }
 
     /// Registers a fenced write of `token` on `key` and decides what memory
@@ -293,27 +373,30 @@ impl Gate {
     /// must come first.
     pub fn arrive(self: &Arc<Self>, key: &str, token: i64) -> Result<Arrival, Stale> {
         let generation = self.generation();
-        let mut guard = self.lock();
+        let hash = self.hash(key);
+        let mut guard = self.lock(hash);
         let slots = &mut *guard;
-        let (key, slot) = match slots.map.entry_ref(key) {
-            EntryRef::Occupied(entry) => {
-                if let Some(highest) = entry.get().durable.filter(|d| token < *d) {
+        let entry = slots
+            .map
+            .entry(hash, |(k, _)| **k == *key, |(k, _)| self.hash(k));
+        let (key, slot) = match entry {
+            Entry::Occupied(entry) => {
+                if let Some(highest) = entry.get().1.durable.filter(|d| token < *d) {
                     // Refused without a reference: nothing to release.
                     return Err(Stale { highest });
                 }
-                let key = Arc::clone(entry.key());
-                let slot = entry.into_mut();
+                let (key, slot) = entry.into_mut();
                 // A key seen again earns its second chance.
                 slot.used = true;
-                (key, slot)
+                (Arc::clone(key), slot)
             }
-            EntryRef::Vacant(entry) => {
+            Entry::Vacant(entry) => {
                 // A new key has none yet, so a stream of one-off keys does
                 // not push out keys in use.
-                let entry = entry.insert_entry(Slot::default());
-                let key = Arc::clone(entry.key());
-                slots.clock.push_back(Arc::clone(&key));
-                (key, entry.into_mut())
+                let key: Arc<str> = Arc::from(key);
+                slots.clock.push_back((hash, Arc::clone(&key)));
+                let (_, slot) = entry.insert((Arc::clone(&key), Slot::default())).into_mut();
+                (key, slot)
             }
         };
         slot.refs += 1;
@@ -331,6 +414,7 @@ impl Gate {
         let ticket = Ticket {
             gate: self.clone(),
             key,
+            hash,
             live: true,
             recording: !recorded,
             resets,
@@ -349,8 +433,8 @@ impl Gate {
     /// allows again. Writes in flight keep the key closed to other tokens
     /// until they are done, as always.
     pub fn forget(&self, key: &str) {
-        let mut slots = self.lock();
-        if let Some(s) = slots.map.get_mut(key) {
+        let hash = self.hash(key);
+        if let Some(s) = self.lock(hash).get_mut(hash, key) {
             s.durable = None;
             s.issued = None;
             s.highest = 0;
@@ -360,25 +444,33 @@ impl Gate {
 
     /// Keys with requests in flight or waiting; for metrics and shutdown.
     pub fn tracked_keys(&self) -> usize {
-        self.lock().active
+        self.shards.iter().map(|s| s.lock().active).sum()
     }
 
     /// Keys held in memory, active or cached.
     #[cfg(test)]
     pub fn cached_keys(&self) -> usize {
-        self.lock().map.len()
+        self.shards.iter().map(|s| s.lock().map.len()).sum()
     }
 
     /// The known durable token of `key`, for tests.
     #[cfg(test)]
     fn durable(&self, key: &str) -> Option<i64> {
-        self.lock().map.get(key).and_then(|s| s.durable)
+        let hash = self.hash(key);
+        self.lock(hash).get_mut(hash, key).and_then(|s| s.durable)
     }
 
-    fn release(&self, key: &Arc<str>, inflight: bool, recording: bool) {
-        let mut guard = self.lock();
+    /// Whether memory holds a slot for `key`, for tests.
+    #[cfg(test)]
+    fn holds(&self, key: &str) -> bool {
+        let hash = self.hash(key);
+        self.lock(hash).get_mut(hash, key).is_some()
+    }
+
+    fn release(&self, hash: u64, key: &str, inflight: bool, recording: bool) {
+        let mut guard = self.lock(hash);
         let slots = &mut *guard;
-        let Some(slot) = slots.map.get_mut(key) else {
+        let Some(slot) = slots.get_mut(hash, key) else {
             return;
         };
         if recording {
@@ -450,8 +542,8 @@ impl Ticket {
             return;
         }
         self.recording = false;
-        let mut slots = self.gate.lock();
-        if let Some(s) = slots.map.get_mut(&self.key) {
+        let mut slots = self.gate.lock(self.hash);
+        if let Some(s) = slots.get_mut(self.hash, &self.key) {
             s.recording -= 1;
             match end {
                 // An answer from before a reset may be above its value.
@@ -474,18 +566,17 @@ impl Ticket {
     /// `token = "issued"`: whether memory knows a fence at least `token` was
     /// granted for this key's lock.
     pub fn known_issued(&self, token: i64) -> bool {
-        let slots = self.gate.lock();
+        let mut slots = self.gate.lock(self.hash);
         slots
-            .map
-            .get(&self.key)
+            .get_mut(self.hash, &self.key)
             .and_then(|s| s.issued)
             .is_some_and(|i| i >= token)
     }
 
     /// Remembers that a fence `issued` was granted for this key's lock.
     pub fn note_issued(&self, issued: i64) {
-        let mut slots = self.gate.lock();
-        if let Some(s) = slots.map.get_mut(&self.key) {
+        let mut slots = self.gate.lock(self.hash);
+        if let Some(s) = slots.get_mut(self.hash, &self.key) {
             if s.resets == self.resets {
                 s.issued = Some(s.issued.map_or(issued, |i| i.max(issued)));
             }
@@ -498,10 +589,9 @@ impl Ticket {
         debug_assert!(!self.recording, "settle the store call before admission");
         loop {
             let wait = {
-                let mut slots = self.gate.lock();
+                let mut slots = self.gate.lock(self.hash);
                 let slot = slots
-                    .map
-                    .get_mut(&self.key)
+                    .get_mut(self.hash, &self.key)
                     .expect("a live ticket keeps its slot");
                 slot.highest = slot.highest.max(token);
                 if token < slot.highest {
@@ -516,6 +606,7 @@ impl Ticket {
                     return Ok(Permit {
                         gate: self.gate.clone(),
                         key: self.key.clone(),
+                        hash: self.hash,
                     });
                 }
                 let (tx, rx) = oneshot::channel();
@@ -532,14 +623,15 @@ impl Ticket {
 impl Drop for Ticket {
     fn drop(&mut self) {
         if self.live {
-            self.gate.release(&self.key, false, self.recording);
+            self.gate
+                .release(self.hash, &self.key, false, self.recording);
         }
     }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        self.gate.release(&self.key, true, false);
+        self.gate.release(self.hash, &self.key, true, false);
     }
 }
 
@@ -547,8 +639,10 @@ impl Drop for Permit {
 mod tests {
     use super::*;
 
+    /// Sharded, so that these tests also show that a key's whole life
+    /// stays in its shard.
     fn gate() -> Arc<Gate> {
-        Gate::new(100, true, Duration::from_secs(30))
+        Gate::sharded(100, 4, true, None, Duration::from_secs(30))
     }
 
     /// A ticket for a write the store has recorded (its answer: `token`).
@@ -658,10 +752,48 @@ mod cache_tests {
         }
         assert!(gate.cached_keys() <= 100, "{}", gate.cached_keys());
         assert_eq!(gate.tracked_keys(), 0);
-        let in_clock = gate.lock().clock.len();
+        let in_clock = gate.shards[0].lock().clock.len();
         assert_eq!(in_clock, gate.cached_keys());
         // The newest keys are kept, the oldest went.
         assert_eq!(gate.durable("k999"), Some(1000));
+        assert_eq!(gate.durable("k0"), None);
+    }
+
+    /// A small cache is one shard; the default's 100,000 keys are 32 of
+    /// about 3,000, and no cache is split further than `MAX_SHARDS`.
+    #[test]
+    fn shards_follow_the_capacity() {
+        assert_eq!(shards_for(0), 1);
+        assert_eq!(shards_for(100), 1);
+        assert_eq!(shards_for(2 * KEYS_PER_SHARD - 1), 1);
+        assert_eq!(shards_for(2 * KEYS_PER_SHARD), 2);
+        assert_eq!(shards_for(100_000), 32);
+        assert_eq!(shards_for(100_000_000), MAX_SHARDS);
+    }
+
+    /// Split over shards, the cache stays within its capacity in all, every
+    /// shard takes its share of new keys, and each shard's clock holds
+    /// exactly its own keys.
+    #[tokio::test]
+    async fn a_sharded_cache_is_bounded_and_spread() {
+        let gate = Gate::sharded(1000, 8, true, None, UNSETTLED);
+        for i in 0..10_000 {
+            record(&gate, &format!("k{i}"), i + 1).settle(Some(i + 1));
+        }
+        assert!(gate.cached_keys() <= 1000, "{}", gate.cached_keys());
+        assert!(gate.cached_keys() >= 900, "{}", gate.cached_keys());
+        assert_eq!(gate.tracked_keys(), 0);
+        for (i, shard) in gate.shards.iter().enumerate() {
+            let slots = shard.lock();
+            assert!(slots.map.len() > 50, "shard {i}: {}", slots.map.len());
+            assert!(slots.map.len() <= 125, "shard {i}: {}", slots.map.len());
+            assert_eq!(slots.clock.len(), slots.map.len(), "shard {i}");
+            assert!(slots
+                .clock
+                .iter()
+                .all(|(h, k)| *h == gate.hash(k) && gate.shard_of(*h) == i));
+        }
+        assert_eq!(gate.durable("k9999"), Some(10_000));
         assert_eq!(gate.durable("k0"), None);
     }
 
@@ -735,8 +867,8 @@ mod cache_tests {
         for i in 0..50 {
             record(&gate, &format!("x{i}"), 1).settle(Some(1));
         }
-        assert!(gate.lock().map.contains_key("k"), "unsettled keys stay");
-        assert!(gate.lock().map.contains_key("j"), "unsettled keys stay");
+        assert!(gate.holds("k"), "unsettled keys stay");
+        assert!(gate.holds("j"), "unsettled keys stay");
         assert!(matches!(gate.arrive("k", 5), Ok(Arrival::Record(_))));
         tokio::time::sleep(UNSETTLED + Duration::from_millis(20)).await;
         assert!(matches!(gate.arrive("k", 5), Ok(Arrival::Recorded(_))));
