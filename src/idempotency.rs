@@ -79,7 +79,6 @@ use crate::store::{FenceStore, StoredAnswer};
 pub const IDEMPOTENCY_KEY: header::HeaderName = header::HeaderName::from_static("idempotency-key");
 /// Set on a replayed answer.
 pub const REPLAYED: header::HeaderName = header::HeaderName::from_static("idempotent-replayed");
-const FENCE_TOKEN: header::HeaderName = header::HeaderName::from_static("x-fence-token");
 
 /// A route's `idempotency` settings, when it is not `"off"`.
 #[derive(Debug, Clone, Copy)]
@@ -159,7 +158,7 @@ pub fn fingerprint(
     };
     part(method.as_str().as_bytes());
     part(path_and_query.as_bytes());
-    for name in [header::CONTENT_TYPE, FENCE_TOKEN] {
+    for name in [header::CONTENT_TYPE, crate::token::HEADER] {
         match headers.get(&name) {
             Some(v) => part(v.as_bytes()),
             None => part(b"\\0none"),
@@ -319,7 +318,7 @@ mod tests {
         let body = Bytes::from_static(b"{}");
         let mut h = HeaderMap::new();
         h.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
-        h.insert(FENCE_TOKEN, "7".parse().unwrap());
+        h.insert(crate::token::HEADER, "7".parse().unwrap());
         let base = fingerprint(&Method::POST, "/a?x=1", &h, &body);
         assert_eq!(base, fingerprint(&Method::POST, "/a?x=1", &h, &body));
         assert_ne!(base, fingerprint(&Method::PUT, "/a?x=1", &h, &body));
@@ -329,9 +328,9 @@ mod tests {
             fingerprint(&Method::POST, "/a?x=1", &h, &Bytes::from_static(b"[]"))
         );
         let mut other = h.clone();
-        other.insert(FENCE_TOKEN, "8".parse().unwrap());
+        other.insert(crate::token::HEADER, "8".parse().unwrap());
         assert_ne!(base, fingerprint(&Method::POST, "/a?x=1", &other, &body));
-        other.remove(FENCE_TOKEN);
+        other.remove(crate::token::HEADER);
         assert_ne!(base, fingerprint(&Method::POST, "/a?x=1", &other, &body));
     }
 }

@@ -5,10 +5,11 @@
 //! would let two spellings of one number reach the store, and a lenient parser
 //! in front of a strict one is how smuggling bugs start.
 
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName};
 
-/// The header clients put their fencing token in.
-pub const HEADER: &str = "x-fence-token";
+/// The header clients put their fencing token in; also part of an
+/// Idempotency-Key's fingerprint.
+pub const HEADER: HeaderName = HeaderName::from_static("x-fence-token");
 
 /// Why a presented token was refused before it reached the store.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -47,7 +48,7 @@ pub fn parse_integer(raw: &[u8]) -> Result<i64, TokenError> {
 /// The header's raw value (for JWT tokens), refusing duplicates and values
 /// that are not visible ASCII.
 pub fn raw_from_headers(headers: &HeaderMap) -> Result<&str, TokenError> {
-    let mut values = headers.get_all(HEADER).iter();
+    let mut values = headers.get_all(&HEADER).iter();
     let first = values.next().ok_or(TokenError::Missing)?;
     if values.next().is_some() {
         return Err(TokenError::Malformed(
@@ -64,7 +65,7 @@ pub fn raw_from_headers(headers: &HeaderMap) -> Result<&str, TokenError> {
 /// Several `X-Fence-Token` headers are refused rather than picking one: the
 /// client and any intermediary could disagree on which one counts.
 pub fn from_headers(headers: &HeaderMap) -> Result<i64, TokenError> {
-    let mut values = headers.get_all(HEADER).iter();
+    let mut values = headers.get_all(&HEADER).iter();
     let first = values.next().ok_or(TokenError::Missing)?;
     if values.next().is_some() {
         return Err(TokenError::Malformed(
