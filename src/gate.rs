@@ -443,6 +443,10 @@ impl Gate {
     }
 
     /// Keys with requests in flight or waiting; for metrics and shutdown.
+    /// The shards are counted one after another, not at one instant; that
+    /// loses nothing a single count would have: a key counted in one shard
+    /// cannot move to another, and a write that arrives while the shards
+    /// are counted could as well have arrived just after a single count.
     pub fn tracked_keys(&self) -> usize {
         self.shards.iter().map(|s| s.lock().active).sum()
     }
