@@ -43,8 +43,8 @@
 //! a time into memory touched for the first time, and every fenced write of
 //! the process waited behind it (23–25 ms at the 99.9th percentile while a
 //! new gateway's cache filled, 3.4–3.8 ms with shards; README, "The gate's
-//! shards"). A shard's map is a few thousand slots, and only writes to its
-//! keys wait while it grows.
+//! shards"). A shard's map is at most a few thousand slots, and only writes
+//! to its keys wait while it grows.
 //!
 //! The slots double as a bounded cache of each key's highest *durable*
 //! token, which lets the fence skip the store ([`Gate::arrive`]):
@@ -127,19 +127,22 @@ impl Shard {
     }
 }
 
-/// Idle keys a shard caches, about, when the cache is full: a shard's map
-/// that grows (see the module docs) moves at most a few thousand slots.
+/// The most idle keys a shard caches, unless the cache is larger than
+/// [`MAX_SHARDS`] of these: a shard's map that grows (see the module docs)
+/// then moves a few thousand slots at most.
 const KEYS_PER_SHARD: usize = 4096;
 
 /// At most this many shards, however large the cache: locking them all (for
 /// the metrics' count of active keys) stays cheap.
 const MAX_SHARDS: usize = 256;
 
-/// How many shards a cache of `capacity` idle keys is split into: one for a
-/// small cache (nothing to gain), a power of two of about
-/// [`KEYS_PER_SHARD`] keys each for a larger one.
+/// How many shards a cache of `capacity` idle keys is split into: the
+/// fewest, a power of two, whose shares are at most [`KEYS_PER_SHARD`]
+/// keys each (so more than half of that when there are several), and no
+/// more than [`MAX_SHARDS`]. One for a small cache: nothing to gain.
 fn shards_for(capacity: usize) -> usize {
-    (capacity / KEYS_PER_SHARD)
+    capacity
+        .div_ceil(KEYS_PER_SHARD)
         .next_power_of_two()
         .min(MAX_SHARDS)
 }
@@ -764,15 +767,25 @@ mod cache_tests {
     }
 
     /// A small cache is one shard; the default's 100,000 keys are 32 of
-    /// about 3,000, and no cache is split further than `MAX_SHARDS`.
+    /// 3,125, and no cache is split further than `MAX_SHARDS`.
     #[test]
     fn shards_follow_the_capacity() {
         assert_eq!(shards_for(0), 1);
         assert_eq!(shards_for(100), 1);
-        assert_eq!(shards_for(2 * KEYS_PER_SHARD - 1), 1);
-        assert_eq!(shards_for(2 * KEYS_PER_SHARD), 2);
+        assert_eq!(shards_for(KEYS_PER_SHARD), 1);
+        assert_eq!(shards_for(KEYS_PER_SHARD + 1), 2);
+        assert_eq!(shards_for(2 * KEYS_PER_SHARD + 1), 4);
         assert_eq!(shards_for(100_000), 32);
         assert_eq!(shards_for(100_000_000), MAX_SHARDS);
+        for capacity in (1..300_000).step_by(997) {
+            let shards = shards_for(capacity);
+            let share = capacity.div_ceil(shards);
+            assert!(share <= KEYS_PER_SHARD, "{capacity}: {shards} of {share}");
+            assert!(
+                shards == 1 || share > KEYS_PER_SHARD / 2,
+                "{capacity}: {shards} of {share}"
+            );
+        }
     }
 
     /// Split over shards, the cache stays within its capacity in all, every
