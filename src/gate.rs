@@ -369,6 +369,12 @@ impl Gate {
         self.shards[self.shard_of(hash)].lock()
     }
 
+    /// `f` on the slot of `key` (hashed to `hash`) under its shard's lock;
+    /// `None` when memory holds no slot for it.
+    fn with_slot<R>(&self, hash: u64, key: &str, f: impl FnOnce(&mut Slot) -> R) -> Option<R> {
+        self.lock(hash).get_mut(hash, key).map(f)
+    }
+
     /// Registers a fenced write of `token` on `key` and decides what memory
     /// can, in one pass through the lock: `Err` when the token is below the
     /// key's known durable token (stale wherever it came from). Take it
@@ -436,13 +442,12 @@ impl Gate {
     /// allows again. Writes in flight keep the key closed to other tokens
     /// until they are done, as always.
     pub fn forget(&self, key: &str) {
-        let hash = self.hash(key);
-        if let Some(s) = self.lock(hash).get_mut(hash, key) {
+        self.with_slot(self.hash(key), key, |s| {
             s.durable = None;
             s.issued = None;
             s.highest = 0;
             s.resets += 1;
-        }
+        });
     }
 
     /// Keys with requests in flight or waiting; for metrics and shutdown.
@@ -463,15 +468,13 @@ impl Gate {
     /// The known durable token of `key`, for tests.
     #[cfg(test)]
     fn durable(&self, key: &str) -> Option<i64> {
-        let hash = self.hash(key);
-        self.lock(hash).get_mut(hash, key).and_then(|s| s.durable)
+        self.with_slot(self.hash(key), key, |s| s.durable).flatten()
     }
 
     /// Whether memory holds a slot for `key`, for tests.
     #[cfg(test)]
     fn holds(&self, key: &str) -> bool {
-        let hash = self.hash(key);
-        self.lock(hash).get_mut(hash, key).is_some()
+        self.with_slot(self.hash(key), key, |_| ()).is_some()
     }
 
     fn release(&self, hash: u64, key: &str, inflight: bool, recording: bool) {
@@ -549,8 +552,7 @@ impl Ticket {
             return;
         }
         self.recording = false;
-        let mut slots = self.gate.lock(self.hash);
-        if let Some(s) = slots.get_mut(self.hash, &self.key) {
+        self.gate.with_slot(self.hash, &self.key, |s| {
             s.recording -= 1;
             match end {
                 // An answer from before a reset may be above its value.
@@ -567,27 +569,25 @@ impl Ticket {
                 }
                 CallEnd::NeverMade => {}
             }
-        }
+        });
     }
 
     /// `token = "issued"`: whether memory knows a fence at least `token` was
     /// granted for this key's lock.
     pub fn known_issued(&self, token: i64) -> bool {
-        let mut slots = self.gate.lock(self.hash);
-        slots
-            .get_mut(self.hash, &self.key)
-            .and_then(|s| s.issued)
+        self.gate
+            .with_slot(self.hash, &self.key, |s| s.issued)
+            .flatten()
             .is_some_and(|i| i >= token)
     }
 
     /// Remembers that a fence `issued` was granted for this key's lock.
     pub fn note_issued(&self, issued: i64) {
-        let mut slots = self.gate.lock(self.hash);
-        if let Some(s) = slots.get_mut(self.hash, &self.key) {
+        self.gate.with_slot(self.hash, &self.key, |s| {
             if s.resets == self.resets {
                 s.issued = Some(s.issued.map_or(issued, |i| i.max(issued)));
             }
-        }
+        });
     }
 
     /// Waits until a write with `token` may go to the upstream. `token` must

@@ -167,8 +167,9 @@ async fn serve(path: PathBuf) -> ExitCode {
 /// command). mimalloc asks for huge pages on its large regions, and the
 /// kernel then fills each one by zeroing 2 MiB at the first touch of any
 /// byte of it, or compacts memory to find one, while the touching thread
-/// waits. When that thread holds the gate's lock, every fenced write on
-/// every worker waits too. Measured: raising writes to fresh keys at 19k/s
+/// waits. When that thread holds a lock of the gate, every fenced write that
+/// needs that lock waits too (every fenced write, with the gate in one
+/// piece as when this was measured). Measured: raising writes to fresh keys at 19k/s
 /// over a gateway's first 10 s, p99 58-75 ms with huge pages and 5.9-7.0
 /// ms without, resident memory 72-76 MiB against 67-68 MiB (a virtual
 /// machine where a huge page's first touch took up to 5 ms; README,

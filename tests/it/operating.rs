@@ -220,7 +220,7 @@ async fn a_bad_reload_keeps_serving() {
 
 /// `serve` turns transparent huge pages off for its own process, so that
 /// the first touch of new memory never zeroes 2 MiB while a thread holds
-/// the gate's lock (README, "Memory and huge pages"). The kernel reports
+/// a lock of the gate (README, "Memory and huge pages"). The kernel reports
 /// the flag per process; the test runner's own stays as it was.
 #[cfg(target_os = "linux")]
 #[tokio::test]
