@@ -547,10 +547,30 @@ async fn a_reset_while_the_key_drains_keeps_the_drain() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reset_over_a_crashed_write_waits_for_its_marker() {
     use crate::support::db::PgHolder;
+    use sqlx::Connection;
     let store = TestStore::new(Backend::Postgres).await;
     let up = Upstream::start().await;
     let apps = shared_pair(&store, &up).await;
     assert_eq!(apps[0].put("/docs/w", Some("5"), "a").await.status(), 200);
+    // The write of 5 leaves in a batch after its answer: a leave still on
+    // its way would take back the crashed write's count planted below.
+    let mut db = sqlx::PgConnection::connect(&store.url).await.unwrap();
+    let waited = Instant::now();
+    loop {
+        let inflight: i64 =
+            sqlx::query_scalar("SELECT inflight::bigint FROM fences WHERE resource_key = 'doc:w'")
+                .fetch_one(&mut db)
+                .await
+                .unwrap();
+        if inflight == 0 {
+            break;
+        }
+        assert!(
+            waited.elapsed() < Duration::from_secs(5),
+            "the write of 5 never left"
+        );
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
     // What an instance that crashed during a write of 5 leaves behind.
     let marker_ends = Instant::now() + Duration::from_secs(2);
     PgHolder::begin(
