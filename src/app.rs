@@ -130,11 +130,11 @@ impl Application {
         };
         let refusals = Arc::new(crate::refusals::Refusals::new());
         let gateway = GatewayState {
-            live: live.clone(),
+            live: crate::reload::WorkerLive::new(live.clone()),
             refusals: refusals.clone(),
             fence: fence.clone(),
             client: crate::upstream::UpstreamClient::new(),
-            store_runtime: tokio::runtime::Handle::current(),
+            store_runtime: Arc::new(tokio::runtime::Handle::current()),
             metrics: metrics.clone(),
             max_body_bytes: config.server.max_body_bytes,
             retry_after: config.store.retry_after,
@@ -272,10 +272,7 @@ impl Core {
                 // Each worker has its own upstream pool: its connections are
                 // driven by the worker's runtime, next to the requests using
                 // them.
-                gateway: Arc::new(GatewayState {
-                    client: crate::upstream::UpstreamClient::new(),
-                    ..self.gateway.clone()
-                }),
+                gateway: Arc::new(self.gateway.for_worker()),
                 reserved: OnRuntime {
                     runtime: tokio::runtime::Handle::current(),
                     router: reserved.clone(),

@@ -261,6 +261,18 @@ pub struct Upstream {
 }
 
 impl Upstream {
+    /// A copy for one traffic worker: its own pool key and `Host` value,
+    /// which every request clones (see `reload::WorkerLive`).
+    pub fn worker_copy(&self) -> Upstream {
+        Upstream {
+            pool_key: std::sync::Arc::from(&*self.pool_key),
+            // A new buffer: a clone would share the count of this one's.
+            host: http::HeaderValue::from_bytes(self.host.as_bytes())
+                .unwrap_or_else(|_| self.host.clone()),
+            ..self.clone()
+        }
+    }
+
     /// Where to connect.
     pub fn address(&self) -> &str {
         &self.connect_to

@@ -43,8 +43,9 @@ pub struct Exchange {
     /// Where to keep the admission until the deadline after an abnormal end:
     /// the store's runtime, which outlives the worker threads. The clean-stop
     /// bookkeeping waits for the gate to empty, so a held key is never
-    /// mistaken for a finished write at shutdown.
-    runtime: tokio::runtime::Handle,
+    /// mistaken for a finished write at shutdown. Behind the worker's own
+    /// `Arc` (see `GatewayState::store_runtime`).
+    runtime: Arc<tokio::runtime::Handle>,
 }
 
 struct State {
@@ -100,7 +101,7 @@ impl Exchange {
         admission: Admission,
         deadline: Instant,
         request_sent: bool,
-        runtime: tokio::runtime::Handle,
+        runtime: Arc<tokio::runtime::Handle>,
     ) -> Arc<Self> {
         Arc::new(Self {
             state: Mutex::new(State {

@@ -90,6 +90,15 @@ pub struct Fence {
 }
 
 impl Fence {
+    /// The same fence for one traffic worker: the gate's worker copy (see
+    /// [`Gate::worker_copy`]), the same store.
+    pub fn worker_copy(&self) -> Self {
+        Self {
+            gate: self.gate.worker_copy(),
+            ..self.clone()
+        }
+    }
+
     /// `cache_keys`: how many idle keys' durable tokens to keep in memory.
     pub fn new(store: FenceStore, cache_keys: usize) -> Self {
         // Single mode: nothing else writes the store, so a settled cached

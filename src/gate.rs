@@ -87,8 +87,9 @@ use tokio::sync::oneshot;
 /// The per-key admission state of one process.
 pub struct Gate {
     /// The slots, split by key (see the module docs); a power of two of
-    /// them, so a key's shard is a few bits of its hash.
-    shards: Box<[Shard]>,
+    /// them, so a key's shard is a few bits of its hash. Shared with this
+    /// gate's worker copies ([`Gate::worker_copy`]).
+    shards: Arc<[Shard]>,
     /// Hashes keys, once per arrival: the hash picks the key's shard, finds
     /// its slot there, and goes with the ticket and permit for every later
     /// lookup. std's SipHash with a random key: keys come from clients, and
@@ -343,6 +344,24 @@ impl Gate {
             exact,
             writer,
             unsettled_for,
+        })
+    }
+
+    /// The same gate for one traffic worker: the same shards, hashed the
+    /// same way, behind an `Arc` of the worker's own. Every ticket and
+    /// permit holds an `Arc` of its gate, taken and dropped once per fenced
+    /// write; on one `Arc` shared by every worker that count's cache line
+    /// would move between the workers' cores on every write. A write's
+    /// ordering is its key's slot's, in the shared shards, whichever copy
+    /// it came through.
+    pub fn worker_copy(&self) -> Arc<Gate> {
+        Arc::new(Gate {
+            shards: Arc::clone(&self.shards),
+            hasher: self.hasher.clone(),
+            capacity: self.capacity,
+            exact: self.exact,
+            writer: self.writer.clone(),
+            unsettled_for: self.unsettled_for,
         })
     }
 
@@ -682,6 +701,36 @@ mod tests {
         let b = waiting.await.unwrap().unwrap();
         drop(b);
         assert_eq!(gate.tracked_keys(), 0, "no key is active when idle");
+    }
+
+    /// Two workers' copies of one gate are one gate: a write through one
+    /// orders against a write through the other, memory decided through one
+    /// is known through the other, and both count the same keys.
+    #[tokio::test]
+    async fn worker_copies_are_one_gate() {
+        let shared = gate();
+        let (one, two) = (shared.worker_copy(), shared.worker_copy());
+        assert!(!Arc::ptr_eq(&one, &two));
+        let a = recorded(&one, "k", 33).admit(33).await.unwrap();
+        assert_eq!(
+            two.durable("k"),
+            Some(33),
+            "a copy sees what the other cached"
+        );
+        let b = recorded(&two, "k", 34);
+        let waiting = tokio::spawn(b.admit(34));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(
+            !waiting.is_finished(),
+            "34 through one copy waits for 33 through the other"
+        );
+        assert!(matches!(one.arrive("k", 33), Err(Stale { highest: 34 })));
+        assert_eq!(shared.tracked_keys(), 1);
+        drop(a);
+        let b = waiting.await.unwrap().unwrap();
+        drop(b);
+        assert_eq!(shared.tracked_keys(), 0);
+        assert_eq!(one.durable("k"), Some(34));
     }
 
     #[tokio::test]

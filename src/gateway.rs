@@ -56,6 +56,18 @@ impl GatedRoute {
             route,
         }
     }
+
+    /// A copy for one traffic worker, with its own upstream pool key and
+    /// `Host` value (see `reload::WorkerLive`); the same metrics.
+    pub fn worker_copy(&self) -> Self {
+        Self {
+            route: Route {
+                upstream: self.route.upstream.worker_copy(),
+                ..self.route.clone()
+            },
+            metrics: self.metrics.clone(),
+        }
+    }
 }
 
 impl std::ops::Deref for GatedRoute {
@@ -70,9 +82,9 @@ impl std::ops::Deref for GatedRoute {
 /// clones it for every request.
 #[derive(Clone)]
 pub struct GatewayState {
-    /// The reloadable part; shared by every worker (and the lock API and
-    /// admin listener, for the auth clients).
-    pub live: crate::reload::Shared,
+    /// The reloadable part: this worker's copy of what every worker (and
+    /// the lock API and admin listener, for the auth clients) shares.
+    pub live: crate::reload::WorkerLive,
     /// Store plus gate: the fence decision.
     pub fence: Fence,
     /// Pooled upstream connections, shared by all routes.
@@ -91,11 +103,30 @@ pub struct GatewayState {
     /// worker threads with runtimes of their own; a fenced write that talks
     /// to the store directly (shared mode) runs here instead, and outlives
     /// the worker. Single mode reaches the store only through the batcher's
-    /// channel, so its writes stay on the worker.
-    pub store_runtime: tokio::runtime::Handle,
+    /// channel, so its writes stay on the worker. Each worker has its own
+    /// `Arc` of it: every fenced write's exchange clones it, and a clone of
+    /// the runtime's own handle would write to the count all workers share
+    /// (see `reload::WorkerLive`).
+    pub store_runtime: Arc<tokio::runtime::Handle>,
     /// Unsent first uses' records being forgotten; shared by every worker,
     /// so that a retry on any of them takes its record back at once.
     pub forgets: Arc<idempotency::Forgets>,
+}
+
+impl GatewayState {
+    /// The state of one traffic worker: its own upstream pool, and its own
+    /// copies of what every request would otherwise clone from memory all
+    /// workers share (the live config, the gate's handle, the store
+    /// runtime's handle).
+    pub fn for_worker(&self) -> Self {
+        // The clone of `live` is a copy of its own (see its `Clone`).
+        Self {
+            client: UpstreamClient::new(),
+            store_runtime: Arc::new((*self.store_runtime).clone()),
+            fence: self.fence.worker_copy(),
+            ..self.clone()
+        }
+    }
 }
 
 /// Who sent a request, as the upstream is told (`X-Forwarded-For`,
@@ -123,7 +154,7 @@ impl Downstream {
 pub async fn respond(state: Arc<GatewayState>, req: Request<Body>, peer: Downstream) -> Response {
     let retry_after = state.retry_after;
     let has_body = declares_body(req.headers());
-    let live = state.live.load_full();
+    let live = state.live.load();
     let mut access = live.access_log.then(|| Access::of(&req));
     let result = match admit(&state, &live, req, &mut access) {
         Admitted::Refused {
@@ -767,7 +798,7 @@ impl FencedWrite {
         let store_rt = state
             .fence
             .talks_to_store()
-            .then(|| state.store_runtime.clone());
+            .then(|| (*state.store_runtime).clone());
         let books = self.books(access);
         let mut write = self;
         let Some(key) = write.idem.take() else {

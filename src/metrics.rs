@@ -130,6 +130,17 @@ pub enum IdempotencyOutcome {
     NotStored,
 }
 
+impl IdempotencyOutcome {
+    pub const ALL: [IdempotencyOutcome; 6] = [
+        IdempotencyOutcome::First,
+        IdempotencyOutcome::Replayed,
+        IdempotencyOutcome::InProgress,
+        IdempotencyOutcome::Reused,
+        IdempotencyOutcome::OutcomeUnknown,
+        IdempotencyOutcome::NotStored,
+    ];
+}
+
 label_values!(IdempotencyOutcome {
     First => "first",
     Replayed => "replayed",
@@ -272,13 +283,13 @@ type HistogramFamily<L> = Family<L, Latency, fn() -> Latency>;
 #[derive(Clone)]
 pub struct Metrics {
     /// `Idempotency-Key` outcomes by route.
-    pub idempotency: Family<IdempotencyLabels, Counter>,
+    pub idempotency: Family<IdempotencyLabels, ShardedCounter>,
     /// Config reloads (SIGHUP) by result (`ok`, `error`).
     pub config_reloads: Family<ReloadLabels, Counter>,
     /// Fence decisions by route and [`Outcome`].
-    pub decisions: Family<DecisionLabels, Counter>,
+    pub decisions: Family<DecisionLabels, ShardedCounter>,
     /// Requests forwarded without a check (safe methods).
-    pub passthrough: Family<RouteLabels, Counter>,
+    pub passthrough: Family<RouteLabels, ShardedCounter>,
     /// Time from sending a request upstream to its response head.
     pub upstream_latency: HistogramFamily<RouteLabels>,
     /// Upstream failures by kind (`unreachable`, `timeout`).
@@ -307,9 +318,11 @@ pub struct Metrics {
 #[derive(Default)]
 struct RouteCells {
     /// In `Outcome::ALL` order.
-    decisions: [OnceLock<Counter>; Outcome::ALL.len()],
+    decisions: [OnceLock<ShardedCounter>; Outcome::ALL.len()],
     /// In `UpstreamFailure::ALL` order.
     upstream_errors: [OnceLock<Counter>; UpstreamFailure::ALL.len()],
+    /// In `IdempotencyOutcome::ALL` order.
+    idempotency: [OnceLock<ShardedCounter>; IdempotencyOutcome::ALL.len()],
 }
 
 /// What one route has counted since the process started, for the
@@ -330,10 +343,68 @@ const FIRST_BOUND_NS: u64 = 500_000;
 /// Buckets with an upper bound, each twice the one before: 0.5 ms to
 /// 16.384 s. One more counts what is above them (`+Inf`).
 const BOUNDS: usize = 16;
-/// Shards of a [`Latency`]: more than the threads that observe at once (the
-/// traffic workers, one per CPU by default, and the store's runtime), so
-/// that two threads rarely share one.
+/// Shards of a [`Latency`] or a [`ShardedCounter`]: more than the threads
+/// that count at once (the traffic workers, one per CPU by default, and the
+/// store's runtime), so that two threads rarely share one.
 const SHARDS: usize = 8;
+
+/// A counter written on the request path: passed-through requests, fence
+/// decisions and `Idempotency-Key` outcomes, by every traffic worker at
+/// once.
+///
+/// prometheus-client's `Counter` is one atomic, and every worker adds to
+/// it: each add on one core takes the counter's cache line from the other
+/// cores, so two workers counting the same route pass that line back and
+/// forth on every request, one of the writes to memory the workers share
+/// that nginx's worker processes never make. Here each thread adds into a
+/// shard of its own, a cache line apart, as [`Latency`] does; a read sums
+/// the shards. The sum is exact once the counting has stopped; while it
+/// goes on, a read may miss an add that an earlier read of another shard
+/// saw, which no rate over a window can tell.
+/// Clones share the counts, as prometheus-client's metrics do.
+#[derive(Clone, Default)]
+pub struct ShardedCounter {
+    shards: Arc<[CounterShard; SHARDS]>,
+}
+
+/// One thread's count, alone on its cache line.
+#[derive(Default)]
+#[repr(align(128))]
+struct CounterShard(AtomicU64);
+
+impl std::fmt::Debug for ShardedCounter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_tuple("ShardedCounter").field(&self.get()).finish()
+    }
+}
+
+impl ShardedCounter {
+    pub fn inc(&self) {
+        self.shards[my_shard()].0.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The count: every shard's, summed.
+    pub fn get(&self) -> u64 {
+        self.shards
+            .iter()
+            .map(|s| s.0.load(Ordering::Relaxed))
+            .fold(0, u64::wrapping_add)
+    }
+}
+
+impl TypedMetric for ShardedCounter {
+    const TYPE: MetricType = MetricType::Counter;
+}
+
+impl EncodeMetric for ShardedCounter {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        encoder.encode_counter::<(), _, u64>(&self.get(), None)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        Self::TYPE
+    }
+}
 
 /// A latency histogram written on the request path: per forward
 /// (`upstream_response_seconds`) and per fenced write
@@ -441,8 +512,8 @@ impl EncodeMetric for Latency {
 impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("fencegate");
-        let decisions = Family::<DecisionLabels, Counter>::default();
-        let idempotency = Family::<IdempotencyLabels, Counter>::default();
+        let decisions = Family::<DecisionLabels, ShardedCounter>::default();
+        let idempotency = Family::<IdempotencyLabels, ShardedCounter>::default();
         let config_reloads = Family::<ReloadLabels, Counter>::default();
         // Both results from the start: an alert on the increase of a
         // counter sees its first failure only if the series existed before.
@@ -459,7 +530,7 @@ impl Metrics {
             "Idempotency-Key outcomes on fenced writes, by route",
             idempotency.clone(),
         );
-        let passthrough = Family::<RouteLabels, Counter>::default();
+        let passthrough = Family::<RouteLabels, ShardedCounter>::default();
         let upstream_latency: HistogramFamily<RouteLabels> =
             Family::new_with_constructor(Latency::default);
         let upstream_errors = Family::<UpstreamErrorLabels, Counter>::default();
@@ -624,6 +695,42 @@ mod tests {
         );
     }
 
+    /// A route's counters, added to from more threads than there are
+    /// shards, count every add, and render as counters with their labels:
+    /// passed-through requests, decisions and Idempotency-Key outcomes.
+    #[test]
+    fn sharded_counters_count_every_thread_and_render() {
+        let m = Metrics::new();
+        let route = m.for_route("docs");
+        std::thread::scope(|s| {
+            for _ in 0..(2 * SHARDS) {
+                let route = route.clone();
+                s.spawn(move || {
+                    for _ in 0..1000 {
+                        route.passthrough();
+                        route.decision(Outcome::Forwarded);
+                        route.idempotency(IdempotencyOutcome::Replayed);
+                    }
+                });
+            }
+        });
+        let n = 2000 * SHARDS as u64;
+        let counts = m.for_route("docs").counts();
+        assert_eq!(counts.passthrough, n);
+        assert_eq!(counts.decisions.get("forwarded"), Some(&n));
+        assert_rendered(
+            &m,
+            &[
+                "# TYPE fencegate_passthrough_requests counter\n",
+                &format!("fencegate_passthrough_requests_total{{route=\"docs\"}} {n}\n"),
+                &format!("fencegate_decisions_total{{route=\"docs\",outcome=\"forwarded\"}} {n}\n"),
+                &format!(
+                    "fencegate_idempotency_total{{route=\"docs\",outcome=\"replayed\"}} {n}\n"
+                ),
+            ],
+        );
+    }
+
     /// Observations from many threads at once are all counted, whichever
     /// shards they land in, and clones count into the same histogram.
     #[test]
@@ -714,7 +821,7 @@ impl Default for Metrics {
 /// lock. Clones share the same counters as the families.
 #[derive(Clone)]
 pub struct RouteMetrics {
-    passthrough: Counter,
+    passthrough: ShardedCounter,
     upstream_latency: Latency,
     /// Decisions and upstream failures, shared with every other
     /// `RouteMetrics` of this route name.
@@ -764,10 +871,16 @@ impl RouteMetrics {
     /// Everything counted for this route name so far.
     pub fn counts(&self) -> RouteCounts {
         let read = |cell: &OnceLock<Counter>| cell.get().map(Counter::get);
+        let read_sharded = |cell: &OnceLock<ShardedCounter>| cell.get().map(ShardedCounter::get);
         RouteCounts {
             decisions: Outcome::ALL
                 .iter()
-                .filter_map(|o| Some((o.as_str(), read(&self.cells.decisions[*o as usize])?)))
+                .filter_map(|o| {
+                    Some((
+                        o.as_str(),
+                        read_sharded(&self.cells.decisions[*o as usize])?,
+                    ))
+                })
                 .collect(),
             passthrough: self.passthrough.get(),
             upstream_errors: UpstreamFailure::ALL
@@ -778,11 +891,15 @@ impl RouteMetrics {
     }
 
     pub fn idempotency(&self, outcome: IdempotencyOutcome) {
-        self.metrics
-            .idempotency
-            .get_or_create(&IdempotencyLabels {
-                route: self.route.clone(),
-                outcome,
+        self.cells.idempotency[outcome as usize]
+            .get_or_init(|| {
+                self.metrics
+                    .idempotency
+                    .get_or_create(&IdempotencyLabels {
+                        route: self.route.clone(),
+                        outcome,
+                    })
+                    .clone()
             })
             .inc();
     }
