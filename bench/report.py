@@ -173,6 +173,22 @@ def mean_with(s, again, how, tail=""):
     s["notes"].append(f"mean of 2 {how}: " + ", ".join(f"{r:,.0f}" for r in runs) + tail)
 
 
+def combined_with(s, again, how):
+    """Makes scenario `s`'s rate that of its run and its repeats' rates
+    `again` together: the mean of two runs, the median of three or more
+    (one run slowed by a stall of the machine does not move a median),
+    and says so in its notes."""
+    if s["rps"] is None or not again:
+        return
+    if len(again) == 1:
+        mean_with(s, again[0], how)
+        return
+    runs = [s["rps"], *again]
+    s["rps"] = statistics.median(runs)
+    s["runs"] = runs
+    s["notes"].append(f"median of {len(runs)} {how}: " + ", ".join(f"{r:,.0f}" for r in runs))
+
+
 def build(a):
     out = a.out
     scen = []
@@ -213,9 +229,8 @@ def build(a):
                               f" (409s in the second: {again['s409']})")
             else:
                 s["rps"] = total / secs
-                again = wrk(out, f"{sid}_r2")
-                if again:
-                    mean_with(s, again["requests"] / (again["duration_us"] / 1e6),
+                repeats = [r for r in (wrk(out, f"{sid}_r{n}") for n in (2, 3)) if r]
+                combined_with(s, [r["requests"] / (r["duration_us"] / 1e6) for r in repeats],
                               "alternated runs")
             expect = "s409" if mode == "stale" else "s2xx"
             unexpected = w["s2xx"] + w["s409"] + w["sother"] - w[expect]
