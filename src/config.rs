@@ -1692,14 +1692,15 @@ pub fn redact_url(url: &str) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn load(text: &str) -> Result<Config, ConfigError> {
         Config::from_toml("test.toml", text, Vec::new())
     }
 
-    const GOOD: &str = r#"
+    /// A minimal valid config: one route to `http://127.0.0.1:9000`.
+    pub(crate) const GOOD: &str = r#"
         [server]
         listen = "127.0.0.1:8080"
         admin_listen = "127.0.0.1:9090"

@@ -84,7 +84,9 @@ use std::time::{Duration, Instant};
 use hashbrown::hash_table::{Entry, HashTable};
 use tokio::sync::oneshot;
 
-/// The per-key admission state of one process.
+/// The per-key admission state of one process. A clone is the same gate:
+/// it shares the shards (see [`Gate::worker_copy`]).
+#[derive(Clone)]
 pub struct Gate {
     /// The slots, split by key (see the module docs); a power of two of
     /// them, so a key's shard is a few bits of its hash. Shared with this
@@ -355,14 +357,7 @@ impl Gate {
     /// ordering is its key's slot's, in the shared shards, whichever copy
     /// it came through.
     pub fn worker_copy(&self) -> Arc<Gate> {
-        Arc::new(Gate {
-            shards: Arc::clone(&self.shards),
-            hasher: self.hasher.clone(),
-            capacity: self.capacity,
-            exact: self.exact,
-            writer: self.writer.clone(),
-            unsettled_for: self.unsettled_for,
-        })
+        Arc::new(self.clone())
     }
 
     fn generation(&self) -> u64 {

@@ -293,7 +293,7 @@ pub struct Metrics {
     /// Time from sending a request upstream to its response head.
     pub upstream_latency: HistogramFamily<RouteLabels>,
     /// Upstream failures by kind (`unreachable`, `timeout`).
-    pub upstream_errors: Family<UpstreamErrorLabels, Counter>,
+    pub upstream_errors: Family<UpstreamErrorLabels, ShardedCounter>,
     /// Store failures by operation.
     pub store_errors: Family<StoreErrorLabels, Counter>,
     /// Time fenced writes spent being decided, from arrival to admission:
@@ -320,7 +320,7 @@ struct RouteCells {
     /// In `Outcome::ALL` order.
     decisions: [OnceLock<ShardedCounter>; Outcome::ALL.len()],
     /// In `UpstreamFailure::ALL` order.
-    upstream_errors: [OnceLock<Counter>; UpstreamFailure::ALL.len()],
+    upstream_errors: [OnceLock<ShardedCounter>; UpstreamFailure::ALL.len()],
     /// In `IdempotencyOutcome::ALL` order.
     idempotency: [OnceLock<ShardedCounter>; IdempotencyOutcome::ALL.len()],
 }
@@ -349,8 +349,8 @@ const BOUNDS: usize = 16;
 const SHARDS: usize = 8;
 
 /// A counter written on the request path: passed-through requests, fence
-/// decisions and `Idempotency-Key` outcomes, by every traffic worker at
-/// once.
+/// decisions, `Idempotency-Key` outcomes and upstream failures, by every
+/// traffic worker at once.
 ///
 /// prometheus-client's `Counter` is one atomic, and every worker adds to
 /// it: each add on one core takes the counter's cache line from the other
@@ -533,7 +533,7 @@ impl Metrics {
         let passthrough = Family::<RouteLabels, ShardedCounter>::default();
         let upstream_latency: HistogramFamily<RouteLabels> =
             Family::new_with_constructor(Latency::default);
-        let upstream_errors = Family::<UpstreamErrorLabels, Counter>::default();
+        let upstream_errors = Family::<UpstreamErrorLabels, ShardedCounter>::default();
         let store_errors = Family::<StoreErrorLabels, Counter>::default();
         // Every operation from the start, at 0, for the same reason as the
         // reloads: the store-unavailable alert rates this counter.
@@ -870,17 +870,11 @@ impl RouteMetrics {
 
     /// Everything counted for this route name so far.
     pub fn counts(&self) -> RouteCounts {
-        let read = |cell: &OnceLock<Counter>| cell.get().map(Counter::get);
-        let read_sharded = |cell: &OnceLock<ShardedCounter>| cell.get().map(ShardedCounter::get);
+        let read = |cell: &OnceLock<ShardedCounter>| cell.get().map(ShardedCounter::get);
         RouteCounts {
             decisions: Outcome::ALL
                 .iter()
-                .filter_map(|o| {
-                    Some((
-                        o.as_str(),
-                        read_sharded(&self.cells.decisions[*o as usize])?,
-                    ))
-                })
+                .filter_map(|o| Some((o.as_str(), read(&self.cells.decisions[*o as usize])?)))
                 .collect(),
             passthrough: self.passthrough.get(),
             upstream_errors: UpstreamFailure::ALL

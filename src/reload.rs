@@ -230,21 +230,9 @@ pub fn warn_if_open(config: &Config) {
 mod tests {
     use super::*;
 
+    /// config's sample, forwarding to `upstream`.
     fn config(upstream: &str) -> Config {
-        let text = format!(
-            r#"
-            [server]
-            listen = "127.0.0.1:8080"
-            admin_listen = "127.0.0.1:9090"
-            [store]
-            url = "sqlite://x.db"
-            [[routes]]
-            name = "documents"
-            path = "/docs/{{id}}"
-            upstream = "{upstream}"
-            key = "doc:{{id}}"
-            "#
-        );
+        let text = crate::config::tests::GOOD.replace("http://127.0.0.1:9000", upstream);
         Config::from_toml("t.toml", &text, Vec::new()).unwrap()
     }
 
