@@ -157,6 +157,18 @@ def pulses(out):
     return found
 
 
+def held(out):
+    """The keys held at the gate before each run, and how long the run
+    waited for them (see util.py gate_open), by run."""
+    found = {}
+    for name in sorted(os.listdir(out)):
+        m = re.fullmatch(r"held_(.+)\.txt", name)
+        parts = (read(os.path.join(out, name), "") or "").split() if m else []
+        if len(parts) == 2:
+            found[m.group(1)] = (int(parts[0]), parts[1])
+    return found
+
+
 def disturbance(run, p):
     return (f"run {run} DISTURBED: host steal {p['steal_pct']:.1f}% of the CPU time, "
             f"a 50 ms sleep woke {p['longest_late_ms']:,.0f} ms late")
@@ -277,6 +289,12 @@ def build(a):
         sid = re.sub(r"^pace_", "", run).split("_r")[0]
         if p["disturbed"] and sid in by_id:
             by_id[sid]["notes"].append(disturbance(run, p))
+    for run, (keys, waited) in held(out).items():
+        sid = re.sub(r"^pace_", "", run).split("_r")[0]
+        if sid in by_id:
+            by_id[sid]["notes"].append(
+                f"before run {run}: {keys} keys held by the previous run's last writes "
+                f"(its client left mid-exchange), waited out ({waited} s)")
     idem = {}
     for outcome in IDEM_OUTCOMES:
         v = read(os.path.join(out, f"fg_idem_{outcome}.txt"))

@@ -20,6 +20,9 @@ library only).
                                           context switches (BEFORE/AFTER: see split())
     util.py metric URL NAME [MATCH]       sum of the Prometheus samples of NAME at URL
                                           (only those whose labels contain MATCH)
+    util.py gate-open URL SECONDS FILE    wait (at most SECONDS) until the gateway whose
+                                          /metrics is URL holds no key at its gate; when it
+                                          held some, writes "KEYS WAITED_S" to FILE
     util.py vm PID                        VmRSS and VmHWM of PID in KiB: "RSS HWM"
     util.py pulse FILE                    until SIGTERM, how the machine kept time: the
                                           host's steal, and the longest gap between
@@ -201,6 +204,38 @@ def metric(url, name, match=""):
     print(int(total))
 
 
+def gate_keys(url):
+    with urllib.request.urlopen(url, timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("fencegate_gate_keys "):
+                return int(float(line.rsplit(" ", 1)[1]))
+    raise SystemExit(f"{url} has no fencegate_gate_keys")
+
+
+def gate_open(url, seconds, path):
+    """A load generator ends its run with requests in flight, and a fenced
+    write whose client leaves mid-exchange keeps its key closed until the
+    route's timeout_ms (the contract's rule: the gateway cannot know when the
+    upstream is done with it). A write scenario that starts before then
+    finds those keys closed: each of its requests to one waits at the gate,
+    and a closed-loop client's connections pile up behind them. So the next
+    scenario on the same gateway starts only once the gate is empty; how
+    many keys were held and how long that took goes to `path` for the
+    report."""
+    t0 = time.monotonic()
+    held = gate_keys(url)
+    keys = held
+    while keys > 0:
+        if time.monotonic() - t0 > float(seconds):
+            raise SystemExit(f"{keys} keys still held at the gate after {seconds} s")
+        time.sleep(0.1)
+        keys = gate_keys(url)
+    if held > 0:
+        with open(path, "w") as f:
+            f.write(f"{held} {time.monotonic() - t0:.1f}\n")
+    return 0
+
+
 def vm(pid):
     rss = hwm = 0
     with open(f"/proc/{pid}/status") as f:
@@ -268,6 +303,8 @@ def main(argv):
         split(*args)
     elif cmd == "metric":
         metric(*args)
+    elif cmd == "gate-open":
+        return gate_open(*args)
     elif cmd == "vm":
         vm(int(args[0]))
     elif cmd == "pulse":

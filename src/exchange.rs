@@ -33,6 +33,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::fence::Admission;
+use crate::gateway::GatedRoute;
+use crate::metrics::HoldReason;
 
 /// The state of one fenced exchange; shared by the forward and both body
 /// wrappers through an `Arc`.
@@ -46,6 +48,10 @@ pub struct Exchange {
     /// mistaken for a finished write at shutdown. Behind the worker's own
     /// `Arc` (see `GatewayState::store_runtime`).
     runtime: Arc<tokio::runtime::Handle>,
+    /// Where a hold is counted (`fencegate_held_keys_total`): the worker's
+    /// own copy of the route, so that taking it writes no memory another
+    /// worker reads (see `reload::WorkerLive`).
+    route: Arc<GatedRoute>,
 }
 
 struct State {
@@ -92,16 +98,29 @@ impl Progress {
     fn done(&self) -> bool {
         self.request_sent && self.response_ended && !self.early_answer
     }
+
+    /// Why an exchange that ended here is not done (the first of the
+    /// reasons that applies).
+    fn hold_reason(&self) -> HoldReason {
+        if self.early_answer {
+            HoldReason::EarlyAnswer
+        } else if !self.request_sent {
+            HoldReason::RequestUnfinished
+        } else {
+            HoldReason::AnswerUnfinished
+        }
+    }
 }
 
 impl Exchange {
     /// Starts tracking an exchange; `request_sent` when the request has no
-    /// body. `runtime`: see the field.
+    /// body. `runtime`, `route`: see the fields.
     pub fn new(
         admission: Admission,
         deadline: Instant,
         request_sent: bool,
         runtime: Arc<tokio::runtime::Handle>,
+        route: Arc<GatedRoute>,
     ) -> Arc<Self> {
         Arc::new(Self {
             state: Mutex::new(State {
@@ -114,6 +133,7 @@ impl Exchange {
             }),
             deadline,
             runtime,
+            route,
         })
     }
 
@@ -165,16 +185,19 @@ impl Exchange {
         self.release_now();
     }
 
-    /// Lets the key open now, whatever the exchange's progress.
-    fn release_now(&self) {
+    /// Lets the key open now, whatever the exchange's progress; answers
+    /// whether it was still closed.
+    fn release_now(&self) -> bool {
         let admission = self
             .state
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .admission
             .take();
+        let was_closed = admission.is_some();
         // Dropped outside the lock, as in `update`.
         drop(admission);
+        was_closed
     }
 }
 
@@ -184,7 +207,9 @@ impl Exchange {
 /// response body alive but idle). The key may open.
 impl crate::upstream::OnCut for Exchange {
     fn cut(&self) {
-        self.release_now();
+        if self.release_now() {
+            self.route.metrics.held_key(HoldReason::Timeout);
+        }
     }
 }
 
@@ -195,11 +220,14 @@ impl Drop for Exchange {
             return;
         };
         // Ended any other way than normally: the upstream may still be at
-        // work on this write until the deadline.
+        // work on this write until the deadline. One that lasted to the
+        // deadline was cut there, whichever of its parts let go last.
         let deadline = self.deadline;
         if Instant::now() >= deadline {
+            self.route.metrics.held_key(HoldReason::Timeout);
             return;
         }
+        self.route.metrics.held_key(state.progress.hold_reason());
         admission.abandon_in_flight();
         drop(self.runtime.spawn(async move {
             tokio::time::sleep_until(deadline.into()).await;
@@ -245,6 +273,23 @@ mod tests {
         p.response_head();
         p.response_ended();
         assert!(!p.done());
+    }
+
+    /// The reason a hold is counted under: an early answer is one whatever
+    /// else happened, then the first direction that did not finish.
+    #[test]
+    fn a_hold_is_counted_under_the_first_reason_that_applies() {
+        use crate::metrics::HoldReason;
+        let mut p = with_body();
+        assert_eq!(p.hold_reason(), HoldReason::RequestUnfinished);
+        p.request_sent(false);
+        assert_eq!(p.hold_reason(), HoldReason::AnswerUnfinished);
+        let mut early = with_body();
+        early.response_head();
+        assert_eq!(early.hold_reason(), HoldReason::EarlyAnswer);
+        early.request_sent(false);
+        early.response_ended();
+        assert_eq!(early.hold_reason(), HoldReason::EarlyAnswer);
     }
 
     #[test]

@@ -1361,7 +1361,7 @@ impl Future for Behind {
 /// Phase: forward, and build the response.
 async fn forward(
     state: &GatewayState,
-    route: &GatedRoute,
+    route: &Arc<GatedRoute>,
     req: Request<Body>,
     peer: Downstream,
     permit: Option<Admission>,
@@ -1375,8 +1375,10 @@ async fn forward(
     let outcome = has_body.then(BodyOutcome::default);
     // A fenced write's permit lives in its exchange until the upstream is
     // done with the write, or the deadline.
-    let exchange =
-        permit.map(|p| Exchange::new(p, deadline, !has_body, state.store_runtime.clone()));
+    let exchange = permit.map(|p| {
+        let runtime = state.store_runtime.clone();
+        Exchange::new(p, deadline, !has_body, runtime, route.clone())
+    });
     let body = match &outcome {
         None => Body::empty(),
         Some(o) => Body::new(LimitedBody::new(

@@ -172,6 +172,37 @@ label_values!(UpstreamFailure {
     Timeout => "timeout",
 });
 
+/// Why a fenced write's exchange did not end normally, which kept its key
+/// closed until the route's `timeout_ms` (see `exchange`): the `reason`
+/// label of `fencegate_held_keys_total`.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum HoldReason {
+    /// The request body was not handed to the upstream in full: the client
+    /// broke it off, or the upstream stopped taking it.
+    RequestUnfinished,
+    /// The answer began before the request body was handed over in full:
+    /// the upstream may go on reading and applying it.
+    EarlyAnswer,
+    /// The answer did not end normally: the client left before it ended
+    /// (before or after its head), or the upstream broke it off.
+    AnswerUnfinished,
+    /// The exchange was still going at the deadline, and was cut.
+    Timeout,
+}
+
+label_values!(HoldReason {
+    RequestUnfinished => "request_unfinished",
+    EarlyAnswer => "early_answer",
+    AnswerUnfinished => "answer_unfinished",
+    Timeout => "timeout",
+});
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HoldLabels {
+    pub route: String,
+    pub reason: HoldReason,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReloadLabels {
     pub result: &'static str,
@@ -296,6 +327,11 @@ pub struct Metrics {
     pub upstream_errors: Family<UpstreamErrorLabels, ShardedCounter>,
     /// Store failures by operation.
     pub store_errors: Family<StoreErrorLabels, Counter>,
+    /// Fenced writes whose exchange did not end normally, by route and
+    /// reason: each kept its key closed until the route's `timeout_ms`, and
+    /// the key's next writes waited for it. Counted when it happens (rare),
+    /// so a plain `Counter`.
+    pub held_keys: Family<HoldLabels, Counter>,
     /// Time fenced writes spent being decided, from arrival to admission:
     /// the store (shared mode: including waits for other instances' older
     /// writes) plus the wait at the gate for this instance's older writes.
@@ -540,6 +576,12 @@ impl Metrics {
         for op in [StoreOp::Record, StoreOp::Get, StoreOp::Ping] {
             let _ = store_errors.get_or_create(&StoreErrorLabels { op });
         }
+        let held_keys = Family::<HoldLabels, Counter>::default();
+        registry.register(
+            "held_keys",
+            "Fenced writes whose exchange did not end normally, so that their key stayed closed until the route's timeout_ms, by route and reason",
+            held_keys.clone(),
+        );
         let decision_time = Latency::default();
         let gate_keys = Gauge::default();
         let lock_events = Family::<LockLabels, Counter>::default();
@@ -591,6 +633,7 @@ impl Metrics {
             upstream_latency,
             upstream_errors,
             store_errors,
+            held_keys,
             decision_time,
             gate_keys,
             lock_events,
@@ -864,6 +907,18 @@ impl RouteMetrics {
                         kind,
                     })
                     .clone()
+            })
+            .inc();
+    }
+
+    /// A fenced write's exchange ended other than normally, and its key
+    /// stays closed until the deadline.
+    pub fn held_key(&self, reason: HoldReason) {
+        self.metrics
+            .held_keys
+            .get_or_create(&HoldLabels {
+                route: self.route.clone(),
+                reason,
             })
             .inc();
     }

@@ -128,6 +128,33 @@ impl Rig {
         self.apps.last().expect("an instance")
     }
 
+    /// Token 1's instance counted one hold of a key, for `reason`, and
+    /// none for any other (`None`: no hold at all), in
+    /// `fencegate_held_keys_total`. Polled for a few seconds: a hold cut
+    /// at the deadline is counted just after its key opens.
+    async fn assert_held(&self, reason: Option<&str>) {
+        let sample = "fencegate_held_keys_total{";
+        let holds = |text: &str| -> Vec<String> {
+            text.lines()
+                .filter(|l| l.starts_with(sample))
+                .map(str::to_string)
+                .collect()
+        };
+        let want = reason.map(|r| format!("{sample}route=\"docs\",reason=\"{r}\"}} 1"));
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let got = holds(&self.a().metrics().await);
+            if got == want.iter().cloned().collect::<Vec<_>>() {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "token 1's instance counted these holds: {got:?}; expected {want:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     /// Sends token 2 on `path` and waits for its answer: forwarded
     /// eventually (200).
     async fn token_2_is_forwarded(&self, path: &str) {
@@ -315,6 +342,7 @@ async fn upstream_breaks_after_the_head(setup: Setup) {
     tokio::time::sleep(TOKEN_2_PAUSE).await;
     rig.token_2_is_forwarded(path).await;
     assert_key_held_until_timeout(&rig, path, sent1).await;
+    rig.assert_held(Some("answer_unfinished")).await;
 }
 
 /// 2. The upstream streams its answer slowly; the client reads the head and
@@ -336,6 +364,7 @@ async fn client_leaves_during_the_answer(setup: Setup) {
     tokio::time::sleep(TOKEN_2_PAUSE).await;
     rig.token_2_is_forwarded(path).await;
     assert_key_held_until_timeout(&rig, path, sent1).await;
+    rig.assert_held(Some("answer_unfinished")).await;
 }
 
 /// 3. The client gives up (~200 ms) while the upstream still works (800 ms)
@@ -364,6 +393,7 @@ async fn client_leaves_before_the_head(setup: Setup) {
     );
     rig.token_2_is_forwarded(path).await;
     assert_key_held_until_timeout(&rig, path, sent1).await;
+    rig.assert_held(Some("answer_unfinished")).await;
 }
 
 /// 4. The upstream answers right after the head, then reads the body as it
@@ -431,6 +461,7 @@ async fn answer_while_the_body_is_sent(setup: Setup) {
         "the test sent token 2 while token 1's body was still being sent"
     );
     assert_key_held_until_timeout(&rig, path, sent1).await;
+    rig.assert_held(Some("early_answer")).await;
 }
 
 /// 5. The answer streams for 5 s, longer than `timeout_ms`, to a client
@@ -517,6 +548,7 @@ async fn exchange_cut_at_timeout(setup: Setup) {
         "the upstream's answer must be cut at timeout_ms ({TIMEOUT:?}) after token 1 \
          was sent, not before; it was cut at {cut:?}"
     );
+    rig.assert_held(Some("timeout")).await;
 }
 
 /// 6. Control: after a normal exchange the key opens at once, not after
@@ -551,6 +583,7 @@ async fn normal_exchange_reopens_at_once(setup: Setup) {
          token 1 was sent: the key must open when the answer has ended, not after \
          timeout_ms ({TIMEOUT:?})"
     );
+    rig.assert_held(None).await;
 }
 
 /// 7. The client sends the head and part of a chunked body, then goes away
@@ -587,6 +620,7 @@ async fn client_breaks_off_the_request_body(setup: Setup) {
          body that broke off the key must stay closed until timeout_ms ({TIMEOUT:?})\n{timeline}"
     );
     assert_eq!(rig.up.applied_tokens(path).last(), Some(&2), "{timeline}");
+    rig.assert_held(Some("request_unfinished")).await;
 }
 
 /// 8. The upstream applies the write, then sends a large answer as fast as
@@ -655,6 +689,7 @@ async fn client_stops_reading_the_answer(setup: Setup) {
          {cut:?}: token 2 did not follow the cut\n{timeline}"
     );
     assert_eq!(rig.up.applied_tokens(path), vec![1, 2], "{timeline}");
+    rig.assert_held(Some("timeout")).await;
     drop(s);
 }
 
