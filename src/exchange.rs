@@ -48,9 +48,10 @@ pub struct Exchange {
     /// mistaken for a finished write at shutdown. Behind the worker's own
     /// `Arc` (see `GatewayState::store_runtime`).
     runtime: Arc<tokio::runtime::Handle>,
-    /// Where a hold is counted (`fencegate_held_keys_total`): the worker's
-    /// own copy of the route, so that taking it writes no memory another
-    /// worker reads (see `reload::WorkerLive`).
+    /// Where a hold is counted (`fencegate_held_keys_total`). The copy of
+    /// the route of the worker the write came in on, as the write's
+    /// accounting holds it: its reference count is not one that every
+    /// traffic worker writes (see `reload::WorkerLive`).
     route: Arc<GatedRoute>,
 }
 
