@@ -21,8 +21,10 @@
 //! coming and is applied afterwards); 5. an answer streaming longer than
 //! `timeout_ms` is cut then; 6. control: a normal exchange reopens the key at
 //! once; 7. the client breaks off while sending the request body; 8. the
-//! client stops reading a large answer but stays connected. Then a
-//! randomized mix of all of it on three keys.
+//! client stops reading a large answer but stays connected; 9. a client
+//! that left mid-answer tries to extend its hold with another write of its
+//! token. Then a randomized mix of all of it on three keys. Each case also
+//! checks what `fencegate_held_keys_total` counted, and why.
 //!
 //! Timing: `timeout_ms` is 2 s and the upstream's work about 0.5 s. "Token 2
 //! arrived no earlier than `timeout_ms` after token 1's forward began" is
@@ -30,8 +32,8 @@
 //! forward began: the bound can only be looser than the contract's, never
 //! stricter, so a slow machine cannot make a correct gateway fail it. The
 //! only upper bounds (case 5: token 2 comes before the upstream's 5 s stream
-//! would end; case 6: token 2 comes before `timeout_ms`) leave seconds of
-//! slack.
+//! would end; case 6: token 2 comes before `timeout_ms`; case 9: token 2
+//! comes within 5 s after `timeout_ms`) leave seconds of slack.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -315,6 +317,7 @@ on_every_setup!(exchange_cut_at_timeout);
 on_every_setup!(normal_exchange_reopens_at_once);
 on_every_setup!(client_breaks_off_the_request_body);
 on_every_setup!(client_stops_reading_the_answer);
+on_every_setup!(a_departed_writer_cannot_extend_its_hold);
 
 /// 1. The upstream sends the head and a chunk, resets the connection, and
 ///    goes on working. The client sees the body break off; token 2, sent
@@ -1155,4 +1158,79 @@ async fn a_paused_instance_sends_nothing_past_its_deadline() {
     );
     assert_eq!(up.applied_tokens(path), vec![2], "{one:?}");
     drop(s);
+}
+
+/// 9. A hostile (or buggy) holder of token 1 keeps the key closed to a newer
+///    token by leaving mid-exchange, then tries to extend the hold with more
+///    writes of its token. Token 2 is recorded on arrival, so the later
+///    token-1 write is refused (409) and never reaches the upstream, and
+///    token 2 follows once token 1's one hold ends: at `timeout_ms`, not
+///    later than the bound allows (shared mode's in-flight marker lasts 1 s
+///    longer; a few seconds of slack on top).
+async fn a_departed_writer_cannot_extend_its_hold(setup: Setup) {
+    let rig = Rig::new(setup, TIMEOUT).await;
+    let path = "/docs/extend";
+    let sent1 = Instant::now();
+    let mut s = raw_write(rig.a(), path, 1, Behaviour::SlowStream, &[], "one").await;
+    let (status, _) = read_response_head(&mut s, &mut BytesMut::new())
+        .await
+        .expect("token 1's answer head");
+    assert_eq!(status, 200);
+    drop(s); // leaves mid-answer: the key is held until timeout_ms
+    tokio::time::sleep(TOKEN_2_PAUSE).await;
+    let two = rig.send_token_2(path);
+    // Token 2 is recorded before it waits for the key.
+    let recorded = Instant::now() + Duration::from_secs(5);
+    loop {
+        let fence: serde_json::Value = rig
+            .a()
+            .admin_get("/fences/doc:extend")
+            .await
+            .json()
+            .await
+            .expect("the fence as JSON");
+        if fence["highest_token"] == 2 {
+            break;
+        }
+        assert!(
+            Instant::now() < recorded,
+            "token 2 was never recorded: {fence}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let again = rig
+        .http
+        .put(rig.a().url(path))
+        .header(FENCE_HEADER, "1")
+        .body("one again")
+        .send()
+        .await
+        .expect("the gateway answers token 1 again");
+    assert_eq!(
+        again.status(),
+        409,
+        "a write of the older token after the newer one was recorded must be stale"
+    );
+    assert_eq!(
+        two.await.unwrap(),
+        200,
+        "token 2 is forwarded once the hold ends"
+    );
+    let timeline = settled_without_breach(&rig, path, sent1).await;
+    assert_eq!(
+        rig.up.arrived(path, 1),
+        1,
+        "the refused token-1 write reached the upstream\n{timeline}"
+    );
+    let after = rig
+        .up
+        .write(path, 2)
+        .started
+        .saturating_duration_since(sent1);
+    assert!(
+        after >= TIMEOUT && after < TIMEOUT + Duration::from_secs(5),
+        "token 2 reached the upstream {after:?} after token 1 was sent: the hold must \
+         last timeout_ms ({TIMEOUT:?}), and the older token cannot extend it\n{timeline}"
+    );
+    rig.assert_held(Some("answer_unfinished")).await;
 }
