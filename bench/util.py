@@ -194,22 +194,18 @@ def split(path, name, before, after):
           f" {upstream * us:>9.2f} {machine * us:>9.2f} {vol / n:>8.3f} {inv / n:>8.3f}")
 
 
-def metric(url, name, match=""):
+def metric_sum(url, name, match=""):
     with urllib.request.urlopen(url, timeout=5) as r:
         text = r.read().decode()
     total = 0.0
     for line in text.splitlines():
         if (line.startswith(name + "{") or line.startswith(name + " ")) and match in line:
             total += float(line.rsplit(" ", 1)[1])
-    print(int(total))
+    return int(total)
 
 
-def gate_keys(url):
-    with urllib.request.urlopen(url, timeout=5) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("fencegate_gate_keys "):
-                return int(float(line.rsplit(" ", 1)[1]))
-    raise SystemExit(f"{url} has no fencegate_gate_keys")
+def metric(url, name, match=""):
+    print(metric_sum(url, name, match))
 
 
 def gate_open(url, seconds, path):
@@ -223,13 +219,13 @@ def gate_open(url, seconds, path):
     many keys were held and how long that took goes to `path` for the
     report."""
     t0 = time.monotonic()
-    held = gate_keys(url)
+    held = metric_sum(url, "fencegate_gate_keys")
     keys = held
     while keys > 0:
         if time.monotonic() - t0 > float(seconds):
             raise SystemExit(f"{keys} keys still held at the gate after {seconds} s")
         time.sleep(0.1)
-        keys = gate_keys(url)
+        keys = metric_sum(url, "fencegate_gate_keys")
     if held > 0:
         with open(path, "w") as f:
             f.write(f"{held} {time.monotonic() - t0:.1f}\n")

@@ -190,6 +190,15 @@ pub enum HoldReason {
     Timeout,
 }
 
+impl HoldReason {
+    pub const ALL: [HoldReason; 4] = [
+        HoldReason::RequestUnfinished,
+        HoldReason::EarlyAnswer,
+        HoldReason::AnswerUnfinished,
+        HoldReason::Timeout,
+    ];
+}
+
 label_values!(HoldReason {
     RequestUnfinished => "request_unfinished",
     EarlyAnswer => "early_answer",
@@ -359,6 +368,8 @@ struct RouteCells {
     upstream_errors: [OnceLock<ShardedCounter>; UpstreamFailure::ALL.len()],
     /// In `IdempotencyOutcome::ALL` order.
     idempotency: [OnceLock<ShardedCounter>; IdempotencyOutcome::ALL.len()],
+    /// In `HoldReason::ALL` order. Rare: a plain `Counter`.
+    held_keys: [OnceLock<Counter>; HoldReason::ALL.len()],
 }
 
 /// What one route has counted since the process started, for the
@@ -815,6 +826,13 @@ mod tests {
     }
 
     #[test]
+    fn hold_reasons_index_their_counters() {
+        for (i, r) in HoldReason::ALL.iter().enumerate() {
+            assert_eq!(*r as usize, i, "{r:?} is out of order in HoldReason::ALL");
+        }
+    }
+
+    #[test]
     fn a_reloaded_route_keeps_its_counts() {
         let m = Metrics::new();
         let before = m.for_route("docs");
@@ -914,11 +932,15 @@ impl RouteMetrics {
     /// A fenced write's exchange ended other than normally, and its key
     /// stays closed until the deadline.
     pub fn held_key(&self, reason: HoldReason) {
-        self.metrics
-            .held_keys
-            .get_or_create(&HoldLabels {
-                route: self.route.clone(),
-                reason,
+        self.cells.held_keys[reason as usize]
+            .get_or_init(|| {
+                self.metrics
+                    .held_keys
+                    .get_or_create(&HoldLabels {
+                        route: self.route.clone(),
+                        reason,
+                    })
+                    .clone()
             })
             .inc();
     }
