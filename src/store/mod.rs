@@ -277,6 +277,23 @@ pub(crate) async fn bounded<T, E>(
     }
 }
 
+/// The migrations a binary carries, made to run against a database that
+/// later binaries have migrated further: their migrations are applied in
+/// order and skipped once applied (checksums checked), and a migration
+/// the binary does not know is not an error. Migrations keep what the
+/// versions before them call working (functions replaced with the same
+/// signatures and outcomes, tables and columns added with defaults; none
+/// drops or renames anything since Postgres's 0005), so during a rolling
+/// upgrade, or after a roll back, an instance of the earlier version that
+/// restarts after a later one migrated the store must still start, and
+/// sqlx's default refuses to start it (`VersionMissing`).
+pub(super) fn accepting_later_migrations(
+    mut migrator: sqlx::migrate::Migrator,
+) -> sqlx::migrate::Migrator {
+    migrator.set_ignore_missing(true);
+    migrator
+}
+
 /// Applies the migrations for the backend a URL names, then exits; used by
 /// `fencegate migrate`.
 pub async fn migrate_url(url: &str) -> Result<(), StoreError> {

@@ -106,7 +106,10 @@ SELECT pg_is_in_recovery(),
             THEN NULL
             ELSE pg_try_advisory_lock($1, $2) END";
 
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/postgres");
+/// This backend's migrations (see [`super::accepting_later_migrations`]).
+fn migrator() -> sqlx::migrate::Migrator {
+    super::accepting_later_migrations(sqlx::migrate!("migrations/postgres"))
+}
 
 /// A batch of decisions in one statement. Keys are deduplicated keeping
 /// the highest token (ON CONFLICT may not touch a row twice) and locked in
@@ -183,7 +186,7 @@ impl PgStore {
                     StoreError::Other(format!("cannot connect to {}: {e}", redact_url(&cfg.url)))
                 }
             })?;
-        MIGRATOR.run(&pool).await?;
+        migrator().run(&pool).await?;
         let owner = if single {
             Some(OwnerLock::acquire(opts.clone(), cfg.timeout, view.clone()).await?)
         } else {
@@ -1021,7 +1024,7 @@ async fn outwait(
 pub async fn migrate_url(url: &str) -> Result<(), StoreError> {
     let opts = connect_options(url, Duration::from_secs(30))?;
     let mut conn = PgConnection::connect_with(&opts).await?;
-    MIGRATOR.run(&mut conn).await?;
+    migrator().run(&mut conn).await?;
     conn.close().await?;
     Ok(())
 }

@@ -28,7 +28,10 @@ use super::sql::sqlite_now_ms;
 use super::{bounded, StoreError};
 use crate::config::StoreConfig;
 
-static MIGRATOR: sqlx::migrate::Migrator = sqlx::migrate!("migrations/sqlite");
+/// This backend's migrations (see [`super::accepting_later_migrations`]).
+fn migrator() -> sqlx::migrate::Migrator {
+    super::accepting_later_migrations(sqlx::migrate!("migrations/sqlite"))
+}
 
 /// One decision of a batch: returns a row only when it raised the token.
 #[rustfmt::skip]
@@ -67,7 +70,7 @@ impl SqliteStore {
     pub async fn open(path: &Path, cfg: &StoreConfig) -> Result<Self, StoreError> {
         let owner = lock_file(path)?;
         let pool = pool(path, cfg.timeout).await?;
-        MIGRATOR.run(&pool).await?;
+        migrator().run(&pool).await?;
         // One batch at a time: SQLite has one writer (and we one connection).
         let batcher = {
             let pool = pool.clone();
@@ -202,7 +205,7 @@ fn lock_file(path: &Path) -> Result<File, StoreError> {
 pub async fn migrate_path(path: &Path) -> Result<(), StoreError> {
     let _owner = lock_file(path)?;
     let pool = pool(path, Duration::from_secs(30)).await?;
-    MIGRATOR.run(&pool).await?;
+    migrator().run(&pool).await?;
     pool.close().await;
     Ok(())
 }

@@ -145,6 +145,41 @@ async fn migrate_command_creates_the_schema() {
             Backend::Postgres => fence_rows!(sqlx::PgConnection),
         };
         assert_eq!(n, 0);
+        // A later version migrated the store further (a rolling upgrade, or
+        // a roll back): this binary, now the earlier one, still migrates
+        // and starts. sqlx's default fails with VersionMissing here.
+        macro_rules! later_migration {
+            ($connection:ty) => {{
+                let mut c = <$connection>::connect(&store.url).await.unwrap();
+                sqlx::query(
+                    "INSERT INTO _sqlx_migrations \
+                     (version, description, success, checksum, execution_time) \
+                     VALUES (999999, 'from a later version', true, $1, 0)",
+                )
+                .bind(vec![0_u8])
+                .execute(&mut c)
+                .await
+                .unwrap();
+            }};
+        }
+        match b {
+            Backend::Sqlite => later_migration!(sqlx::SqliteConnection),
+            Backend::Postgres => later_migration!(sqlx::PgConnection),
+        }
+        let (code, out, err) = run(&["migrate", "--database-url", &store.url]);
+        assert_eq!(
+            code, 0,
+            "{b:?} after a later version's migration: {out}{err}"
+        );
+        let up = crate::support::upstream::Upstream::start().await;
+        let app = crate::support::app::TestApp::spawn(
+            &store.url,
+            &crate::support::app::docs_route(&up.url()),
+        )
+        .await;
+        assert_eq!(app.put("/docs/a", Some("1"), "a").await.status(), 200);
+        assert_eq!(up.applied_on("/docs/a").len(), 1);
+        app.stop().await;
     }
     let (code, _, err) = run(&[
         "migrate",

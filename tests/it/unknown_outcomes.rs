@@ -144,11 +144,20 @@ async fn a_failing_leave_keeps_the_key_closed_until_the_marker_expires() {
         let text = config_sections("", &store.url, SHARED_STORE, &route);
         apps.push(TestApp::from_text(&text).await);
     }
-    // Migrations have run: break the leave.
+    // Migrations have run: break the leave, whichever statement writes it
+    // (a leave is the one write that counts a key's writers down under the
+    // same highest token).
     let mut conn = PgConnection::connect(&store.url).await.unwrap();
-    sqlx::query(
-        "CREATE OR REPLACE FUNCTION fencegate_leave_one(p_key text, p_token bigint) \
-         RETURNS void LANGUAGE plpgsql AS $$ BEGIN RAISE EXCEPTION 'leave broken'; END $$",
+    sqlx::raw_sql(
+        "CREATE FUNCTION no_leave() RETURNS trigger LANGUAGE plpgsql AS $$ BEGIN \
+             IF NEW.highest_token = OLD.highest_token \
+                AND (NEW.inflight < OLD.inflight OR NEW.draining < OLD.draining) THEN \
+                 RAISE EXCEPTION 'leave broken'; \
+             END IF; \
+             RETURN NEW; \
+         END $$; \
+         CREATE TRIGGER no_leave BEFORE UPDATE ON fences \
+             FOR EACH ROW EXECUTE FUNCTION no_leave();",
     )
     .execute(&mut conn)
     .await
