@@ -128,8 +128,10 @@ impl Fence {
         self.quarantine_until.is_some_and(|u| Instant::now() < u)
     }
 
-    /// Whether a decision uses store connections directly from the calling
-    /// task (shared mode), rather than only through the batcher's channel.
+    /// Whether a keyed decision (a first use of an `Idempotency-Key`) uses
+    /// store connections directly from the calling task (shared mode's
+    /// `fencegate_enter_keyed`), rather than only through a batcher's
+    /// channel. Every other decision goes through a channel in both modes.
     pub fn talks_to_store(&self) -> bool {
         self.store.is_shared()
     }

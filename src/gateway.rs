@@ -759,7 +759,12 @@ impl FencedWrite {
     /// halfway by the client leaving. The task accounts for the write itself
     /// (the client may be gone by the time it ends).
     ///
-    /// A keyed write first asks memory for a completed record of its key
+    /// A write without an `Idempotency-Key` is polled here, on this worker,
+    /// in either mode: its decision reaches the store only through a
+    /// batcher's channel (single mode's fence batches, shared mode's
+    /// admissions and leaves), whose answers come back to this worker, and
+    /// its forward uses this worker's upstream connections. A keyed write
+    /// first asks memory for a completed record of its key
     /// ([`FencedWrite::ask_memory`]), on this worker: a replay from memory
     /// (or its 422) needs neither the store nor, in shared mode, a hop to
     /// the store's runtime.
@@ -769,10 +774,7 @@ impl FencedWrite {
         peer: Downstream,
         access: Option<Access>,
     ) -> Result<Response, GatewayError> {
-        // Its store part on this worker: polled here. Otherwise `start`
-        // spawns it where that part runs (the store's runtime in shared
-        // mode; a keyed write takes its memory step here first).
-        if self.idem.is_none() && !state.fence.talks_to_store() {
+        if self.idem.is_none() {
             return ToTheEnd::new(self, state, peer, access).await;
         }
         let (answer, answered) = oneshot::channel();
@@ -782,9 +784,9 @@ impl FencedWrite {
         )))
     }
 
-    /// Spawns the write's task. Not part of `run`'s future on purpose: the
-    /// task's state would then count in the request's future too, which is
-    /// moved into its box on every request.
+    /// Spawns a keyed write's task. Not part of `run`'s future on purpose:
+    /// the task's state would then count in the request's future too, which
+    /// is moved into its box on every request.
     fn start(
         self: Box<Self>,
         state: Arc<GatewayState>,
@@ -793,8 +795,8 @@ impl FencedWrite {
         answer: oneshot::Sender<Ended>,
     ) {
         // Where the store's part runs: in shared mode on the store's
-        // runtime (the decision uses its connections directly); a keyed
-        // write gets there after its memory step, which runs here.
+        // runtime (the keyed decision uses its connections directly), after
+        // the memory step, which runs here.
         let store_rt = state
             .fence
             .talks_to_store()
@@ -802,11 +804,11 @@ impl FencedWrite {
         let books = self.books(access);
         let mut write = self;
         let Some(key) = write.idem.take() else {
-            spawn_on(store_rt, async move {
-                let (forwarded, ended) = write.decide_and_forward(&state, peer, &answer).await;
-                books.close(&state, forwarded, &ended);
-                let _ = answer.send(ended);
-            });
+            let ended = Err(GatewayError::Internal(
+                "a write without an Idempotency-Key was started as a keyed one",
+            ));
+            books.close(&state, false, &ended);
+            let _ = answer.send(ended);
             return;
         };
         spawn_on(None, async move {
