@@ -100,10 +100,11 @@ pub struct GatewayState {
     /// read (see `idempotency::cache`).
     pub replays: Arc<idempotency::ReplayCache>,
     /// The runtime that owns the store's connections. Requests are served on
-    /// worker threads with runtimes of their own; a fenced write that talks
-    /// to the store directly (shared mode) runs here instead, and outlives
-    /// the worker. Single mode reaches the store only through the batcher's
-    /// channel, so its writes stay on the worker. Each worker has its own
+    /// worker threads with runtimes of their own; a keyed first use in
+    /// shared mode, whose statement uses the store's connections directly,
+    /// runs its store part and forward here instead, and outlives the
+    /// worker. Every other fenced write reaches the store only through a
+    /// batcher's channel, so it stays on its worker. Each worker has its own
     /// `Arc` of it: every fenced write's exchange clones it, and a clone of
     /// the runtime's own handle would write to the count all workers share
     /// (see `reload::WorkerLive`).
