@@ -383,6 +383,9 @@ pub struct RouteCounts {
     pub passthrough: u64,
     /// Upstream failures by kind label.
     pub upstream_errors: std::collections::BTreeMap<&'static str, u64>,
+    /// Fenced writes whose key stayed closed until `timeout_ms`
+    /// (`fencegate_held_keys_total`), by reason label.
+    pub held_keys: std::collections::BTreeMap<&'static str, u64>,
 }
 
 /// Upper bound of a [`Latency`] histogram's first bucket: 0.5 ms.
@@ -957,6 +960,10 @@ impl RouteMetrics {
             upstream_errors: UpstreamFailure::ALL
                 .iter()
                 .filter_map(|k| Some((k.as_str(), read(&self.cells.upstream_errors[*k as usize])?)))
+                .collect(),
+            held_keys: HoldReason::ALL
+                .iter()
+                .filter_map(|r| Some((r.as_str(), self.cells.held_keys[*r as usize].get()?.get())))
                 .collect(),
         }
     }

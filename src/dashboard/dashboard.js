@@ -162,6 +162,11 @@
       tr.appendChild(otherCell);
       tr.appendChild(cell("Pass-through", fmtCount(r.counts.passthrough), "num"));
       tr.appendChild(cell("Upstream errors", fmtCount(errors), "num" + (errors ? " bad" : "")));
+      const held = sum(r.counts.held_keys);
+      const heldCell = cell("Held keys", fmtCount(held), "num held" + (held ? " bad" : ""));
+      heldCell.title = Object.entries(r.counts.held_keys || {})
+        .map(([k, v]) => k + ": " + v).join("\n") || "none";
+      tr.appendChild(heldCell);
       const spark = cell("Last minute", null);
       spark.appendChild(sparkline(state.history.get(r.name) || []));
       tr.appendChild(spark);

@@ -127,6 +127,32 @@ async fn the_dashboard_shows_live_data_looks_up_fences_and_shows_refusals() {
         })
         .await;
 
+    // A write whose client leaves before its answer holds its key until the
+    // route's timeout: the route's row counts it, by reason.
+    let gone = crate::support::fenced_put(&app.http, app.url("/docs/gone"), "1", "w")
+        .header("x-test-delay-ms", "500")
+        .timeout(Duration::from_millis(100))
+        .send()
+        .await;
+    assert!(gone.is_err(), "the client left before its answer");
+    browser
+        .wait_for("1 held key on route docs", PATIENCE, || async {
+            let t = browser.text(&format!("{row} td.held")).await?;
+            (t == "1").then_some(())
+        })
+        .await;
+    let reasons = browser
+        .eval(
+            &format!("return document.querySelector('{row} td.held').title;"),
+            vec![],
+        )
+        .await;
+    assert_eq!(
+        reasons.as_str(),
+        Some("answer_unfinished: 1"),
+        "the hold's reason"
+    );
+
     // Self-contained: everything the page loaded came from the admin
     // listener (its Content-Security-Policy would block anything else).
     let origin = format!("http://{}", app.admin);
