@@ -709,7 +709,7 @@ impl ToTheEnd {
     ) -> Self {
         let left = Arc::new(AtomicBool::new(false));
         let client = left.clone();
-        let books = write.books(access);
+        let books = write.books(access, false);
         let write = Box::pin(async move {
             let (forwarded, ended) = write.decide_and_forward(&state, peer, &*client).await;
             books.close(&state, forwarded, &ended);
@@ -770,16 +770,16 @@ impl FencedWrite {
     /// (or its 422) needs neither the store nor, in shared mode, a hop to
     /// the store's runtime.
     async fn run(
-        self: Box<Self>,
+        mut self: Box<Self>,
         state: Arc<GatewayState>,
         peer: Downstream,
         access: Option<Access>,
     ) -> Result<Response, GatewayError> {
-        if self.idem.is_none() {
+        let Some(key) = self.idem.take() else {
             return ToTheEnd::new(self, state, peer, access).await;
-        }
+        };
         let (answer, answered) = oneshot::channel();
-        self.start(state, peer, access, answer);
+        self.start(key, state, peer, access, answer);
         answered.await.unwrap_or(Err(GatewayError::Internal(
             "the fenced write task ended without an answer",
         )))
@@ -790,6 +790,7 @@ impl FencedWrite {
     /// is moved into its box on every request.
     fn start(
         self: Box<Self>,
+        key: String,
         state: Arc<GatewayState>,
         peer: Downstream,
         access: Option<Access>,
@@ -802,16 +803,8 @@ impl FencedWrite {
             .fence
             .talks_to_store()
             .then(|| (*state.store_runtime).clone());
-        let books = self.books(access);
+        let books = self.books(access, true);
         let mut write = self;
-        let Some(key) = write.idem.take() else {
-            let ended = Err(GatewayError::Internal(
-                "a write without an Idempotency-Key was started as a keyed one",
-            ));
-            books.close(&state, false, &ended);
-            let _ = answer.send(ended);
-            return;
-        };
         spawn_on(None, async move {
             let first = match Box::pin(write.ask_memory(&state, key)).await {
                 Ok(first) => first,
@@ -836,11 +829,13 @@ impl FencedWrite {
     }
 
     /// What accounting needs of the write once its request is consumed.
-    fn books(&self, access: Option<Access>) -> Books {
+    /// `keyed`: the write came with an `Idempotency-Key` (which `run` has
+    /// taken out of it by then).
+    fn books(&self, access: Option<Access>, keyed: bool) -> Books {
         Books {
             route: self.route.clone(),
             method: self.req.method().clone(),
-            keyed: self.idem.is_some(),
+            keyed,
             access,
         }
     }
