@@ -6,7 +6,9 @@
 //! Listings page by key (keyset pagination: `key > after`, never `OFFSET`),
 //! in byte order: a prefix is then one contiguous range, bounded above by the
 //! prefix's successor ([`prefix_end`]), and each page is an index range scan
-//! (Postgres compares with `COLLATE "C"`, which migration 0006 indexes).
+//! (Postgres compares with `COLLATE "C"`: since migration 0014 the key
+//! columns' own collation, so the primary keys serve it; the explicit
+//! `COLLATE` keeps the order on a store an earlier version created).
 
 use chrono::{DateTime, Utc};
 use sqlx::Row;

@@ -168,3 +168,132 @@ async fn restart_after_crash_waits_for_in_flight_writes(b: Backend) {
     let gw = GatewayProcess::start(&config);
     assert!(!gw.log().contains("did not stop cleanly"), "{}", gw.log());
 }
+
+/// A Postgres store created before its keys were kept in byte order
+/// (migration 0014) keeps what it holds through the upgrade: a key's
+/// highest token still refuses older ones, at the upstream too, and a
+/// stored answer still replays without a forward; afterwards its key
+/// columns compare as bytes (`COLLATE "C"`), whatever the database's
+/// collation, and the primary key is the listings' only index on them.
+#[tokio::test]
+async fn a_store_from_before_keys_compared_as_bytes_keeps_what_it_holds() {
+    let store = TestStore::new(Backend::Postgres).await;
+    // The schema as the versions before 0014 left it: the repository's own
+    // migrations up to 0013, applied and recorded by sqlx.
+    let earlier = tempfile::tempdir().unwrap();
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations/postgres");
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.as_str() < "0014" {
+            std::fs::copy(&path, earlier.path().join(&name)).unwrap();
+        }
+    }
+    let mut c = PgConnection::connect(&store.url).await.unwrap();
+    sqlx::migrate::Migrator::new(earlier.path())
+        .await
+        .unwrap()
+        .run(&mut c)
+        .await
+        .unwrap();
+    let collation = |table: &'static str, column: &'static str| {
+        let url = store.url.clone();
+        async move {
+            let mut c = PgConnection::connect(&url).await.unwrap();
+            sqlx::query_scalar::<_, Option<String>>(
+                "SELECT collation_name::text FROM information_schema.columns \
+                 WHERE table_name = $1 AND column_name = $2",
+            )
+            .bind(table)
+            .bind(column)
+            .fetch_one(&mut c)
+            .await
+            .unwrap()
+        }
+    };
+    assert_eq!(collation("fences", "resource_key").await, None);
+    // Data written by this version on that schema: 0014 marked as applied
+    // for the while, so that the gateway starts without applying it.
+    let current = sqlx::migrate!("./migrations/postgres");
+    let bytes = current.iter().find(|m| m.version == 14).unwrap();
+    sqlx::query(
+        "INSERT INTO _sqlx_migrations (version, description, success, checksum, execution_time) \
+         VALUES ($1, $2, true, $3, 0)",
+    )
+    .bind(bytes.version)
+    .bind(&*bytes.description)
+    .bind(&*bytes.checksum)
+    .execute(&mut c)
+    .await
+    .unwrap();
+    let up = Upstream::start().await;
+    let routes = format!("{}idempotency = \"optional\"\n", docs_route(&up.url()));
+    let keyed = |app: &TestApp, token: &str, body: &str| {
+        app.http
+            .post(app.url("/docs/b"))
+            .header("x-fence-token", token)
+            .header("content-type", "text/plain")
+            .header("idempotency-key", "\"order-1\"")
+            .body(body.to_string())
+            .send()
+    };
+    let app = TestApp::spawn(&store.url, &routes).await;
+    for key in ["/docs/a", "/docs/B", "/docs/%C3%A9"] {
+        assert_eq!(app.put(key, Some("34"), "v34").await.status(), 200);
+    }
+    let first = keyed(&app, "7", "B7").await.unwrap();
+    assert_eq!(first.status(), 200);
+    let first = first.text().await.unwrap();
+    app.stop().await;
+    assert_eq!(collation("idempotency", "idem_key").await, None);
+    // The upgrade: this version starts and applies 0014.
+    sqlx::query("DELETE FROM _sqlx_migrations WHERE version = 14")
+        .execute(&mut c)
+        .await
+        .unwrap();
+    let forwarded = up.applied().len();
+    let app = TestApp::spawn(&store.url, &routes).await;
+    for (table, column) in [
+        ("fences", "resource_key"),
+        ("locks", "name"),
+        ("idempotency", "route"),
+        ("idempotency", "method"),
+        ("idempotency", "idem_key"),
+    ] {
+        assert_eq!(
+            collation(table, column).await.as_deref(),
+            Some("C"),
+            "{table}.{column}"
+        );
+    }
+    let indexes: Vec<String> = sqlx::query_scalar(
+        "SELECT indexname::text FROM pg_indexes WHERE tablename IN ('fences', 'locks') \
+         ORDER BY indexname",
+    )
+    .fetch_all(&mut c)
+    .await
+    .unwrap();
+    assert_eq!(indexes, ["fences_pkey", "locks_pkey"]);
+    for key in ["/docs/a", "/docs/B", "/docs/%C3%A9"] {
+        app.assert_stale(key, "33", "v33", 34).await;
+    }
+    let again = keyed(&app, "7", "B7").await.unwrap();
+    assert_eq!(again.status(), 200);
+    assert_eq!(again.headers()["idempotent-replayed"], "true");
+    assert_eq!(again.text().await.unwrap(), first);
+    assert_eq!(
+        up.applied().len(),
+        forwarded,
+        "a stale write or a replay was forwarded after the upgrade"
+    );
+    // Every key still has its one row, which new tokens raise.
+    for key in ["/docs/a", "/docs/B", "/docs/%C3%A9"] {
+        assert_eq!(app.put(key, Some("35"), "v35").await.status(), 200);
+    }
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM fences")
+        .fetch_one(&mut c)
+        .await
+        .unwrap();
+    assert_eq!(rows, 4, "doc:a, doc:B, doc:é and doc:b");
+    app.stop().await;
+}
