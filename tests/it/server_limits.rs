@@ -3,6 +3,7 @@
 
 use std::time::Duration;
 
+use sqlx::{Connection, PgConnection};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::support::app::{config_sections, config_text, docs_route, TestApp};
@@ -67,6 +68,86 @@ async fn connection_limit_queues_extra_clients() {
         .unwrap();
     assert_eq!(status, 404);
     drop(b);
+}
+
+/// A fenced write whose client left mid-exchange goes on in a task of its
+/// own (it must not be cut off halfway); SIGTERM then must still let it end
+/// before the process exits, and keep its key held until the route's
+/// deadline (within the grace period), so that an instance started at once
+/// cannot forward a newer token that overtakes it at the upstream: the
+/// upstream applies 5 then 6, once each.
+/// Single mode on SQLite, and shared mode on Postgres.
+#[tokio::test]
+async fn sigterm_lets_a_write_whose_client_left_finish() {
+    for shared in [false, true] {
+        let store = TestStore::new(if shared {
+            Backend::Postgres
+        } else {
+            Backend::Sqlite
+        })
+        .await;
+        let up = Upstream::start().await;
+        let mode = if shared { "mode = \"shared\"\n" } else { "" };
+        // A client that left holds its key until the route's timeout
+        // (CONTRACT.md), and a clean stop waits for that: kept short here.
+        let routes = format!("{mode}{}timeout_ms = 2500\n", docs_route(&up.url()));
+        let config = config_text(&store.url, &routes);
+        let mut gw = GatewayProcess::start(&config);
+        let gone = reqwest::Client::builder()
+            .timeout(Duration::from_millis(300))
+            .build()
+            .unwrap();
+        let put = crate::support::fenced_put(&gone, gw.url("/docs/left"), 5, "five")
+            .header("x-test-delay-ms", "1200")
+            .send();
+        assert!(
+            put.await.is_err(),
+            "shared={shared}: the client was to give up before the upstream answered"
+        );
+        assert_eq!(
+            up.in_flight(),
+            1,
+            "shared={shared}: the write was not at the upstream when its client left"
+        );
+        gw.signal(libc::SIGTERM);
+        let exit = tokio::task::spawn_blocking(move || {
+            let s = gw.wait_exit(Duration::from_secs(15));
+            (s, gw.log())
+        })
+        .await
+        .unwrap();
+        assert_eq!(exit.0.and_then(|s| s.code()), Some(0), "{}", exit.1);
+        if shared {
+            // Its exchange did not end normally (nobody read the answer), so
+            // its in-flight marker is not left but outlives the deadline
+            // (`InFlight::abandon`), as after a crash: bounded, and then the
+            // key opens on every instance.
+            let mut c = PgConnection::connect(&store.url).await.unwrap();
+            let (highest, bounded): (i64, bool) = sqlx::query_as(
+                "SELECT highest_token, inflight = 0 OR writer_until < now() + interval '30 s' \
+                 FROM fences WHERE resource_key = 'doc:left'",
+            )
+            .fetch_one(&mut c)
+            .await
+            .unwrap();
+            assert_eq!((highest, bounded), (5, true), "{}", exit.1);
+        }
+        // The next instance, at once: its newer token must not reach the
+        // upstream before the write the stopped one still had there.
+        let app = TestApp::spawn(&store.url, &routes).await;
+        assert_eq!(app.put("/docs/left", Some("6"), "six").await.status(), 200);
+        crate::support::wait_for("the upstream done with both writes", || up.in_flight() == 0)
+            .await;
+        let applied = up.applied_on("/docs/left");
+        assert_eq!(
+            applied.iter().map(|a| a.token).collect::<Vec<_>>(),
+            [Some(5), Some(6)],
+            "shared={shared}: the stop let a newer token overtake a write still at the upstream\n{}",
+            exit.1
+        );
+        app.assert_stale("/docs/left", "4", "four", 6).await;
+        app.stop().await;
+    }
 }
 
 #[tokio::test]
