@@ -70,6 +70,20 @@ async fn connection_limit_queues_extra_clients() {
     drop(b);
 }
 
+/// Waits for a gateway process told to stop (within 15 s: its grace period
+/// is longer, but the tests' writes end sooner) and asserts it exited 0;
+/// returns its log.
+async fn exits_0(mut gw: GatewayProcess) -> String {
+    let (status, log) = tokio::task::spawn_blocking(move || {
+        let s = gw.wait_exit(Duration::from_secs(15));
+        (s, gw.log())
+    })
+    .await
+    .unwrap();
+    assert_eq!(status.and_then(|s| s.code()), Some(0), "{log}");
+    log
+}
+
 /// A fenced write whose client left mid-exchange goes on in a task of its
 /// own (it must not be cut off halfway); SIGTERM then must still let it end
 /// before the process exits, and keep its key held until the route's
@@ -92,7 +106,7 @@ async fn sigterm_lets_a_write_whose_client_left_finish() {
         // (CONTRACT.md), and a clean stop waits for that: kept short here.
         let routes = format!("{mode}{}timeout_ms = 2500\n", docs_route(&up.url()));
         let config = config_text(&store.url, &routes);
-        let mut gw = GatewayProcess::start(&config);
+        let gw = GatewayProcess::start(&config);
         let gone = reqwest::Client::builder()
             .timeout(Duration::from_millis(300))
             .build()
@@ -110,13 +124,7 @@ async fn sigterm_lets_a_write_whose_client_left_finish() {
             "shared={shared}: the write was not at the upstream when its client left"
         );
         gw.signal(libc::SIGTERM);
-        let exit = tokio::task::spawn_blocking(move || {
-            let s = gw.wait_exit(Duration::from_secs(15));
-            (s, gw.log())
-        })
-        .await
-        .unwrap();
-        assert_eq!(exit.0.and_then(|s| s.code()), Some(0), "{}", exit.1);
+        let log = exits_0(gw).await;
         if shared {
             // Its exchange did not end normally (nobody read the answer), so
             // its in-flight marker is not left but outlives the deadline
@@ -130,7 +138,7 @@ async fn sigterm_lets_a_write_whose_client_left_finish() {
             .fetch_one(&mut c)
             .await
             .unwrap();
-            assert_eq!((highest, bounded), (5, true), "{}", exit.1);
+            assert_eq!((highest, bounded), (5, true), "{log}");
         }
         // The next instance, at once: its newer token must not reach the
         // upstream before the write the stopped one still had there.
@@ -142,8 +150,7 @@ async fn sigterm_lets_a_write_whose_client_left_finish() {
         assert_eq!(
             applied.iter().map(|a| a.token).collect::<Vec<_>>(),
             [Some(5), Some(6)],
-            "shared={shared}: the stop let a newer token overtake a write still at the upstream\n{}",
-            exit.1
+            "shared={shared}: the stop let a newer token overtake a write still at the upstream\n{log}"
         );
         app.assert_stale("/docs/left", "4", "four", 6).await;
         app.stop().await;
@@ -154,7 +161,7 @@ async fn sigterm_lets_a_write_whose_client_left_finish() {
 async fn sigterm_lets_in_flight_writes_finish_and_exits_0() {
     let store = TestStore::new(Backend::Sqlite).await;
     let up = Upstream::start().await;
-    let mut gw = GatewayProcess::start(&config_text(&store.url, &docs_route(&up.url())));
+    let gw = GatewayProcess::start(&config_text(&store.url, &docs_route(&up.url())));
     let slow = up.held_write(gw.url("/docs/s"), "1", "slow", 700).await;
     assert_eq!(
         up.in_flight(),
@@ -164,12 +171,6 @@ async fn sigterm_lets_in_flight_writes_finish_and_exits_0() {
     gw.signal(libc::SIGTERM);
     let status = slow.await.unwrap().expect("in-flight write answered");
     assert_eq!(status, 200);
-    let exit = tokio::task::spawn_blocking(move || {
-        let s = gw.wait_exit(Duration::from_secs(10));
-        (s, gw.log())
-    })
-    .await
-    .unwrap();
-    assert_eq!(exit.0.and_then(|s| s.code()), Some(0), "{}", exit.1);
+    exits_0(gw).await;
     assert_eq!(up.applied().len(), 1);
 }
