@@ -25,6 +25,17 @@
 -- earlier versions' shared-mode instances read its keys back with a
 -- prepared statement, which a new collation of a column it returns would
 -- break ("cached plan must not change result type").
+--
+-- The rebuilds take time in proportion to the rows (1.8 s for a million
+-- fence rows and a million records), so this migration lifts the statement
+-- timeout a gateway's connections carry (a few store timeouts, which would
+-- stop it, and the instance with it, on a large store). And it waits at
+-- most 5 s for each table's lock: behind a long transaction on one of them
+-- it fails (the instance stops at start-up, to be started again) rather than
+-- queue every write of every instance behind its wait.
+SET LOCAL statement_timeout = 0;
+SET LOCAL lock_timeout = '5s';
+
 ALTER TABLE fences ALTER COLUMN resource_key TYPE text COLLATE "C";
 DROP INDEX IF EXISTS fences_key_bytes;
 

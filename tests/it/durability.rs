@@ -178,40 +178,8 @@ async fn restart_after_crash_waits_for_in_flight_writes(b: Backend) {
 #[tokio::test]
 async fn a_store_from_before_keys_compared_as_bytes_keeps_what_it_holds() {
     let store = TestStore::new(Backend::Postgres).await;
-    // The schema as the versions before 0014 left it: the repository's own
-    // migrations up to 0013, applied and recorded by sqlx.
-    let earlier = tempfile::tempdir().unwrap();
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations/postgres");
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
-        let name = path.file_name().unwrap().to_string_lossy().into_owned();
-        if name.as_str() < "0014" {
-            std::fs::copy(&path, earlier.path().join(&name)).unwrap();
-        }
-    }
-    let mut c = PgConnection::connect(&store.url).await.unwrap();
-    sqlx::migrate::Migrator::new(earlier.path())
-        .await
-        .unwrap()
-        .run(&mut c)
-        .await
-        .unwrap();
-    let collation = |table: &'static str, column: &'static str| {
-        let url = store.url.clone();
-        async move {
-            let mut c = PgConnection::connect(&url).await.unwrap();
-            sqlx::query_scalar::<_, Option<String>>(
-                "SELECT collation_name::text FROM information_schema.columns \
-                 WHERE table_name = $1 AND column_name = $2",
-            )
-            .bind(table)
-            .bind(column)
-            .fetch_one(&mut c)
-            .await
-            .unwrap()
-        }
-    };
-    assert_eq!(collation("fences", "resource_key").await, None);
+    let mut c = store_at_0013(&store.url).await;
+    assert_eq!(collation_of(&mut c, "fences", "resource_key").await, None);
     // Data written by this version on that schema: 0014 marked as applied
     // for the while, so that the gateway starts without applying it.
     let current = sqlx::migrate!("./migrations/postgres");
@@ -245,7 +213,7 @@ async fn a_store_from_before_keys_compared_as_bytes_keeps_what_it_holds() {
     assert_eq!(first.status(), 200);
     let first = first.text().await.unwrap();
     app.stop().await;
-    assert_eq!(collation("idempotency", "idem_key").await, None);
+    assert_eq!(collation_of(&mut c, "idempotency", "idem_key").await, None);
     // The upgrade: this version starts and applies 0014.
     sqlx::query("DELETE FROM _sqlx_migrations WHERE version = 14")
         .execute(&mut c)
@@ -261,7 +229,7 @@ async fn a_store_from_before_keys_compared_as_bytes_keeps_what_it_holds() {
         ("idempotency", "idem_key"),
     ] {
         assert_eq!(
-            collation(table, column).await.as_deref(),
+            collation_of(&mut c, table, column).await.as_deref(),
             Some("C"),
             "{table}.{column}"
         );
@@ -296,4 +264,117 @@ async fn a_store_from_before_keys_compared_as_bytes_keeps_what_it_holds() {
         .unwrap();
     assert_eq!(rows, 4, "doc:a, doc:B, doc:é and doc:b");
     app.stop().await;
+}
+
+/// A connection to the Postgres store at `url`, migrated as the versions
+/// before 0014 left it: the repository's own migrations up to 0013, applied
+/// and recorded by sqlx.
+async fn store_at_0013(url: &str) -> PgConnection {
+    let earlier = tempfile::tempdir().unwrap();
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("migrations/postgres");
+    for entry in std::fs::read_dir(&dir).unwrap() {
+        let path = entry.unwrap().path();
+        let name = path.file_name().unwrap().to_string_lossy().into_owned();
+        if name.as_str() < "0014" {
+            std::fs::copy(&path, earlier.path().join(&name)).unwrap();
+        }
+    }
+    let mut c = PgConnection::connect(url).await.unwrap();
+    sqlx::migrate::Migrator::new(earlier.path())
+        .await
+        .unwrap()
+        .run(&mut c)
+        .await
+        .unwrap();
+    c
+}
+
+/// Migration 0014 rebuilds the key indexes, which takes time in proportion
+/// to the rows, on a gateway's connection, which carries a statement
+/// timeout of a few store timeouts: the migration lifts it, so a large
+/// store is migrated however short its timeout. Here 300,000 keys and a
+/// statement timeout of 50 ms (the rebuild alone takes several times that).
+#[tokio::test]
+async fn migration_0014_is_not_cut_by_the_statement_timeout() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let mut c = store_at_0013(&store.url).await;
+    sqlx::query(
+        "INSERT INTO fences (resource_key, highest_token, updated_at) \
+         SELECT 'doc:' || md5(g::text), g, now() FROM generate_series(1, 300000) g",
+    )
+    .execute(&mut c)
+    .await
+    .unwrap();
+    let opts: sqlx::postgres::PgConnectOptions = store.url.parse().unwrap();
+    let mut short = PgConnection::connect_with(&opts.options([("statement_timeout", "50")]))
+        .await
+        .unwrap();
+    // The bound holds for the rest: a statement as long as the rebuild is
+    // cut on this connection.
+    let cut = sqlx::query("SELECT pg_sleep(0.5)")
+        .execute(&mut short)
+        .await;
+    assert!(cut.is_err(), "the connection has no statement timeout");
+    sqlx::migrate!("./migrations/postgres")
+        .run(&mut short)
+        .await
+        .expect("0014 applied on a connection with a 50 ms statement timeout");
+    assert_eq!(
+        collation_of(&mut c, "fences", "resource_key")
+            .await
+            .as_deref(),
+        Some("C")
+    );
+}
+
+/// Behind a transaction that holds a lock on `fences` (an operator's
+/// session left open), migration 0014 gives up after its lock timeout
+/// instead of waiting on, with every write of every instance queued behind
+/// it; nothing of it stays, and once that transaction ended it applies.
+#[tokio::test]
+async fn migration_0014_gives_up_behind_a_long_transaction() {
+    let store = TestStore::new(Backend::Postgres).await;
+    let mut c = store_at_0013(&store.url).await;
+    let mut blocker = PgConnection::connect(&store.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut blocker).await.unwrap();
+    sqlx::query("SELECT count(*) FROM fences")
+        .execute(&mut blocker)
+        .await
+        .unwrap();
+    let refused = tokio::time::timeout(
+        Duration::from_secs(30),
+        sqlx::migrate!("./migrations/postgres").run(&mut c),
+    )
+    .await
+    .expect("0014 waited on behind the transaction");
+    let why = format!("{refused:?}");
+    assert!(
+        why.contains("55P03"),
+        "0014 did not give up on the lock (lock_not_available): {why}"
+    );
+    assert_eq!(collation_of(&mut c, "fences", "resource_key").await, None);
+    sqlx::query("COMMIT").execute(&mut blocker).await.unwrap();
+    sqlx::migrate!("./migrations/postgres")
+        .run(&mut c)
+        .await
+        .expect("0014 applied once the lock was free");
+    assert_eq!(
+        collation_of(&mut c, "fences", "resource_key")
+            .await
+            .as_deref(),
+        Some("C")
+    );
+}
+
+/// The collation of a column of the store's tables, if it has its own.
+async fn collation_of(c: &mut PgConnection, table: &str, column: &str) -> Option<String> {
+    sqlx::query_scalar(
+        "SELECT collation_name::text FROM information_schema.columns \
+         WHERE table_name = $1 AND column_name = $2",
+    )
+    .bind(table)
+    .bind(column)
+    .fetch_one(c)
+    .await
+    .unwrap()
 }
