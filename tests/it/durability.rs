@@ -315,16 +315,7 @@ async fn migration_0014_is_not_cut_by_the_statement_timeout() {
         .execute(&mut short)
         .await;
     assert!(cut.is_err(), "the connection has no statement timeout");
-    sqlx::migrate!("./migrations/postgres")
-        .run(&mut short)
-        .await
-        .expect("0014 applied on a connection with a 50 ms statement timeout");
-    assert_eq!(
-        collation_of(&mut c, "fences", "resource_key")
-            .await
-            .as_deref(),
-        Some("C")
-    );
+    applies_0014(&mut short, "on a connection with a 50 ms statement timeout").await;
 }
 
 /// Behind a transaction that holds a lock on `fences` (an operator's
@@ -354,15 +345,19 @@ async fn migration_0014_gives_up_behind_a_long_transaction() {
     );
     assert_eq!(collation_of(&mut c, "fences", "resource_key").await, None);
     sqlx::query("COMMIT").execute(&mut blocker).await.unwrap();
-    sqlx::migrate!("./migrations/postgres")
-        .run(&mut c)
-        .await
-        .expect("0014 applied once the lock was free");
+    applies_0014(&mut c, "once the lock was free").await;
+}
+
+/// Runs this version's migrations on `c`, which must apply 0014 (`when`
+/// says in which case): the keys compare as bytes afterwards.
+async fn applies_0014(c: &mut PgConnection, when: &str) {
+    if let Err(e) = sqlx::migrate!("./migrations/postgres").run(&mut *c).await {
+        panic!("0014 was not applied {when}: {e}");
+    }
     assert_eq!(
-        collation_of(&mut c, "fences", "resource_key")
-            .await
-            .as_deref(),
-        Some("C")
+        collation_of(c, "fences", "resource_key").await.as_deref(),
+        Some("C"),
+        "{when}"
     );
 }
 
