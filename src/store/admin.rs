@@ -7,8 +7,8 @@
 //! in byte order: a prefix is then one contiguous range, bounded above by the
 //! prefix's successor ([`prefix_end`]), and each page is an index range scan
 //! (Postgres compares with `COLLATE "C"`: since migration 0014 the key
-//! columns' own collation, so the primary keys serve it; the explicit
-//! `COLLATE` keeps the order on a store an earlier version created).
+//! columns' own collation, so the primary keys serve it; the statements
+//! still name it, so that they say which order they page in).
 
 use chrono::{DateTime, Utc};
 use sqlx::Row;
