@@ -132,7 +132,7 @@ impl Fence {
     /// store connections directly from the calling task (shared mode's
     /// `fencegate_enter_keyed`), rather than only through a batcher's
     /// channel. Every other decision goes through a channel in both modes.
-    pub fn talks_to_store(&self) -> bool {
+    pub fn keyed_talks_to_store(&self) -> bool {
         self.store.is_shared()
     }
 

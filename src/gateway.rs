@@ -801,7 +801,7 @@ impl FencedWrite {
         // the memory step, which runs here.
         let store_rt = state
             .fence
-            .talks_to_store()
+            .keyed_talks_to_store()
             .then(|| (*state.store_runtime).clone());
         let books = self.books(access, true);
         let mut write = self;

@@ -388,6 +388,20 @@ pub struct RouteCounts {
     pub held_keys: std::collections::BTreeMap<&'static str, u64>,
 }
 
+/// A route's counts of one family by label: each of `labels` whose cell
+/// was ever written (`value` is `None` for the others, which are left out,
+/// as a reason that never happened has no series either).
+fn by_label<L: Copy>(
+    labels: &[L],
+    name: impl Fn(L) -> &'static str,
+    value: impl Fn(L) -> Option<u64>,
+) -> std::collections::BTreeMap<&'static str, u64> {
+    labels
+        .iter()
+        .filter_map(|&l| Some((name(l), value(l)?)))
+        .collect()
+}
+
 /// Upper bound of a [`Latency`] histogram's first bucket: 0.5 ms.
 const FIRST_BOUND_NS: u64 = 500_000;
 /// Buckets with an upper bound, each twice the one before: 0.5 ms to
@@ -951,20 +965,18 @@ impl RouteMetrics {
     /// Everything counted for this route name so far.
     pub fn counts(&self) -> RouteCounts {
         let read = |cell: &OnceLock<ShardedCounter>| cell.get().map(ShardedCounter::get);
+        let cells = &self.cells;
         RouteCounts {
-            decisions: Outcome::ALL
-                .iter()
-                .filter_map(|o| Some((o.as_str(), read(&self.cells.decisions[*o as usize])?)))
-                .collect(),
+            decisions: by_label(&Outcome::ALL, Outcome::as_str, |o| {
+                read(&cells.decisions[o as usize])
+            }),
             passthrough: self.passthrough.get(),
-            upstream_errors: UpstreamFailure::ALL
-                .iter()
-                .filter_map(|k| Some((k.as_str(), read(&self.cells.upstream_errors[*k as usize])?)))
-                .collect(),
-            held_keys: HoldReason::ALL
-                .iter()
-                .filter_map(|r| Some((r.as_str(), self.cells.held_keys[*r as usize].get()?.get())))
-                .collect(),
+            upstream_errors: by_label(&UpstreamFailure::ALL, UpstreamFailure::as_str, |k| {
+                read(&cells.upstream_errors[k as usize])
+            }),
+            held_keys: by_label(&HoldReason::ALL, HoldReason::as_str, |r| {
+                cells.held_keys[r as usize].get().map(Counter::get)
+            }),
         }
     }
 
