@@ -129,12 +129,19 @@ async fn the_dashboard_shows_live_data_looks_up_fences_and_shows_refusals() {
 
     // A write whose client leaves before its answer holds its key until the
     // route's timeout: the route's row counts it, by reason.
-    let gone = crate::support::fenced_put(&app.http, app.url("/docs/gone"), "1", "w")
-        .header("x-test-delay-ms", "500")
-        .timeout(Duration::from_millis(100))
-        .send()
-        .await;
-    assert!(gone.is_err(), "the client left before its answer");
+    // It leaves once the upstream has the write (500 ms of work), not
+    // after a fixed time that a slow forward could outlast.
+    let gone = tokio::spawn(
+        crate::support::fenced_put(&reqwest::Client::new(), app.url("/docs/gone"), "1", "w")
+            .header("x-test-delay-ms", "500")
+            .send(),
+    );
+    crate::support::wait_for("the write at the upstream", || up.in_flight() == 1).await;
+    gone.abort();
+    assert!(
+        gone.await.is_err_and(|e| e.is_cancelled()),
+        "the client left before its answer"
+    );
     browser
         .wait_for("1 held key on route docs", PATIENCE, || async {
             let t = browser.text(&format!("{row} td.held")).await?;

@@ -6,6 +6,7 @@ use std::time::{Duration, Instant};
 
 use sqlx::{Connection, PgConnection};
 
+use crate::idempotency::keyed;
 use crate::support::app::{config_text, docs_route, problem, TestApp};
 use crate::support::db::{Backend, TestStore, SINGLE_WRITER_NAMESPACE};
 use crate::support::fenced_put;
@@ -196,20 +197,12 @@ async fn a_store_from_before_keys_compared_as_bytes_keeps_what_it_holds() {
     .unwrap();
     let up = Upstream::start().await;
     let routes = format!("{}idempotency = \"optional\"\n", docs_route(&up.url()));
-    let keyed = |app: &TestApp, token: &str, body: &str| {
-        app.http
-            .post(app.url("/docs/b"))
-            .header("x-fence-token", token)
-            .header("content-type", "text/plain")
-            .header("idempotency-key", "\"order-1\"")
-            .body(body.to_string())
-            .send()
-    };
+    let order = Some("\"order-1\"");
     let app = TestApp::spawn(&store.url, &routes).await;
     for key in ["/docs/a", "/docs/B", "/docs/%C3%A9"] {
         assert_eq!(app.put(key, Some("34"), "v34").await.status(), 200);
     }
-    let first = keyed(&app, "7", "B7").await.unwrap();
+    let first = keyed(&app, "/docs/b", "7", order, "B7", &[]).await;
     assert_eq!(first.status(), 200);
     let first = first.text().await.unwrap();
     app.stop().await;
@@ -245,7 +238,7 @@ async fn a_store_from_before_keys_compared_as_bytes_keeps_what_it_holds() {
     for key in ["/docs/a", "/docs/B", "/docs/%C3%A9"] {
         app.assert_stale(key, "33", "v33", 34).await;
     }
-    let again = keyed(&app, "7", "B7").await.unwrap();
+    let again = keyed(&app, "/docs/b", "7", order, "B7", &[]).await;
     assert_eq!(again.status(), 200);
     assert_eq!(again.headers()["idempotent-replayed"], "true");
     assert_eq!(again.text().await.unwrap(), first);

@@ -18,7 +18,9 @@ fn idem_route(upstream: &str, extra: &str) -> String {
     )
 }
 
-async fn keyed(
+/// A POST of `body` with `token` and, if given, `Idempotency-Key: key`
+/// and the `extra` headers.
+pub(crate) async fn keyed(
     app: &TestApp,
     path: &str,
     token: &str,
