@@ -30,6 +30,7 @@ use std::sync::Arc;
 use std::thread::ThreadId;
 use std::time::Duration;
 
+use futures_util::FutureExt;
 use tokio::runtime::Handle;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 
@@ -111,6 +112,24 @@ impl<T: Send + 'static, A: Send + 'static> Batcher<T, A> {
         let posted = Arc::new(AtomicUsize::new(0));
         let ran = posted.clone();
         tokio::spawn(async move {
+            if concurrency == 1 {
+                // One batch at a time: each runs in this task, back to back.
+                // A task spawned per batch and a slot to wait for would put
+                // two wake-ups of this runtime (often one on each of its
+                // threads) between a batch's answer and the next batch's
+                // statement, the one stretch of a batcher's cycle that
+                // nothing overlaps: every first use and raising write waits
+                // through it.
+                while let Some(first) = rx.recv().await {
+                    let items = take_queued(first, &mut rx, max_batch);
+                    // A panic in `run` must not stop the batcher: its
+                    // requesters are told (their replies dropped), as a
+                    // spawned batch's would be, and the next batch runs.
+                    let batch = run_batch(items, &*run, &ran, timeout);
+                    let _ = std::panic::AssertUnwindSafe(batch).catch_unwind().await;
+                }
+                return;
+            }
             let slots = Arc::new(Semaphore::new(concurrency));
             while let Some(first) = rx.recv().await {
                 // Wait for a free slot *before* draining the queue: while all
@@ -119,51 +138,10 @@ impl<T: Send + 'static, A: Send + 'static> Batcher<T, A> {
                 let Ok(slot) = slots.clone().acquire_owned().await else {
                     return;
                 };
-                let mut items = vec![first];
-                while items.len() < max_batch {
-                    match rx.try_recv() {
-                        Ok(i) => items.push(i),
-                        Err(_) => break,
-                    }
-                }
+                let items = take_queued(first, &mut rx, max_batch);
                 let (run, ran) = (run.clone(), ran.clone());
                 tokio::spawn(async move {
-                    let mut whats = Vec::with_capacity(items.len());
-                    let mut waiting = Vec::with_capacity(items.len());
-                    let posts = items.iter().filter(|i| i.posted).count();
-                    for item in items {
-                        whats.push(item.what);
-                        waiting.push((item.reply, item.home));
-                    }
-                    let count = waiting.len();
-                    let result = match tokio::time::timeout(timeout, run(whats)).await {
-                        Ok(Ok(answers)) if answers.len() == count => Ok(answers),
-                        Ok(Ok(_)) => Err("a batch lost an answer".to_string()),
-                        Ok(Err(e)) => Err(e.to_string()),
-                        Err(_) => Err(format!("no answer within {timeout:?}")),
-                    };
-                    let (mut answers, failed) = match result {
-                        Ok(a) => (a.into_iter(), None),
-                        Err(e) => (Vec::new().into_iter(), Some(e)),
-                    };
-                    let mut homes: Homes<A> = HashMap::new();
-                    for (reply, home) in waiting {
-                        let answer = match &failed {
-                            Some(e) => Err(e.clone()),
-                            None => answers
-                                .next()
-                                .ok_or_else(|| "a batch lost an answer".to_string()),
-                        };
-                        match home {
-                            Some((thread, rt)) => {
-                                let home = homes.entry(thread).or_insert_with(|| (rt, Vec::new()));
-                                home.1.push((reply, answer));
-                            }
-                            None => drop(reply.send(answer)),
-                        }
-                    }
-                    deliver(homes);
-                    ran.fetch_sub(posts, Ordering::AcqRel);
+                    run_batch(items, &*run, &ran, timeout).await;
                     drop(slot);
                 });
             }
@@ -280,6 +258,73 @@ pub(super) async fn decide(fences: &Fences, key: &str, token: i64) -> Result<i64
         .ok_or_else(|| StoreError::Other("a batch lost a key's answer".into()))
 }
 
+/// `first` and whatever else is queued, up to `max_batch` items in all.
+fn take_queued<T, A>(
+    first: Item<T, A>,
+    rx: &mut mpsc::Receiver<Item<T, A>>,
+    max_batch: usize,
+) -> Vec<Item<T, A>> {
+    let mut items = vec![first];
+    while items.len() < max_batch {
+        match rx.try_recv() {
+            Ok(i) => items.push(i),
+            Err(_) => break,
+        }
+    }
+    items
+}
+
+/// Runs one batch and answers its items: each with its answer once the
+/// batch has committed, or all with the batch's error (a failure, a lost
+/// answer, or none within `timeout`).
+async fn run_batch<T, A, F, Fut>(
+    items: Vec<Item<T, A>>,
+    run: &F,
+    ran: &AtomicUsize,
+    timeout: Duration,
+) where
+    A: Send + 'static,
+    F: Fn(Vec<T>) -> Fut,
+    Fut: Future<Output = Result<Vec<A>, StoreError>>,
+{
+    let mut whats = Vec::with_capacity(items.len());
+    let mut waiting = Vec::with_capacity(items.len());
+    let posts = items.iter().filter(|i| i.posted).count();
+    for item in items {
+        whats.push(item.what);
+        waiting.push((item.reply, item.home));
+    }
+    let count = waiting.len();
+    let result = match tokio::time::timeout(timeout, run(whats)).await {
+        Ok(Ok(answers)) if answers.len() == count => Ok(answers),
+        Ok(Ok(_)) => Err("a batch lost an answer".to_string()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no answer within {timeout:?}")),
+    };
+    let (mut answers, failed) = match result {
+        Ok(a) => (a.into_iter(), None),
+        Err(e) => (Vec::new().into_iter(), Some(e)),
+    };
+    let mut homes: Homes<A> = HashMap::new();
+    for (reply, home) in waiting {
+        let answer = match &failed {
+            Some(e) => Err(e.clone()),
+            None => answers
+                .next()
+                .ok_or_else(|| "a batch lost an answer".to_string()),
+        };
+        match home {
+            Some((thread, rt)) => {
+                let home = homes.entry(thread).or_insert_with(|| (rt, Vec::new()));
+                home.1.push((reply, answer));
+            }
+            None => drop(reply.send(answer)),
+        }
+    }
+    deliver(homes);
+    ran.fetch_sub(posts, Ordering::AcqRel);
+}
+
 type Answer<A> = Result<A, String>;
 
 /// A batch's answers by the requesters' threads.
@@ -362,5 +407,89 @@ mod tests {
         let mut got = written.lock().unwrap().clone();
         got.sort_unstable();
         assert_eq!(got, vec![1, 2]);
+    }
+
+    /// A batcher whose batches record their sizes, and whose first batch
+    /// waits until `open` is notified.
+    fn sized(
+        concurrency: usize,
+        open: Arc<tokio::sync::Notify>,
+    ) -> (Batcher<u32, u32>, Arc<Mutex<Vec<usize>>>) {
+        let sizes = Arc::new(Mutex::new(Vec::new()));
+        let batcher = {
+            let sizes = sizes.clone();
+            Batcher::spawn(
+                64,
+                concurrency,
+                Duration::from_secs(5),
+                move |items: Vec<u32>| {
+                    let (sizes, open) = (sizes.clone(), open.clone());
+                    async move {
+                        let first = sizes.lock().unwrap().is_empty();
+                        sizes.lock().unwrap().push(items.len());
+                        if first {
+                            open.notified().await;
+                        }
+                        if items.contains(&0) {
+                            panic!("a batch that panics");
+                        }
+                        Ok(items.iter().map(|i| i * 10).collect())
+                    }
+                },
+            )
+        };
+        (batcher, sizes)
+    }
+
+    /// One batch at a time: what queues while a batch commits goes out
+    /// together in the next one, and each item gets its own answer.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn what_queues_during_a_batch_goes_in_the_next_one() {
+        let open = Arc::new(tokio::sync::Notify::new());
+        let (batcher, sizes) = sized(1, open.clone());
+        let first = tokio::spawn({
+            let b = batcher.clone();
+            async move { b.submit(1).await }
+        });
+        while sizes.lock().unwrap().is_empty() {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        let queued: Vec<_> = (2..=9)
+            .map(|i| {
+                let b = batcher.clone();
+                tokio::spawn(async move { b.submit(i).await })
+            })
+            .collect();
+        // Every one of them is in the queue before the first batch ends.
+        while batcher.tx.capacity() > batcher.tx.max_capacity() - 8 {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        open.notify_one();
+        assert_eq!(first.await.unwrap().unwrap(), 10);
+        for (i, q) in (2..=9).zip(queued) {
+            assert_eq!(q.await.unwrap().unwrap(), i * 10);
+        }
+        assert_eq!(*sizes.lock().unwrap(), vec![1, 8]);
+    }
+
+    /// A batch that panics fails its own items and no others: the batcher
+    /// goes on, whether batches run in its task (one at a time) or in tasks
+    /// of their own.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_batch_that_panics_fails_its_items_and_the_batcher_goes_on() {
+        for concurrency in [1, 2] {
+            let open = Arc::new(tokio::sync::Notify::new());
+            open.notify_one();
+            let (batcher, _) = sized(concurrency, open);
+            assert!(
+                batcher.submit(0).await.is_err(),
+                "concurrency {concurrency}"
+            );
+            assert_eq!(
+                batcher.submit(4).await.unwrap(),
+                40,
+                "concurrency {concurrency}"
+            );
+        }
     }
 }
