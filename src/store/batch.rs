@@ -5,8 +5,21 @@
 //! batcher takes whatever has queued up (at most `max_batch`), runs it as
 //! one batch while the next requests queue, and fans the per-item answers
 //! back out. A request arriving while no batch is in flight runs at once as
-//! a batch of one; one arriving while `concurrency` batches are committing
-//! waits for a slot and goes with the next batch.
+//! a batch of one; one arriving while a batch is committing goes with the
+//! next batch.
+//!
+//! One batch at a time, in the batcher's own task, back to back: while a
+//! batch commits, the next one fills up, and the store pays its
+//! per-statement and per-commit cost once per batch. More batches in
+//! flight made each smaller and cost Postgres more per decision, at lower
+//! throughput (64 clients raising tokens on a 2-core machine: Postgres CPU
+//! per decision about 60 µs with one in flight, 90 with two, 122 with
+//! four; bench/analysis.md has the later measurements). And no task
+//! spawned per batch: a task and a slot to wait for would put two
+//! wake-ups of the store's runtime (often one on each of its threads)
+//! between a batch's answer and the next batch's statement, the one
+//! stretch of a batcher's cycle that nothing overlaps, which every raising
+//! write and first use waits through.
 //!
 //! The batchers of every kind come from this one mechanism: fence decisions
 //! `(key, token)` answered with the key's highest token, and, in single
@@ -32,7 +45,7 @@ use std::time::Duration;
 
 use futures_util::FutureExt;
 use tokio::runtime::Handle;
-use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::sync::{mpsc, oneshot};
 
 use super::{bounded, StoreError};
 
@@ -102,48 +115,25 @@ impl<T, A> Clone for Batcher<T, A> {
 impl<T: Send + 'static, A: Send + 'static> Batcher<T, A> {
     /// Starts the batching task. `run` writes a batch of items and answers
     /// each, in the items' order, only once the batch has committed.
-    pub fn spawn<F, Fut>(max_batch: usize, concurrency: usize, timeout: Duration, run: F) -> Self
+    pub fn spawn<F, Fut>(max_batch: usize, timeout: Duration, run: F) -> Self
     where
         F: Fn(Vec<T>) -> Fut + Send + Sync + 'static,
         Fut: Future<Output = Result<Vec<A>, StoreError>> + Send + 'static,
     {
-        let (tx, mut rx) = mpsc::channel::<Item<T, A>>(max_batch * concurrency * 4);
-        let run = Arc::new(run);
+        let (tx, mut rx) = mpsc::channel::<Item<T, A>>(max_batch * 4);
         let posted = Arc::new(AtomicUsize::new(0));
         let ran = posted.clone();
         tokio::spawn(async move {
-            if concurrency == 1 {
-                // One batch at a time: each runs in this task, back to back.
-                // A task spawned per batch and a slot to wait for would put
-                // two wake-ups of this runtime (often one on each of its
-                // threads) between a batch's answer and the next batch's
-                // statement, the one stretch of a batcher's cycle that
-                // nothing overlaps: every first use and raising write waits
-                // through it.
-                while let Some(first) = rx.recv().await {
-                    let items = take_queued(first, &mut rx, max_batch);
-                    // A panic in `run` must not stop the batcher: its
-                    // requesters are told (their replies dropped), as a
-                    // spawned batch's would be, and the next batch runs.
-                    let batch = run_batch(items, &*run, &ran, timeout);
-                    let _ = std::panic::AssertUnwindSafe(batch).catch_unwind().await;
-                }
-                return;
-            }
-            let slots = Arc::new(Semaphore::new(concurrency));
+            // Each batch ends before the queue is drained again: meanwhile
+            // requests pile up into the next, bigger batch (see the module
+            // docs).
             while let Some(first) = rx.recv().await {
-                // Wait for a free slot *before* draining the queue: while all
-                // slots are busy committing, requests pile up into the next,
-                // bigger batch. That is the whole point.
-                let Ok(slot) = slots.clone().acquire_owned().await else {
-                    return;
-                };
                 let items = take_queued(first, &mut rx, max_batch);
-                let (run, ran) = (run.clone(), ran.clone());
-                tokio::spawn(async move {
-                    run_batch(items, &*run, &ran, timeout).await;
-                    drop(slot);
-                });
+                // A panic in `run` must not stop the batcher: that batch's
+                // requesters are told (their replies dropped, so they
+                // answer 503), and the next batch runs.
+                let batch = run_batch(items, &run, &ran, timeout);
+                let _ = std::panic::AssertUnwindSafe(batch).catch_unwind().await;
             }
         });
         Self {
@@ -377,7 +367,7 @@ mod tests {
         let open = Arc::new(tokio::sync::Notify::new());
         let batcher: Batcher<u32, ()> = {
             let (written, open) = (written.clone(), open.clone());
-            Batcher::spawn(8, 1, Duration::from_secs(5), move |items: Vec<u32>| {
+            Batcher::spawn(8, Duration::from_secs(5), move |items: Vec<u32>| {
                 let (written, open) = (written.clone(), open.clone());
                 async move {
                     open.notified().await;
@@ -411,32 +401,24 @@ mod tests {
 
     /// A batcher whose batches record their sizes, and whose first batch
     /// waits until `open` is notified.
-    fn sized(
-        concurrency: usize,
-        open: Arc<tokio::sync::Notify>,
-    ) -> (Batcher<u32, u32>, Arc<Mutex<Vec<usize>>>) {
+    fn sized(open: Arc<tokio::sync::Notify>) -> (Batcher<u32, u32>, Arc<Mutex<Vec<usize>>>) {
         let sizes = Arc::new(Mutex::new(Vec::new()));
         let batcher = {
             let sizes = sizes.clone();
-            Batcher::spawn(
-                64,
-                concurrency,
-                Duration::from_secs(5),
-                move |items: Vec<u32>| {
-                    let (sizes, open) = (sizes.clone(), open.clone());
-                    async move {
-                        let first = sizes.lock().unwrap().is_empty();
-                        sizes.lock().unwrap().push(items.len());
-                        if first {
-                            open.notified().await;
-                        }
-                        if items.contains(&0) {
-                            panic!("a batch that panics");
-                        }
-                        Ok(items.iter().map(|i| i * 10).collect())
+            Batcher::spawn(64, Duration::from_secs(5), move |items: Vec<u32>| {
+                let (sizes, open) = (sizes.clone(), open.clone());
+                async move {
+                    let first = sizes.lock().unwrap().is_empty();
+                    sizes.lock().unwrap().push(items.len());
+                    if first {
+                        open.notified().await;
                     }
-                },
-            )
+                    if items.contains(&0) {
+                        panic!("a batch that panics");
+                    }
+                    Ok(items.iter().map(|i| i * 10).collect())
+                }
+            })
         };
         (batcher, sizes)
     }
@@ -446,7 +428,7 @@ mod tests {
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn what_queues_during_a_batch_goes_in_the_next_one() {
         let open = Arc::new(tokio::sync::Notify::new());
-        let (batcher, sizes) = sized(1, open.clone());
+        let (batcher, sizes) = sized(open.clone());
         let first = tokio::spawn({
             let b = batcher.clone();
             async move { b.submit(1).await }
@@ -473,23 +455,13 @@ mod tests {
     }
 
     /// A batch that panics fails its own items and no others: the batcher
-    /// goes on, whether batches run in its task (one at a time) or in tasks
-    /// of their own.
+    /// goes on.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_batch_that_panics_fails_its_items_and_the_batcher_goes_on() {
-        for concurrency in [1, 2] {
-            let open = Arc::new(tokio::sync::Notify::new());
-            open.notify_one();
-            let (batcher, _) = sized(concurrency, open);
-            assert!(
-                batcher.submit(0).await.is_err(),
-                "concurrency {concurrency}"
-            );
-            assert_eq!(
-                batcher.submit(4).await.unwrap(),
-                40,
-                "concurrency {concurrency}"
-            );
-        }
+        let open = Arc::new(tokio::sync::Notify::new());
+        open.notify_one();
+        let (batcher, _) = sized(open);
+        assert!(batcher.submit(0).await.is_err());
+        assert_eq!(batcher.submit(4).await.unwrap(), 40);
     }
 }

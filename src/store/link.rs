@@ -1,6 +1,6 @@
 //! Postgres connections a batcher keeps for itself, outside any pool.
 //!
-//! A single-mode batcher runs one batch at a time (`BATCHES_IN_FLIGHT`),
+//! A single-mode batcher runs one batch at a time (see `batch`),
 //! one statement each, back to back, so it needs one connection, always
 //! busy. Through sqlx's pool each batch paid for two things it does not
 //! need: the hand-off (a semaphore, a queue, and often another backend

@@ -130,13 +130,6 @@ RETURNING f.resource_key, f.highest_token";
 
 /// Largest batch; beyond it, requests wait for the next one.
 const MAX_BATCH: usize = 256;
-/// Batches in flight at once. One: while it commits, the next batch fills
-/// up, and Postgres pays its per-statement and per-commit cost once per
-/// batch. Measured with 64 clients raising tokens on this 2-core machine
-/// (BENCHMARKS.md): Postgres CPU per decision 122 us with 4 in flight, ~90
-/// with 2, ~60 with 1, at higher throughput; a lone request still runs at
-/// once as a batch of one.
-const BATCHES_IN_FLIGHT: usize = 1;
 /// A pooled connection idle this long is pinged before it is used again
 /// (see [`checked_pool`]): long enough that connections in steady use are
 /// never pinged, short enough that one a restart or failover broke while
@@ -202,7 +195,7 @@ impl PgStore {
                 let mine = Arc::new(Links::new(pool.clone()));
                 links.push(mine.clone());
                 let view = view.clone();
-                <$batcher>::spawn(MAX_BATCH, BATCHES_IN_FLIGHT, cfg.timeout, move |items| {
+                <$batcher>::spawn(MAX_BATCH, cfg.timeout, move |items| {
                     let (links, view) = (mine.clone(), view.clone());
                     async move {
                         let run = async {
@@ -1049,7 +1042,7 @@ fn admissions(
     let me: Arc<OnceLock<WeakBatcher<Admit, Option<Ruling>>>> = Arc::new(OnceLock::new());
     let batcher = {
         let (pool, view, me) = (pool.clone(), view.clone(), me.clone());
-        AdmitBatcher::spawn(MAX_BATCH, BATCHES_IN_FLIGHT, cfg.timeout, move |items| {
+        AdmitBatcher::spawn(MAX_BATCH, cfg.timeout, move |items| {
             let (pool, view, me) = (pool.clone(), view.clone(), me.clone());
             async move {
                 let Some(batcher) = me.get().and_then(WeakBatcher::upgrade) else {
