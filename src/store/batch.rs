@@ -429,28 +429,35 @@ mod tests {
     async fn what_queues_during_a_batch_goes_in_the_next_one() {
         let open = Arc::new(tokio::sync::Notify::new());
         let (batcher, sizes) = sized(open.clone());
-        let first = tokio::spawn({
-            let b = batcher.clone();
-            async move { b.submit(1).await }
-        });
-        while sizes.lock().unwrap().is_empty() {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        let queued: Vec<_> = (2..=9)
-            .map(|i| {
+        // Bounded: a batcher that never runs a batch or never takes the
+        // requests fails the test instead of hanging the run.
+        let run = async {
+            let first = tokio::spawn({
                 let b = batcher.clone();
-                tokio::spawn(async move { b.submit(i).await })
-            })
-            .collect();
-        // Every one of them is in the queue before the first batch ends.
-        while batcher.tx.capacity() > batcher.tx.max_capacity() - 8 {
-            tokio::time::sleep(Duration::from_millis(1)).await;
-        }
-        open.notify_one();
-        assert_eq!(first.await.unwrap().unwrap(), 10);
-        for (i, q) in (2..=9).zip(queued) {
-            assert_eq!(q.await.unwrap().unwrap(), i * 10);
-        }
+                async move { b.submit(1).await }
+            });
+            while sizes.lock().unwrap().is_empty() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            let queued: Vec<_> = (2..=9)
+                .map(|i| {
+                    let b = batcher.clone();
+                    tokio::spawn(async move { b.submit(i).await })
+                })
+                .collect();
+            // Every one of them is in the queue before the first batch ends.
+            while batcher.tx.capacity() > batcher.tx.max_capacity() - 8 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+            open.notify_one();
+            assert_eq!(first.await.unwrap().unwrap(), 10);
+            for (i, q) in (2..=9).zip(queued) {
+                assert_eq!(q.await.unwrap().unwrap(), i * 10);
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(10), run)
+            .await
+            .expect("the two batches ran within 10 s");
         assert_eq!(*sizes.lock().unwrap(), vec![1, 8]);
     }
 
