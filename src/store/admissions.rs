@@ -180,8 +180,10 @@ impl Admissions {
     }
 
     /// Waits, up to the store's timeout, until the leaves queued so far
-    /// have been written: at a clean shutdown, so that other instances do
-    /// not wait for this instance's last writes' markers to end.
+    /// have been through a batch: at a clean shutdown, so that other
+    /// instances do not wait for this instance's last writes' markers to
+    /// end. (A leave whose batch failed is not written; its marker ends on
+    /// its own, as the warning below says of those not yet through.)
     pub(super) async fn drain(&self) {
         if !self.batcher.drain(self.timeout).await {
             tracing::warn!(

@@ -129,11 +129,15 @@ impl<T: Send + 'static, A: Send + 'static> Batcher<T, A> {
             // docs).
             while let Some(first) = rx.recv().await {
                 let items = take_queued(first, &mut rx, max_batch);
+                let posts = items.iter().filter(|i| i.posted).count();
                 // A panic in `run` must not stop the batcher: that batch's
                 // requesters are told (their replies dropped, so they
                 // answer 503), and the next batch runs.
-                let batch = run_batch(items, &run, &ran, timeout);
+                let batch = run_batch(items, &run, timeout);
                 let _ = std::panic::AssertUnwindSafe(batch).catch_unwind().await;
+                // Through a batch, written or failed with it, a panic
+                // included: `drain` must not wait for them until its limit.
+                ran.fetch_sub(posts, Ordering::AcqRel);
             }
         });
         Self {
@@ -267,19 +271,14 @@ fn take_queued<T, A>(
 /// Runs one batch and answers its items: each with its answer once the
 /// batch has committed, or all with the batch's error (a failure, a lost
 /// answer, or none within `timeout`).
-async fn run_batch<T, A, F, Fut>(
-    items: Vec<Item<T, A>>,
-    run: &F,
-    ran: &AtomicUsize,
-    timeout: Duration,
-) where
+async fn run_batch<T, A, F, Fut>(items: Vec<Item<T, A>>, run: &F, timeout: Duration)
+where
     A: Send + 'static,
     F: Fn(Vec<T>) -> Fut,
     Fut: Future<Output = Result<Vec<A>, StoreError>>,
 {
     let mut whats = Vec::with_capacity(items.len());
     let mut waiting = Vec::with_capacity(items.len());
-    let posts = items.iter().filter(|i| i.posted).count();
     for item in items {
         whats.push(item.what);
         waiting.push((item.reply, item.home));
@@ -312,7 +311,6 @@ async fn run_batch<T, A, F, Fut>(
         }
     }
     deliver(homes);
-    ran.fetch_sub(posts, Ordering::AcqRel);
 }
 
 type Answer<A> = Result<A, String>;
@@ -470,5 +468,17 @@ mod tests {
         let (batcher, _) = sized(open);
         assert!(batcher.submit(0).await.is_err());
         assert_eq!(batcher.submit(4).await.unwrap(), 40);
+    }
+
+    /// A posted item whose batch panicked has been through a batch (it
+    /// failed with it): a drain does not wait for it until its limit.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_drain_does_not_wait_for_a_batch_that_panicked() {
+        let open = Arc::new(tokio::sync::Notify::new());
+        open.notify_one();
+        let (batcher, sizes) = sized(open);
+        assert!(batcher.post(0));
+        assert!(batcher.drain(Duration::from_secs(5)).await);
+        assert_eq!(*sizes.lock().unwrap(), vec![1]);
     }
 }
