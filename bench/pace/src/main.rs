@@ -27,8 +27,13 @@
 //! URL is `http://HOST:PORT/PATH`, where PATH may hold one `{LO-HI}`: each
 //! request replaces it with a number drawn uniformly from LO..=HI (e.g.
 //! `http://127.0.0.1:8080/docs/k{1000-9999}`). Prints one JSON object:
-//! requests, errors, seconds, achieved rate, answers by status and the
-//! latency percentiles in milliseconds.
+//! requests, errors, seconds, achieved rate, answers by status, the
+//! latency percentiles in milliseconds, and `slow_slices`: each tenth of a
+//! second of the schedule (by when its requests were due) in which an
+//! answer took longer than 10 ms, with its slowest answer and how many
+//! did. A histogram says how long a run's tail is; this says when it came,
+//! to be set beside what else happened then (a stall of the server, a
+//! timer of its, the machine).
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -48,6 +53,10 @@ const HIGHEST_US: u64 = 60_000_000;
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(30);
 /// Most headers in an answer's head.
 const MAX_HEADERS: usize = 64;
+/// The schedule's slices for `slow_slices`.
+const SLICE: Duration = Duration::from_millis(100);
+/// An answer slower than this, in µs, counts in its slice.
+const SLOW_US: u64 = 10_000;
 
 /// What to send, parsed from the command line.
 struct Plan {
@@ -73,6 +82,9 @@ struct Tally {
     latency: Histogram<u64>,
     statuses: BTreeMap<u16, u64>,
     errors: BTreeMap<String, u64>,
+    /// Per slice of the schedule: the slowest answer (µs) and how many were
+    /// slower than [`SLOW_US`]. Sized before the run: nothing grows in it.
+    slices: Vec<(u64, u64)>,
 }
 
 fn main() {
@@ -214,7 +226,7 @@ async fn run(plan: Arc<Plan>) -> (Tally, f64) {
         .into_iter()
         .map(|s| tokio::spawn(connection(plan.clone(), s, next.clone(), start)))
         .collect();
-    let mut total = Tally::new();
+    let mut total = Tally::new(&plan);
     for t in tasks {
         let t = t.await.expect("a connection task panicked");
         total
@@ -227,6 +239,9 @@ async fn run(plan: Arc<Plan>) -> (Tally, f64) {
         for (k, v) in t.errors {
             *total.errors.entry(k).or_default() += v;
         }
+        for (all, one) in total.slices.iter_mut().zip(&t.slices) {
+            *all = (all.0.max(one.0), all.1 + one.1);
+        }
     }
     (total, start.elapsed().as_secs_f64())
 }
@@ -238,11 +253,24 @@ async fn connect(addr: SocketAddr) -> std::io::Result<TcpStream> {
 }
 
 impl Tally {
-    fn new() -> Self {
+    fn new(plan: &Plan) -> Self {
+        let slices = plan.run_for.as_nanos().div_ceil(SLICE.as_nanos()).max(1) as usize;
         Self {
             latency: Histogram::new_with_bounds(1, HIGHEST_US, 3).expect("valid bounds"),
             statuses: BTreeMap::new(),
             errors: BTreeMap::new(),
+            slices: vec![(0, 0); slices],
+        }
+    }
+
+    /// An answer that took `us`, to a request due `since` the start.
+    fn record(&mut self, since: Duration, us: u64) {
+        self.latency.saturating_record(us.max(1));
+        let last = self.slices.len() - 1;
+        let i = ((since.as_nanos() / SLICE.as_nanos()) as usize).min(last);
+        if let Some(slice) = self.slices.get_mut(i) {
+            slice.0 = slice.0.max(us);
+            slice.1 += u64::from(us > SLOW_US);
         }
     }
 }
@@ -255,7 +283,7 @@ async fn connection(
     next: Arc<AtomicU64>,
     start: Instant,
 ) -> Tally {
-    let mut tally = Tally::new();
+    let mut tally = Tally::new(&plan);
     let mut stream = Some(stream);
     let mut rng = fastrand::Rng::new();
     let mut request = Vec::with_capacity(256);
@@ -295,7 +323,7 @@ async fn connection(
         match tokio::time::timeout(REQUEST_TIMEOUT, exchange(s, &request, &mut buf)).await {
             Ok(Ok((status, s, keep))) => {
                 let us = from.elapsed().as_micros().min(u128::from(HIGHEST_US)) as u64;
-                tally.latency.saturating_record(us.max(1));
+                tally.record(due - start, us);
                 *tally.statuses.entry(status).or_default() += 1;
                 if keep {
                     stream = Some(s);
@@ -386,6 +414,14 @@ fn print(t: &Tally, seconds: f64) {
         "p99_ms": ms(0.99),
         "p999_ms": ms(0.999),
         "max_ms": t.latency.max() as f64 / 1000.0,
+        "slow_slices": t.slices.iter().enumerate()
+            .filter(|(_, s)| s.1 > 0)
+            .map(|(i, s)| serde_json::json!({
+                "at_s": (i as f64 * SLICE.as_secs_f64() * 10.0).round() / 10.0,
+                "max_ms": s.0 as f64 / 1000.0,
+                "over_10ms": s.1,
+            }))
+            .collect::<Vec<_>>(),
     });
     println!("{answer}");
 }
