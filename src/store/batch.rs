@@ -49,6 +49,10 @@ use tokio::sync::{mpsc, oneshot};
 
 use super::{bounded, StoreError};
 
+/// Largest batch of any batcher, Postgres or SQLite; beyond it, requests
+/// wait for the next one.
+pub const MAX_BATCH: usize = 256;
+
 /// The answers of one fence batch: each key's highest token after the batch.
 pub type Answers = HashMap<String, i64>;
 
@@ -134,7 +138,16 @@ impl<T: Send + 'static, A: Send + 'static> Batcher<T, A> {
                 // requesters are told (their replies dropped, so they
                 // answer 503), and the next batch runs.
                 let batch = run_batch(items, &run, timeout);
-                let _ = std::panic::AssertUnwindSafe(batch).catch_unwind().await;
+                if std::panic::AssertUnwindSafe(batch)
+                    .catch_unwind()
+                    .await
+                    .is_err()
+                {
+                    tracing::error!(
+                        "a store batch panicked; its requests were answered as if the store \
+                         were unavailable (a bug: please report it)"
+                    );
+                }
                 // Through a batch, written or failed with it, a panic
                 // included: `drain` must not wait for them until its limit.
                 ran.fetch_sub(posts, Ordering::AcqRel);

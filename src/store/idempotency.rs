@@ -319,7 +319,7 @@ const PG_RECORDS_ONLY_BATCH: &str = records_batch!(plain);
 
 /// Answers larger than this (body and encoded headers) are stored by a
 /// statement of their own, not in a batch: a batch of records then stays
-/// within `MAX_BATCH` times this.
+/// within `batch::MAX_BATCH` times this.
 const BATCHED_ANSWER_BYTES: usize = 64 * 1024;
 
 /// An in-flight record, owned, as a batch carries it.

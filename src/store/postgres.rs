@@ -128,8 +128,6 @@ ON CONFLICT (resource_key) DO UPDATE
     WHERE f.highest_token < EXCLUDED.highest_token
 RETURNING f.resource_key, f.highest_token";
 
-/// Largest batch; beyond it, requests wait for the next one.
-const MAX_BATCH: usize = 256;
 /// A pooled connection idle this long is pinged before it is used again
 /// (see [`checked_pool`]): long enough that connections in steady use are
 /// never pinged, short enough that one a restart or failover broke while
@@ -195,7 +193,7 @@ impl PgStore {
                 let mine = Arc::new(Links::new(pool.clone()));
                 links.push(mine.clone());
                 let view = view.clone();
-                <$batcher>::spawn(MAX_BATCH, cfg.timeout, move |items| {
+                <$batcher>::spawn(super::batch::MAX_BATCH, cfg.timeout, move |items| {
                     let (links, view) = (mine.clone(), view.clone());
                     async move {
                         let run = async {
@@ -1042,7 +1040,7 @@ fn admissions(
     let me: Arc<OnceLock<WeakBatcher<Admit, Option<Ruling>>>> = Arc::new(OnceLock::new());
     let batcher = {
         let (pool, view, me) = (pool.clone(), view.clone(), me.clone());
-        AdmitBatcher::spawn(MAX_BATCH, cfg.timeout, move |items| {
+        AdmitBatcher::spawn(super::batch::MAX_BATCH, cfg.timeout, move |items| {
             let (pool, view, me) = (pool.clone(), view.clone(), me.clone());
             async move {
                 let Some(batcher) = me.get().and_then(WeakBatcher::upgrade) else {

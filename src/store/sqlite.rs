@@ -74,14 +74,14 @@ impl SqliteStore {
         // One batch at a time: SQLite has one writer (and we one connection).
         let batcher = {
             let pool = pool.clone();
-            super::batch::Fences::spawn(256, cfg.timeout, move |items| {
+            super::batch::Fences::spawn(super::batch::MAX_BATCH, cfg.timeout, move |items| {
                 let pool = pool.clone();
                 async move { record_batch(&pool, items).await }
             })
         };
         let records = {
             let pool = pool.clone();
-            super::batch::Batcher::spawn(256, cfg.timeout, move |items| {
+            super::batch::Batcher::spawn(super::batch::MAX_BATCH, cfg.timeout, move |items| {
                 let pool = pool.clone();
                 async move { super::idempotency::sqlite_records_batch(&pool, items).await }
             })
