@@ -40,7 +40,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
-use sqlx::{Connection, PgConnection, PgPool};
+use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
 use tokio::task::JoinHandle;
 
@@ -1013,7 +1013,11 @@ async fn outwait(
 }
 
 pub async fn migrate_url(url: &str) -> Result<(), StoreError> {
-    let opts = connect_options(url, Duration::from_secs(30))?;
+    // No statement logging: a migration that waits (on a slow disk, or on
+    // another migrator's lock) is expected to, and sqlx's slow-statement
+    // warning would print the whole migration's SQL to the operator.
+    // `migrate` says what it did, or its error, itself.
+    let opts = connect_options(url, Duration::from_secs(30))?.disable_statement_logging();
     let mut conn = PgConnection::connect_with(&opts).await?;
     migrator().run(&mut conn).await?;
     conn.close().await?;

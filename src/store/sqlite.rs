@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{SqliteConnection, SqlitePool};
+use sqlx::{ConnectOptions, SqliteConnection, SqlitePool};
 
 use super::batch::Decision;
 use super::sql::sqlite_now_ms;
@@ -69,7 +69,7 @@ pub struct SqliteStore {
 impl SqliteStore {
     pub async fn open(path: &Path, cfg: &StoreConfig) -> Result<Self, StoreError> {
         let owner = lock_file(path)?;
-        let pool = pool(path, cfg.timeout).await?;
+        let pool = pool(path, cfg.timeout, |o| o).await?;
         migrator().run(&pool).await?;
         // One batch at a time: SQLite has one writer (and we one connection).
         let batcher = {
@@ -151,13 +151,21 @@ impl SqliteStore {
     }
 }
 
-async fn pool(path: &Path, timeout: Duration) -> Result<SqlitePool, StoreError> {
-    let opts = SqliteConnectOptions::new()
-        .filename(path)
-        .create_if_missing(true)
-        .journal_mode(SqliteJournalMode::Wal)
-        .synchronous(SqliteSynchronous::Full)
-        .busy_timeout(timeout);
+/// The store's one connection to `path`; `tweak` adjusts its options for
+/// one use (the gateway's store takes them as they are).
+async fn pool(
+    path: &Path,
+    timeout: Duration,
+    tweak: impl FnOnce(SqliteConnectOptions) -> SqliteConnectOptions,
+) -> Result<SqlitePool, StoreError> {
+    let opts = tweak(
+        SqliteConnectOptions::new()
+            .filename(path)
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full)
+            .busy_timeout(timeout),
+    );
     // One connection: SQLite has one writer at a time anyway. It is not
     // pinged before each use (sqlx's default): a connection to a file
     // cannot break unseen as a socket can, and the ping is a round trip to
@@ -204,7 +212,11 @@ fn lock_file(path: &Path) -> Result<File, StoreError> {
 /// not race a running gateway.
 pub async fn migrate_path(path: &Path) -> Result<(), StoreError> {
     let _owner = lock_file(path)?;
-    let pool = pool(path, Duration::from_secs(30)).await?;
+    // No statement logging, as for Postgres's `migrate_url` (and why).
+    let pool = pool(path, Duration::from_secs(30), |o| {
+        o.disable_statement_logging()
+    })
+    .await?;
     migrator().run(&pool).await?;
     pool.close().await;
     Ok(())

@@ -189,3 +189,33 @@ async fn migrate_command_creates_the_schema() {
     assert_eq!(code, 1);
     assert!(err.starts_with("migrate:"), "{err}");
 }
+
+/// A migration that has to wait is not reported as a slow statement with
+/// the migration's SQL: `migrate` says what it did itself. Here it waits for
+/// another session that is creating sqlx's bookkeeping table and rolls back
+/// after 1.5 s, longer than sqlx's slow-statement threshold (1 s).
+#[tokio::test]
+async fn a_migration_that_waits_prints_no_statement() {
+    use crate::support::db::{Backend, TestStore};
+    use sqlx::Connection;
+    let store = TestStore::new(Backend::Postgres).await;
+    let mut other = sqlx::PgConnection::connect(&store.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut other).await.unwrap();
+    sqlx::query("CREATE TABLE _sqlx_migrations (version bigint PRIMARY KEY)")
+        .execute(&mut other)
+        .await
+        .unwrap();
+    let url = store.url.clone();
+    let migrate = tokio::task::spawn_blocking(move || run(&["migrate", "--database-url", &url]));
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    // It waited all along: our uncommitted table blocks its own.
+    assert!(!migrate.is_finished(), "migrate did not wait");
+    sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
+    let (code, out, err) = migrate.await.unwrap();
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(out.contains("migrations applied"), "{out}");
+    assert!(
+        !err.contains("slow statement") && !err.contains("CREATE"),
+        "migrate printed a statement: {err}"
+    );
+}
