@@ -54,6 +54,12 @@ LATENCY_TARGETS = [
     ("p99 c/b", "c", "b", 1.2, "pass-through GET p99 vs nginx proxy p99, both at (c)'s open-loop rate"),
 ]
 
+# The ratios against (g) whose numerator waits on Postgres's commits: for
+# each, the report gives a ceiling, the ratio this machine would allow if
+# everything fencegate does for such a write beyond passing a GET through
+# cost nothing (see `ceilings`).
+CEILINGS = ["e/g", "h/g", "j/g"]
+
 # What the gateway counted in fencegate_idempotency_total during (h) and (i)
 # (and the probes before them), by outcome.
 IDEM_OUTCOMES = ["first", "replayed", "in_progress", "reused", "outcome_unknown", "not_stored"]
@@ -201,6 +207,62 @@ def combined_with(s, again, how):
     s["notes"].append(f"median of {len(runs)} {how}: " + ", ".join(f"{r:,.0f}" for r in runs))
 
 
+def run_cost(out, run, w, answers):
+    """What one wrk run `w` cost per answer, in microseconds of CPU: the
+    whole machine's (every process and the kernel, from util.py pulse) and
+    Postgres's server processes' (pulse_stop in bench/run.sh, whose
+    snapshots bracket the whole run). The pulse starts a little after wrk
+    (a Python process starting), so the machine's busy time is taken per
+    second of the pulse, over wrk's duration. None where a file is missing,
+    or there were no answers."""
+    try:
+        p = json.loads(read(os.path.join(out, f"pulse_{run}.json"), ""))
+        pg_ticks = int(read(os.path.join(out, f"pg_ticks_{run}.txt"), ""))
+    except (TypeError, ValueError):
+        return None
+    if "busy_s" not in p or not answers or not p["seconds"]:
+        return None
+    busy_s = p["busy_s"] / p["seconds"] * (w["duration_us"] / 1e6)
+    return {"machine_us": busy_s * 1e6 / answers,
+            "pg_us": pg_ticks / os.sysconf("SC_CLK_TCK") * 1e6 / answers}
+
+
+def ceilings(out, by_id, ratios, nproc):
+    """For each ratio of CEILINGS, X/g: the most (X) could reach on this
+    machine if fencegate's own work for it beyond passing a GET through
+    were free, as a ratio to (g). Each (X) answer needs at least what a GET
+    passed through needs of the whole machine (wrk, nginx, fencegate, the
+    kernel: the cheapest of (c)'s runs), plus what Postgres's server
+    processes spent per (X) answer (its cheapest run). Not counted, so the
+    ceiling stays above what can be reached: the kernel's work writing and
+    flushing the WAL, a PUT's body, the gate, the hand-off to the store.
+    None without the costs (Postgres on another machine: its CPU is not
+    seen here)."""
+    def cheapest(sid, key, count):
+        costs = []
+        for run in (sid, f"{sid}_r2", f"{sid}_r3"):
+            w = wrk(out, run)
+            c = run_cost(out, run, w, count(w)) if w else None
+            if c:
+                costs.append(c[key])
+        return min(costs) if costs else None
+
+    get_us = cheapest("c", "machine_us", lambda w: w["requests"])
+    found = []
+    for r in ratios:
+        if r["name"] not in CEILINGS:
+            continue
+        num = r["name"].split("/")[0]
+        pg_us = cheapest(num, "pg_us", lambda w: w["s2xx"])
+        g = by_id["g"]["rps"]
+        ceiling = None
+        if get_us and pg_us and g:
+            ceiling = nproc * 1e6 / (get_us + pg_us) / g
+        found.append({"name": r["name"], "target": r["target"], "value": r["value"],
+                      "ceiling": ceiling, "get_machine_us": get_us, "pg_us": pg_us})
+    return found
+
+
 def build(a):
     out = a.out
     scen = []
@@ -317,6 +379,8 @@ def build(a):
         ratios.append({"name": name, "value": value, "target": minimum, "meaning": meaning,
                        "met": (value is not None and value >= minimum)})
 
+    limits = ceilings(out, by_id, ratios, os.cpu_count() or 1)
+
     before = read(os.path.join(out, "mem_before.txt"), "0 0").split()
     after = read(os.path.join(out, "mem_after.txt"), "0 0").split()
     om = tool_json(out, "oha", "mem") or {}
@@ -358,7 +422,8 @@ def build(a):
                         f"{a.commit}{' (+local changes)' if meta['dirty'] else ''}; "
                         f"{a.mode} run, {a.duration} s per scenario, {a.conns} connections")
     meta["store_unavailable_j"] = int(read(os.path.join(out, "fg_503_j.txt"), "0") or 0)
-    return {"meta": meta, "scenarios": scen, "ratios": ratios, "latency": latency, "memory": mem}
+    return {"meta": meta, "scenarios": scen, "ratios": ratios, "latency": latency, "memory": mem,
+            "ceilings": limits}
 
 
 def f0(v):
@@ -401,6 +466,40 @@ def ratio_lines(res):
     return lines
 
 
+def ceiling_lines(res):
+    """The ceilings section of the markdown report."""
+    rows = res.get("ceilings", [])
+    if not any(c["ceiling"] for c in rows):
+        return ["Not computed: Postgres's CPU was not seen (a server on another machine), "
+                "or a run's costs are missing."]
+    nproc = res["meta"]["machine"]["nproc"]
+    get_us = next(c["get_machine_us"] for c in rows if c["ceiling"])
+    lines = [
+        "The most each ratio against (g) could be on this machine if fencegate's own work "
+        "for such a write, beyond passing a GET through, cost nothing: "
+        f"{nproc} cores' time over what a (c) answer took of the whole machine "
+        f"({get_us:.1f} µs of CPU: wrk, nginx, fencegate and the kernel, the cheapest of "
+        "(c)'s runs) plus what Postgres's server processes spent per answer of the "
+        "scenario (its cheapest run), divided by (g). The kernel's work writing and "
+        "flushing the WAL, a PUT's body, the gate and the hand-off to the store are not "
+        "counted, so fencegate stays below its ceiling. A target above its ceiling cannot be "
+        "met on this machine while Postgres does the work per write it did in this run, "
+        "whatever fencegate's own cost (bench/README.md, \"What this machine allows\").",
+        "",
+        "| ratio | measured | ceiling | target | Postgres µs per answer | |",
+        "| --- | ---: | ---: | ---: | ---: | --- |",
+    ]
+    for c in rows:
+        if c["ceiling"] is None:
+            continue
+        measured = "n/a" if c["value"] is None else f"{c['value']:.2f}"
+        reach = ("within the ceiling" if c["target"] <= c["ceiling"]
+                 else "above the ceiling: not reachable here")
+        lines.append(f"| {c['name']} | {measured} | {c['ceiling']:.2f} | ≥ {c['target']:.1f} "
+                     f"| {c['pg_us']:.1f} | target {reach} |")
+    return lines
+
+
 def plain(res):
     """Fixed-width table for the terminal."""
     out = []
@@ -417,6 +516,11 @@ def plain(res):
     for r, v, bound, result in target_rows(res):
         out.append(f"{r['name']:<8} {v:>8} {bound + ' ' + format(r['target'], '.1f'):>10}  "
                    f"{result}   ({r['meaning']})")
+    for c in res.get("ceilings", []):
+        if c["ceiling"] is not None:
+            out.append(f"{c['name']:<8} ceiling {c['ceiling']:.2f} on this machine (target "
+                       f"{c['target']:.1f}; a (c) GET {c['get_machine_us']:.1f} us of the machine, "
+                       f"Postgres {c['pg_us']:.1f} us per answer)")
     out.append("")
     out.append("machine: " + pulse_summary(res["meta"].get("pulses", {})))
     out.append("autogroup: " + res["meta"].get("autogroup", "not recorded"))
@@ -491,6 +595,12 @@ def markdown(res, svg_link):
         f"A missed target is reported, not failed: `bench/run.sh` exits 0 either way.",
         "",
         f"![Throughput per scenario]({svg_link})",
+        "",
+        "## What this machine allows",
+        "",
+    ]
+    lines += ceiling_lines(res)
+    lines += [
         "",
         "## Notes on this run",
         "",

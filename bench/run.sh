@@ -328,7 +328,12 @@ python3 "$BENCH/util.py" seed "http://127.0.0.1:$P_FG" h "$NKEYS" 1 >&2 \
 # ---------------------------------------------------------------------------
 # The host's steal and the machine's freezes during one measured run (see
 # util.py pulse): the report flags a run that had them.
+# And Postgres's CPU during it (every server process; 0 when the server
+# is not on this machine): with the machine's busy time that pulse records,
+# what the report's ceilings are made of.
 pulse_start() { # id
+    PULSE_ID=$1
+    pg_snapshot > "$OUT/pg_snapshot"
     python3 "$BENCH/util.py" pulse "$OUT/pulse_$1.json" &
     PULSE_PID=$!
     PIDS+=("$PULSE_PID")
@@ -336,6 +341,7 @@ pulse_start() { # id
 pulse_stop() {
     stop_pid "$PULSE_PID"
     forget_pid "$PULSE_PID"
+    pg_ticks_since "$OUT/pg_snapshot" > "$OUT/pg_ticks_$PULSE_ID.txt"
 }
 
 # Before a run on a fencegate: wait until its gate holds no key (see

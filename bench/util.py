@@ -243,11 +243,15 @@ def vm(pid):
     print(rss, hwm)
 
 
-def steal_ticks():
-    """Clock ticks the host took from every CPU of this machine since boot
-    (the eighth value of /proc/stat's cpu line)."""
+def cpu_ticks():
+    """This machine's clock ticks since boot, summed over its CPUs, from
+    /proc/stat's cpu line: (busy, steal). Busy is user, nice, system, irq
+    and softirq (guest time is inside user); idle, iowait and the host's
+    steal are not work done here."""
     with open("/proc/stat") as f:
-        return int(f.readline().split()[8])
+        v = [int(x) for x in f.readline().split()[1:]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = v[:8]
+    return user + nice + system + irq + softirq, steal
 
 
 PULSE = 0.05
@@ -262,7 +266,7 @@ def pulse(path):
     seconds later). A run with either is not comparable to one without."""
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
-    start, steal0 = time.monotonic(), steal_ticks()
+    start, (busy0, steal0) = time.monotonic(), cpu_ticks()
     last, longest = start, 0.0
     while not stop:
         time.sleep(PULSE)
@@ -270,11 +274,17 @@ def pulse(path):
         longest = max(longest, now - last - PULSE)
         last = now
     seconds = time.monotonic() - start
-    stolen = (steal_ticks() - steal0) / os.sysconf("SC_CLK_TCK")
+    busy, steal = cpu_ticks()
+    hz = os.sysconf("SC_CLK_TCK")
+    stolen = (steal - steal0) / hz
     with open(path, "w") as f:
         json.dump({"seconds": seconds,
                    "steal_pct": 100 * stolen / (seconds * (os.cpu_count() or 1)),
-                   "longest_late_ms": 1000 * longest}, f)
+                   "longest_late_ms": 1000 * longest,
+                   # All the work this machine did during the run, by every
+                   # process and the kernel: the report's ceilings divide it
+                   # by the run's answers.
+                   "busy_s": (busy - busy0) / hz}, f)
 
 
 def pulse_line(path):
