@@ -191,31 +191,54 @@ async fn migrate_command_creates_the_schema() {
 }
 
 /// A migration that has to wait is not reported as a slow statement with
-/// the migration's SQL: `migrate` says what it did itself. Here it waits for
-/// another session that is creating sqlx's bookkeeping table and rolls back
-/// after 1.5 s, longer than sqlx's slow-statement threshold (1 s).
+/// the migration's SQL: `migrate` says what it did itself. Here it waits
+/// for another session for 1.5 s, longer than sqlx's slow-statement
+/// threshold (1 s): on Postgres one creating sqlx's bookkeeping table (its
+/// uncommitted row in the catalog blocks ours) and rolling back; on SQLite
+/// one holding the write lock of the store's file.
 #[tokio::test]
 async fn a_migration_that_waits_prints_no_statement() {
     use crate::support::db::{Backend, TestStore};
-    use sqlx::Connection;
-    let store = TestStore::new(Backend::Postgres).await;
-    let mut other = sqlx::PgConnection::connect(&store.url).await.unwrap();
-    sqlx::query("BEGIN").execute(&mut other).await.unwrap();
-    sqlx::query("CREATE TABLE _sqlx_migrations (version bigint PRIMARY KEY)")
-        .execute(&mut other)
-        .await
-        .unwrap();
-    let url = store.url.clone();
-    let migrate = tokio::task::spawn_blocking(move || run(&["migrate", "--database-url", &url]));
-    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
-    // It waited all along: our uncommitted table blocks its own.
-    assert!(!migrate.is_finished(), "migrate did not wait");
-    sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
-    let (code, out, err) = migrate.await.unwrap();
-    assert_eq!(code, 0, "{out}{err}");
-    assert!(out.contains("migrations applied"), "{out}");
-    assert!(
-        !err.contains("slow statement") && !err.contains("CREATE"),
-        "migrate printed a statement: {err}"
-    );
+    use sqlx::{Connection, Executor};
+    for b in [Backend::Sqlite, Backend::Postgres] {
+        let store = TestStore::new(b).await;
+        let begin = "CREATE TABLE _sqlx_migrations (version bigint PRIMARY KEY)";
+        let mut pg = None;
+        let mut lite = None;
+        match b {
+            Backend::Postgres => {
+                let mut c = sqlx::PgConnection::connect(&store.url).await.unwrap();
+                c.execute("BEGIN").await.unwrap();
+                c.execute(begin).await.unwrap();
+                pg = Some(c);
+            }
+            Backend::Sqlite => {
+                // In WAL mode already, as the gateway leaves it, so that the
+                // migration's own first statement is what waits.
+                let url = format!("{}?mode=rwc", store.url);
+                let mut c = sqlx::SqliteConnection::connect(&url).await.unwrap();
+                c.execute("PRAGMA journal_mode = WAL").await.unwrap();
+                c.execute("BEGIN IMMEDIATE").await.unwrap();
+                lite = Some(c);
+            }
+        }
+        let url = store.url.clone();
+        let migrate =
+            tokio::task::spawn_blocking(move || run(&["migrate", "--database-url", &url]));
+        tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+        assert!(!migrate.is_finished(), "{b:?}: migrate did not wait");
+        if let Some(mut c) = pg {
+            c.execute("ROLLBACK").await.unwrap();
+        }
+        if let Some(mut c) = lite {
+            c.execute("ROLLBACK").await.unwrap();
+        }
+        let (code, out, err) = migrate.await.unwrap();
+        assert_eq!(code, 0, "{b:?}: {out}{err}");
+        assert!(out.contains("migrations applied"), "{b:?}: {out}");
+        assert!(
+            !err.contains("slow statement") && !err.contains("CREATE"),
+            "{b:?}: migrate printed a statement: {err}"
+        );
+    }
 }
