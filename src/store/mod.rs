@@ -294,6 +294,10 @@ pub(super) fn accepting_later_migrations(
     migrator
 }
 
+/// How long `fencegate migrate` waits for the store: to connect, for a
+/// lock another session holds, and for each statement.
+const MIGRATE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Applies the migrations for the backend a URL names, then exits; used by
 /// `fencegate migrate`.
 pub async fn migrate_url(url: &str) -> Result<(), StoreError> {

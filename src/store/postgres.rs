@@ -1017,7 +1017,7 @@ pub async fn migrate_url(url: &str) -> Result<(), StoreError> {
     // another migrator's lock) is expected to, and sqlx's slow-statement
     // warning would print the whole migration's SQL to the operator.
     // `migrate` says what it did, or its error, itself.
-    let opts = connect_options(url, Duration::from_secs(30))?.disable_statement_logging();
+    let opts = connect_options(url, super::MIGRATE_TIMEOUT)?.disable_statement_logging();
     let mut conn = PgConnection::connect_with(&opts).await?;
     migrator().run(&mut conn).await?;
     conn.close().await?;

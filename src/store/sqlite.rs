@@ -69,7 +69,7 @@ pub struct SqliteStore {
 impl SqliteStore {
     pub async fn open(path: &Path, cfg: &StoreConfig) -> Result<Self, StoreError> {
         let owner = lock_file(path)?;
-        let pool = pool(path, cfg.timeout, |o| o).await?;
+        let pool = pool(path, connect_options(path, cfg.timeout), cfg.timeout).await?;
         migrator().run(&pool).await?;
         // One batch at a time: SQLite has one writer (and we one connection).
         let batcher = {
@@ -151,21 +151,24 @@ impl SqliteStore {
     }
 }
 
-/// The store's one connection to `path`; `tweak` adjusts its options for
-/// one use (the gateway's store takes them as they are).
+/// How the store connects to the file at `path`: WAL, and every commit
+/// synced before it is acknowledged.
+fn connect_options(path: &Path, timeout: Duration) -> SqliteConnectOptions {
+    SqliteConnectOptions::new()
+        .filename(path)
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .synchronous(SqliteSynchronous::Full)
+        .busy_timeout(timeout)
+}
+
+/// The store's one connection to `path`, with `opts`; waits up to `timeout`
+/// for it.
 async fn pool(
     path: &Path,
+    opts: SqliteConnectOptions,
     timeout: Duration,
-    tweak: impl FnOnce(SqliteConnectOptions) -> SqliteConnectOptions,
 ) -> Result<SqlitePool, StoreError> {
-    let opts = tweak(
-        SqliteConnectOptions::new()
-            .filename(path)
-            .create_if_missing(true)
-            .journal_mode(SqliteJournalMode::Wal)
-            .synchronous(SqliteSynchronous::Full)
-            .busy_timeout(timeout),
-    );
     // One connection: SQLite has one writer at a time anyway. It is not
     // pinged before each use (sqlx's default): a connection to a file
     // cannot break unseen as a socket can, and the ping is a round trip to
@@ -213,10 +216,9 @@ fn lock_file(path: &Path) -> Result<File, StoreError> {
 pub async fn migrate_path(path: &Path) -> Result<(), StoreError> {
     let _owner = lock_file(path)?;
     // No statement logging, as for Postgres's `migrate_url` (and why).
-    let pool = pool(path, Duration::from_secs(30), |o| {
-        o.disable_statement_logging()
-    })
-    .await?;
+    let timeout = super::MIGRATE_TIMEOUT;
+    let opts = connect_options(path, timeout).disable_statement_logging();
+    let pool = pool(path, opts, timeout).await?;
     migrator().run(&pool).await?;
     pool.close().await;
     Ok(())

@@ -417,7 +417,8 @@ fn print(t: &Tally, seconds: f64) {
         "slow_slices": t.slices.iter().enumerate()
             .filter(|(_, s)| s.1 > 0)
             .map(|(i, s)| serde_json::json!({
-                "at_s": (i as f64 * SLICE.as_secs_f64() * 10.0).round() / 10.0,
+                // Exact in ms whatever SLICE is (a product of f64s is not).
+                "at_s": (i as u128 * SLICE.as_millis()) as f64 / 1000.0,
                 "max_ms": s.0 as f64 / 1000.0,
                 "over_10ms": s.1,
             }))
