@@ -3,18 +3,19 @@
 //!
 //! A key opens for a different token only when the upstream is *done* with
 //! the older write. From a proxy's seat that is knowable in one case only:
-//! the request body was handed over in full, and then the upstream's answer
-//! ended normally. Every other ending leaves the upstream possibly still at
-//! work — an answer that breaks off, a client that leaves (before or after
-//! the head, which drops the upstream connection mid-exchange), an answer
-//! that comes while the request body is still being sent (the upstream may
-//! go on reading and applying it) — and then the key stays closed until the
-//! forward's deadline, the bound on the whole exchange.
+//! the request was handed over in full (the upstream's TCP acknowledged
+//! all of it), and then the upstream's answer ended normally. Every other
+//! ending leaves the upstream possibly still at work — an answer that
+//! breaks off, an answer that comes before the request was handed over
+//! (the upstream may go on reading and applying it), a client that leaves
+//! and an answer too long to drain for it — and then the key stays closed
+//! until the forward's deadline, the bound on the whole exchange.
 //!
-//! The deadline (the route's `timeout_ms` from the start of the forward)
+//! The deadline (the route's `timeout_ms` from the start of the forward,
+//! and in shared mode never later than the write's in-flight marker's end)
 //! bounds the *whole* exchange, not just the wait for the response head:
 //! when it passes, both body wrappers cut their streams, and the upstream
-//! connection closes itself (`upstream`'s cutoff, which also covers bodies
+//! connection resets itself (`upstream`'s cutoff, which also covers bodies
 //! nobody polls: a client that stopped reading, an upstream that stopped
 //! reading), so nothing of this write moves in either direction afterwards,
 //! and the connection then tells the exchange, which lets the key open.
@@ -22,12 +23,16 @@
 //! gateway, which is what a crash recovery waits out (shared mode's
 //! `writer_until`, single mode's start-up quarantine).
 //!
-//! The [`Exchange`] holds the gate's admission. The request body wrapper
-//! (`proxy::LimitedBody`) reports when the body was handed over in full, the
-//! forward when the head arrives, the response body wrapper
-//! (`proxy::RelayBody`) when the answer ended. Whoever completes the
-//! normal ending releases the admission at once; if the exchange is dropped
-//! any other way, its `Drop` keeps the admission until the deadline.
+//! What the upstream has of the write is told by its connection, the only
+//! place that knows ([`Witness`]): whether the request was written in full,
+//! and whether the upstream's TCP had acknowledged all of it when its
+//! answer began (an answer before that is an early answer: see
+//! `upstream::flight`). The response body wrapper (`proxy::RelayBody`)
+//! reports the answer's normal end, which also covers a client that left:
+//! the answer is then drained to its end, within a limit. The [`Exchange`]
+//! holds the gate's admission; whoever completes the normal ending
+//! releases it at once; if the exchange is dropped any other way, its
+//! `Drop` keeps the admission until the deadline.
 
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
@@ -35,6 +40,7 @@ use std::time::Instant;
 use crate::fence::Admission;
 use crate::gateway::GatedRoute;
 use crate::metrics::HoldReason;
+use crate::upstream::Witness;
 
 /// The state of one fenced exchange; shared by the forward and both body
 /// wrappers through an `Arc`.
@@ -59,53 +65,33 @@ struct State {
     /// Taken when released (now or at the deadline).
     admission: Option<Admission>,
     progress: Progress,
-    /// What the upstream connection has heard since this request began:
-    /// any byte of an answer before the request body is handed over in full
-    /// makes it an early answer, however late its head is complete.
-    heard: Option<crate::upstream::Heard>,
 }
 
 /// How far an exchange has come. Each event only ever adds to what is
-/// known: an early answer, once seen, is never forgotten, whatever order
-/// the body wrapper and the forward report their events in.
+/// known, whatever order the connection and the body wrapper report in.
 #[derive(Debug, Default, Clone, Copy)]
 struct Progress {
-    /// The request body was handed to the upstream connection in full.
-    request_sent: bool,
-    /// The response body ended normally.
+    /// The request was written into the upstream connection in full.
+    request_written: bool,
+    /// `None` until the answer began; then whether the request had been
+    /// handed over (acknowledged in full by the upstream's TCP) by then.
+    answer_began: Option<bool>,
+    /// The answer ended normally, and the connection with it.
     response_ended: bool,
-    /// The answer began before the request body was sent in full.
-    early_answer: bool,
 }
 
 impl Progress {
-    /// The request body is handed over; `heard`: the upstream had already
-    /// sent something.
-    fn request_sent(&mut self, heard: bool) {
-        self.request_sent = true;
-        self.early_answer |= heard;
-    }
-
-    /// The response head arrived.
-    fn response_head(&mut self) {
-        self.early_answer |= !self.request_sent;
-    }
-
-    fn response_ended(&mut self) {
-        self.response_ended = true;
-    }
-
     /// The upstream is done with the write: the key may open now.
     fn done(&self) -> bool {
-        self.request_sent && self.response_ended && !self.early_answer
+        self.answer_began == Some(true) && self.response_ended
     }
 
     /// Why an exchange that ended here is not done (the first of the
     /// reasons that applies).
     fn hold_reason(&self) -> HoldReason {
-        if self.early_answer {
+        if self.answer_began == Some(false) {
             HoldReason::EarlyAnswer
-        } else if !self.request_sent {
+        } else if !self.request_written {
             HoldReason::RequestUnfinished
         } else {
             HoldReason::AnswerUnfinished
@@ -114,23 +100,17 @@ impl Progress {
 }
 
 impl Exchange {
-    /// Starts tracking an exchange; `request_sent` when the request has no
-    /// body. `runtime`, `route`: see the fields.
+    /// Starts tracking an exchange. `runtime`, `route`: see the fields.
     pub fn new(
         admission: Admission,
         deadline: Instant,
-        request_sent: bool,
         runtime: Arc<tokio::runtime::Handle>,
         route: Arc<GatedRoute>,
     ) -> Arc<Self> {
         Arc::new(Self {
             state: Mutex::new(State {
                 admission: Some(admission),
-                progress: Progress {
-                    request_sent,
-                    ..Progress::default()
-                },
-                heard: None,
+                progress: Progress::default(),
             }),
             deadline,
             runtime,
@@ -157,27 +137,10 @@ impl Exchange {
         drop(released);
     }
 
-    /// The connection the request goes out on (again, after a retry).
-    pub fn listen_to(&self, heard: crate::upstream::Heard) {
-        self.update(|s| s.heard = Some(heard));
-    }
-
-    /// The request body has been handed to the upstream connection in full.
-    pub fn request_sent(&self) {
-        self.update(|s| {
-            let heard = s.heard.as_ref().is_some_and(|h| h.anything());
-            s.progress.request_sent(heard);
-        });
-    }
-
-    /// The response head has arrived.
-    pub fn response_head(&self) {
-        self.update(|s| s.progress.response_head());
-    }
-
-    /// The response body has ended normally.
+    /// The answer ended normally, and its connection with it (see
+    /// `UpstreamBody::poll_finish`).
     pub fn response_ended(&self) {
-        self.update(|s| s.progress.response_ended());
+        self.update(|s| s.progress.response_ended = true);
     }
 
     /// Nothing of the request reached the upstream (the connection could not
@@ -202,11 +165,21 @@ impl Exchange {
     }
 }
 
-/// The upstream connection closed itself at the deadline (see `upstream`):
-/// nothing of this write can move any more, whether or not its bodies are
-/// ever polled again (a client that stopped reading the answer keeps the
-/// response body alive but idle). The key may open.
-impl crate::upstream::OnCut for Exchange {
+impl Witness for Exchange {
+    fn request_written(&self) {
+        self.update(|s| s.progress.request_written = true);
+    }
+
+    fn answer_began(&self, handed_over: bool) {
+        self.update(|s| {
+            s.progress.answer_began.get_or_insert(handed_over);
+        });
+    }
+
+    /// The upstream connection reset itself at the deadline: nothing of
+    /// this write can move any more, whether or not its bodies are ever
+    /// polled again (a client that stopped reading the answer keeps the
+    /// response body alive but idle). The key may open.
     fn cut(&self) {
         if self.release_now() {
             self.route.metrics.held_key(HoldReason::Timeout);
@@ -240,68 +213,40 @@ impl Drop for Exchange {
 #[cfg(test)]
 mod tests {
     use super::Progress;
-
-    fn with_body() -> Progress {
-        Progress::default()
-    }
+    use crate::metrics::HoldReason;
 
     #[test]
-    fn a_normal_exchange_is_done_when_both_directions_are() {
-        let mut p = with_body();
-        p.request_sent(false);
-        p.response_head();
+    fn a_normal_exchange_is_done_when_its_answer_ends_after_the_hand_over() {
+        let mut p = Progress {
+            request_written: true,
+            answer_began: Some(true),
+            response_ended: false,
+        };
         assert!(!p.done());
-        p.response_ended();
+        p.response_ended = true;
         assert!(p.done());
     }
 
     #[test]
-    fn a_head_before_the_body_is_handed_over_is_an_early_answer() {
-        let mut p = with_body();
-        p.response_head();
-        p.request_sent(false);
-        p.response_ended();
+    fn an_answer_before_the_hand_over_is_never_done() {
+        let p = Progress {
+            request_written: true,
+            answer_began: Some(false),
+            response_ended: true,
+        };
         assert!(!p.done());
-    }
-
-    /// The client may read an early answer, then take the body's last frame,
-    /// and only then let the forward see the head: the head must not clear what
-    /// the socket already told.
-    #[test]
-    fn an_answer_heard_before_the_body_ends_stays_early_whenever_the_head_is_reported() {
-        let mut p = with_body();
-        p.request_sent(true);
-        p.response_head();
-        p.response_ended();
-        assert!(!p.done());
+        assert_eq!(p.hold_reason(), HoldReason::EarlyAnswer);
     }
 
     /// The reason a hold is counted under: an early answer is one whatever
     /// else happened, then the first direction that did not finish.
     #[test]
     fn a_hold_is_counted_under_the_first_reason_that_applies() {
-        use crate::metrics::HoldReason;
-        let mut p = with_body();
+        let mut p = Progress::default();
         assert_eq!(p.hold_reason(), HoldReason::RequestUnfinished);
-        p.request_sent(false);
+        p.request_written = true;
         assert_eq!(p.hold_reason(), HoldReason::AnswerUnfinished);
-        let mut early = with_body();
-        early.response_head();
-        assert_eq!(early.hold_reason(), HoldReason::EarlyAnswer);
-        early.request_sent(false);
-        early.response_ended();
-        assert_eq!(early.hold_reason(), HoldReason::EarlyAnswer);
-    }
-
-    #[test]
-    fn a_bodiless_request_is_done_when_its_answer_ends() {
-        let mut p = Progress {
-            request_sent: true,
-            ..Progress::default()
-        };
-        p.response_head();
-        assert!(!p.done());
-        p.response_ended();
-        assert!(p.done());
+        p.answer_began = Some(true);
+        assert_eq!(p.hold_reason(), HoldReason::AnswerUnfinished);
     }
 }

@@ -1366,7 +1366,13 @@ async fn forward(
 ) -> Result<Response, GatewayError> {
     Behind::default().await;
     let started = Instant::now();
-    let deadline = started + route.timeout;
+    // In shared mode other instances take the write's in-flight marker as
+    // the bound on its life: the exchange must be over by its end, however
+    // long this instance stalled since the admission.
+    let deadline = match permit.as_ref().and_then(|p| p.must_end_by) {
+        Some(end) => end.min(started + route.timeout),
+        None => started + route.timeout,
+    };
     let (parts, body) = req.into_parts();
     // No body (a GET, or Content-Length: 0): nothing to limit or watch.
     let has_body = !http_body::Body::is_end_stream(&body);
@@ -1375,7 +1381,7 @@ async fn forward(
     // done with the write, or the deadline.
     let exchange = permit.map(|p| {
         let runtime = state.store_runtime.clone();
-        Exchange::new(p, deadline, !has_body, runtime, route.clone())
+        Exchange::new(p, deadline, runtime, route.clone())
     });
     let body = match &outcome {
         None => Body::empty(),
@@ -1383,13 +1389,15 @@ async fn forward(
             body,
             state.max_body_bytes,
             o.clone(),
-            exchange.clone(),
+            exchange.as_ref().map(|x| x.deadline()),
         )),
     };
     let upstream_req =
         proxy::upstream_request(Request::from_parts(parts, body), &route.upstream, peer)
             .map_err(|_| ClientError::BadRequest("the request cannot be forwarded as given"))?;
 
+    // Dropped at the deadline, the exchange's connection resets (see
+    // `upstream::tcp`): nothing of it queued is delivered afterwards.
     let sent = tokio::time::timeout_at(
         deadline.into(),
         state.client.send(
@@ -1397,12 +1405,7 @@ async fn forward(
             upstream_req,
             exchange
                 .as_ref()
-                .map(|x| (x.deadline(), x.clone() as Arc<dyn crate::upstream::OnCut>)),
-            |heard| {
-                if let Some(x) = &exchange {
-                    x.listen_to(heard);
-                }
-            },
+                .map(|x| (x.deadline(), x.clone() as Arc<dyn crate::upstream::Witness>)),
         ),
     )
     .await;
@@ -1412,9 +1415,6 @@ async fn forward(
             // Hop-by-hop fields of the answer are consumed by the upstream
             // client (see `upstream::wire`).
             let (parts, body) = resp.into_parts();
-            if let Some(x) = &exchange {
-                x.response_head();
-            }
             let body = Body::new(RelayBody::new(body, exchange));
             Ok(Response::from_parts(parts, body))
         }

@@ -188,32 +188,25 @@ pin_project_lite::pin_project! {
     /// The client's request body on its way upstream, with the byte limit
     /// enforced on what is actually read (a lying `Content-Length` or an
     /// endless chunked body is cut off the same way). For a fenced write it
-    /// reports to the [`Exchange`] when the body was handed over in full, and
-    /// cuts the body off at the exchange's deadline.
+    /// cuts the body off at the exchange's deadline. (When the upstream
+    /// has the body is its connection's to tell: see `upstream::flight`.)
     pub struct LimitedBody {
         #[pin]
         inner: Body,
         remaining: u64,
         outcome: BodyOutcome,
-        exchange: Option<Arc<Exchange>>,
         deadline: Deadline,
     }
 }
 
 impl LimitedBody {
-    pub fn new(
-        inner: Body,
-        limit: u64,
-        outcome: BodyOutcome,
-        exchange: Option<Arc<Exchange>>,
-    ) -> Self {
-        let deadline = Deadline::new(exchange.as_ref().map(|x| x.deadline()));
+    /// `deadline`: a fenced write's exchange's.
+    pub fn new(inner: Body, limit: u64, outcome: BodyOutcome, deadline: Option<Instant>) -> Self {
         Self {
             inner,
             remaining: limit,
             outcome,
-            exchange,
-            deadline,
+            deadline: Deadline::new(deadline),
         }
     }
 }
@@ -250,24 +243,13 @@ impl http_body::Body for LimitedBody {
                     }
                     *this.remaining -= n;
                 }
-                // A reader may not poll again once the body says it has ended.
-                if this.inner.is_end_stream() {
-                    if let Some(x) = this.exchange.take() {
-                        x.request_sent();
-                    }
-                }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
                 this.outcome.set(BodyOutcome::CLIENT_ERROR);
                 Poll::Ready(Some(Err(BodyError::Client(e))))
             }
-            Poll::Ready(None) => {
-                if let Some(x) = this.exchange.take() {
-                    x.request_sent();
-                }
-                Poll::Ready(None)
-            }
+            Poll::Ready(None) => Poll::Ready(None),
             Poll::Pending => {
                 ready!(this.deadline.poll(cx));
                 Poll::Ready(Some(Err(BodyError::Deadline)))
@@ -297,9 +279,10 @@ pub enum RelayError {
 /// upstream connection back to the worker's pool once the exchange is over
 /// in both directions, and, for a fenced write, tells the [`Exchange`]
 /// whether it ended normally and cuts the answer off at the exchange's
-/// deadline. Dropped before its end (the client left, or the body broke),
-/// it closes the connection and lets go of the exchange without reporting
-/// an end, which keeps the key closed until the deadline.
+/// deadline. Dropped before its end (the client left), a fenced write's
+/// answer is drained to its end in a task of its own, within the deadline
+/// and [`DRAIN_LIMIT`], so that the key opens as soon as the upstream is
+/// done; a pass-through answer's connection is reset.
 pub struct RelayBody {
     /// Taken (left empty) when the relay ends or is dropped.
     inner: UpstreamBody,
@@ -312,6 +295,12 @@ pub struct RelayBody {
     done: bool,
 }
 
+/// Most bytes of a fenced write's answer read and discarded for a client
+/// that left before its end. A longer answer is cut: its key then stays
+/// closed until the deadline, as for any exchange that did not end
+/// normally.
+pub const DRAIN_LIMIT: u64 = 1024 * 1024;
+
 impl Drop for RelayBody {
     fn drop(&mut self) {
         if self.done {
@@ -319,31 +308,72 @@ impl Drop for RelayBody {
         }
         // A body empty from the start (a 204, a HEAD's answer) may never be
         // polled: the server knows it has nothing to send. The upstream's
-        // answer did end normally; finish in the background.
+        // answer did end normally.
         let ended = self.finishing || http_body::Body::is_end_stream(&self.inner);
         let mut inner = std::mem::take(&mut self.inner);
-        if !ended {
+        let exchange = self.exchange.take();
+        if !ended && exchange.is_none() {
+            // Pass-through: the connection resets as `inner` is dropped.
             return;
         }
-        let exchange = self.exchange.take();
         // Most often the request is written in full already: finish here,
         // without a task.
-        let mut now = Context::from_waker(std::task::Waker::noop());
-        if inner.poll_finish(&mut now).is_ready() {
-            ended_normally(exchange);
-        } else if let Ok(rt) = tokio::runtime::Handle::try_current() {
+        if ended {
+            let mut now = Context::from_waker(std::task::Waker::noop());
+            if let Poll::Ready(normal) = inner.poll_finish(&mut now) {
+                finished(exchange, normal);
+                return;
+            }
+        }
+        let deadline = self.deadline.at;
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
             drop(rt.spawn(async move {
-                std::future::poll_fn(|cx| inner.poll_finish(cx)).await;
-                ended_normally(exchange);
+                let drained = ended || drain(&mut inner, deadline).await;
+                let normal = drained && std::future::poll_fn(|cx| inner.poll_finish(cx)).await;
+                finished(exchange, normal);
             }));
         }
     }
 }
 
-/// The exchange is over in both directions: the normal end reported.
-fn ended_normally(exchange: Option<Arc<Exchange>>) {
+/// Reads an answer nobody will see to its end, discarding it: within
+/// `deadline`, and at most [`DRAIN_LIMIT`] bytes. Answers whether it ended
+/// normally.
+async fn drain(body: &mut UpstreamBody, deadline: Option<Instant>) -> bool {
+    let read = async {
+        let mut left = DRAIN_LIMIT;
+        loop {
+            match std::future::poll_fn(|cx| http_body::Body::poll_frame(Pin::new(&mut *body), cx))
+                .await
+            {
+                None => return true,
+                Some(Ok(frame)) => {
+                    let n = frame.data_ref().map_or(0, |d| d.len() as u64);
+                    match left.checked_sub(n) {
+                        Some(l) => left = l,
+                        None => return false,
+                    }
+                }
+                Some(Err(_)) => return false,
+            }
+        }
+    };
+    match deadline {
+        Some(at) => tokio::time::timeout_at(at.into(), read)
+            .await
+            .unwrap_or(false),
+        None => read.await,
+    }
+}
+
+/// The exchange is over in both directions: `normal`, the upstream is done
+/// with the write (see `UpstreamBody::poll_finish`); otherwise the key
+/// stays closed until the deadline as the exchange is let go.
+fn finished(exchange: Option<Arc<Exchange>>, normal: bool) {
     if let Some(x) = exchange {
-        x.response_ended();
+        if normal {
+            x.response_ended();
+        }
     }
 }
 
@@ -359,7 +389,7 @@ impl RelayBody {
         }
     }
 
-    /// Ends the relay abnormally: the connection is closed, and the
+    /// Ends the relay abnormally: the connection is reset, and the
     /// exchange is let go without a normal end.
     fn broken(&mut self, e: RelayError) -> RelayError {
         self.done = true;
@@ -402,12 +432,12 @@ impl http_body::Body for RelayBody {
         }
         // The answer has ended; the exchange is over when the request is
         // written in full too.
-        if this.inner.poll_finish(cx).is_pending() {
+        let Poll::Ready(normal) = this.inner.poll_finish(cx) else {
             ready!(this.deadline.poll(cx));
             return Poll::Ready(Some(Err(this.broken(RelayError::Deadline))));
-        }
+        };
         this.done = true;
-        ended_normally(this.exchange.take());
+        finished(this.exchange.take(), normal);
         Poll::Ready(None)
     }
 

@@ -1,5 +1,5 @@
 //! One upstream connection: its socket (TCP, or TLS over TCP), the bytes
-//! read from it and not yet used, what it has heard, and its deadline.
+//! read from it and not yet used, and its deadline.
 //!
 //! The connection owns its socket and reads it through tokio's stream,
 //! which takes a short read as proof that the socket is drained: the next
@@ -7,7 +7,7 @@
 //! nothing. Its watchdog (see `cutoff`) knows the socket only by number.
 
 use std::io;
-use std::os::fd::AsRawFd;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{Context, Poll};
@@ -18,8 +18,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 
-use super::cutoff::{self, Cutoff, OnCut};
-use super::{Heard, SendError};
+use super::cutoff::{self, Cutoff};
+use super::{tcp, SendError, Witness};
 use crate::config::Upstream;
 
 /// Longest a TCP connect (and TLS handshake) to an upstream may take: a
@@ -35,10 +35,13 @@ pub(super) struct Conn {
     /// between exchanges: anything left over means the upstream sent more
     /// than its answer, and the connection is not reused.
     pub(super) read: BytesMut,
-    pub(super) heard: Heard,
     cutoff: Arc<Cutoff>,
     /// Whether the watchdog runs (from the first fenced write on).
     watched: bool,
+    /// The `TCP_USER_TIMEOUT` set on the socket, if any: lowered to each
+    /// fenced exchange's time left when that is shorter, so that it is at
+    /// most the timeout of every route that used the connection.
+    unacknowledged_limit: Option<Duration>,
 }
 
 enum Stream {
@@ -54,7 +57,7 @@ impl Conn {
             let tcp = TcpStream::connect(upstream.address()).await.map_err(|e| {
                 SendError::Connect(format!("cannot connect to {}: {e}", upstream.authority))
             })?;
-            let _ = tcp.set_nodelay(true);
+            tcp::configure(&tcp);
             let stream = match &upstream.tls {
                 None => Stream::Tcp(tcp),
                 Some(tls) => {
@@ -86,9 +89,9 @@ impl Conn {
         Conn {
             stream,
             read: BytesMut::new(),
-            heard: Heard::default(),
             cutoff: Arc::new(Cutoff::default()),
             watched: false,
+            unacknowledged_limit: None,
         }
     }
 
@@ -99,9 +102,37 @@ impl Conn {
         }
     }
 
+    fn socket(&self) -> BorrowedFd<'_> {
+        self.tcp().as_fd()
+    }
+
+    /// Bytes written that the upstream's TCP has not acknowledged (see
+    /// `tcp::unacknowledged`).
+    pub(super) fn unacknowledged(&self) -> usize {
+        tcp::unacknowledged(self.socket())
+    }
+
+    /// Whether a request's last bytes may be written now (see
+    /// `tcp::may_write_last`).
+    pub(super) fn may_write_last(&self) -> bool {
+        tcp::may_write_last(self.socket())
+    }
+
+    /// The connection is closed after exchanges that all ended normally:
+    /// with a FIN if nothing is queued (see `tcp::close_gracefully`).
+    pub(super) fn close_gracefully(self) {
+        tcp::close_gracefully(self.socket());
+    }
+
     /// Arms the deadline of the exchange about to be written (see
-    /// `cutoff`), starting the watchdog with the first one.
-    pub(super) fn arm(&mut self, at: Instant, on_cut: Arc<dyn OnCut>) {
+    /// `cutoff`), starting the watchdog with the first one, and bounds the
+    /// time written bytes may stay unacknowledged by the time left.
+    pub(super) fn arm(&mut self, at: Instant, on_cut: Arc<dyn Witness>) {
+        let left = at.saturating_duration_since(Instant::now());
+        if self.unacknowledged_limit.is_none_or(|l| l > left) {
+            tcp::limit_unacknowledged(self.socket(), left);
+            self.unacknowledged_limit = Some(left);
+        }
         if !self.watched {
             self.watched = true;
             tokio::spawn(cutoff::watchdog(
@@ -142,22 +173,17 @@ impl Conn {
     }
 
     /// Reads what the upstream has sent into `read`; `Ok(0)` at the end of
-    /// the stream. Notes in `heard` that something came.
+    /// the stream.
     pub(super) fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         if self.read.capacity() - self.read.len() < READ_ROOM / 4 {
             self.read.reserve(READ_ROOM);
         }
-        let read = match &mut self.stream {
+        match &mut self.stream {
             Stream::Tcp(tcp) => tokio_util::io::poll_read_buf(Pin::new(tcp), cx, &mut self.read),
             Stream::Tls(tls) => {
                 tokio_util::io::poll_read_buf(Pin::new(tls.as_mut()), cx, &mut self.read)
             }
-        };
-        let n = std::task::ready!(read)?;
-        if n > 0 {
-            self.heard.note();
         }
-        Poll::Ready(Ok(n))
     }
 
     /// Writes some of `buf`, unless the exchange's deadline has passed
@@ -190,7 +216,8 @@ impl Conn {
 impl Drop for Conn {
     /// Says so to the watchdog before the socket closes (the fields are
     /// dropped after this), so that it never resets a descriptor the number
-    /// of which a new socket may have taken.
+    /// of which a new socket may have taken. The close itself resets the
+    /// connection, unless `close_gracefully` said otherwise (see `tcp`).
     fn drop(&mut self) {
         if self.watched {
             self.cutoff.close();
@@ -211,7 +238,9 @@ mod tests {
     use tokio::io::AsyncReadExt;
 
     struct Nobody;
-    impl OnCut for Nobody {
+    impl Witness for Nobody {
+        fn request_written(&self) {}
+        fn answer_began(&self, _: bool) {}
         fn cut(&self) {}
     }
 

@@ -12,10 +12,9 @@
 //! A reset, not a shutdown: a shutdown lets the kernel send what it still
 //! holds of the request and only then a FIN, and it tells an upstream that
 //! is writing a long answer into a window the client no longer drains
-//! nothing at all, so that upstream would wait for ever. A reset (on Linux,
-//! `connect(2)` to `AF_UNSPEC`, which is how a TCP socket is dissolved
-//! without closing its descriptor) drops both of the kernel's queues and
-//! sends RST, as closing a socket with unread data does.
+//! nothing at all, so that upstream would wait for ever. A reset
+//! ([`tcp::reset`]) drops both of the kernel's queues and sends RST without
+//! closing the descriptor.
 //!
 //! The watchdog knows the socket only by its descriptor's number, so that
 //! the connection can own its socket outright (and read it through
@@ -36,12 +35,8 @@ use std::sync::{Arc, Mutex};
 use std::task::Poll;
 use std::time::Instant;
 
-/// Told when a connection has closed itself at its exchange's deadline:
-/// from then on nothing of the exchange can reach the upstream, even if its
-/// bodies are never polled again.
-pub trait OnCut: Send + Sync {
-    fn cut(&self);
-}
+use super::tcp;
+use super::Witness;
 
 /// The deadline of the exchange a connection carries, if it has one. Armed
 /// before a fenced request is written, cleared when the exchange is over
@@ -83,7 +78,7 @@ struct State {
 /// A deadline, and who to tell when the connection closed itself at it.
 struct Armed {
     at: Instant,
-    on_cut: Arc<dyn OnCut>,
+    on_cut: Arc<dyn Witness>,
 }
 
 impl Cutoff {
@@ -106,7 +101,7 @@ impl Cutoff {
                 .is_some_and(|a| Instant::now() >= a.at)
     }
 
-    pub(super) fn arm(&self, at: Instant, on_cut: Arc<dyn OnCut>) {
+    pub(super) fn arm(&self, at: Instant, on_cut: Arc<dyn Witness>) {
         let wake = {
             let mut state = self.lock();
             state.armed = Some(Armed { at, on_cut });
@@ -162,7 +157,7 @@ impl Cutoff {
     /// If its deadline is `by` or earlier: disarms it, resets the
     /// connection on the socket `fd` unless the connection is closing (then
     /// the socket is closed, or about to be), and answers whom to tell.
-    fn fire(&self, by: Instant, fd: RawFd) -> Option<Arc<dyn OnCut>> {
+    fn fire(&self, by: Instant, fd: RawFd) -> Option<Arc<dyn Witness>> {
         let mut state = self.lock();
         if state.armed.as_ref().is_none_or(|a| a.at > by) {
             return None;
@@ -173,30 +168,10 @@ impl Cutoff {
             // SAFETY: under the lock, with the connection not closing, the
             // descriptor is open and is this connection's socket (see the
             // module docs): the borrow ends before the lock is let go.
-            reset(unsafe { BorrowedFd::borrow_raw(fd) });
+            tcp::reset(unsafe { BorrowedFd::borrow_raw(fd) });
         }
         state.armed.take().map(|a| a.on_cut)
     }
-}
-
-/// Resets the TCP connection on `socket` (see the module docs); where that
-/// cannot be done, shuts it down both ways.
-fn reset(socket: BorrowedFd<'_>) {
-    #[cfg(target_os = "linux")]
-    {
-        use std::os::fd::AsRawFd;
-        let unspec = libc::sockaddr {
-            sa_family: libc::AF_UNSPEC as libc::sa_family_t,
-            sa_data: [0; 14],
-        };
-        let len = std::mem::size_of::<libc::sockaddr>() as libc::socklen_t;
-        // SAFETY: `socket` is an open descriptor for as long as it is
-        // borrowed, and `unspec` outlives the call, which only reads it.
-        if unsafe { libc::connect(socket.as_raw_fd(), &unspec, len) } == 0 {
-            return;
-        }
-    }
-    let _ = socket2::SockRef::from(&socket).shutdown(std::net::Shutdown::Both);
 }
 
 /// Watches a connection's deadlines until the connection closes; at a
@@ -265,7 +240,9 @@ mod tests {
         &'static str,
         tokio::sync::mpsc::UnboundedSender<(&'static str, Instant)>,
     );
-    impl OnCut for Told {
+    impl Witness for Told {
+        fn request_written(&self) {}
+        fn answer_began(&self, _: bool) {}
         fn cut(&self) {
             let _ = self.1.send((self.0, Instant::now()));
         }

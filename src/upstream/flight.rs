@@ -8,9 +8,33 @@
 //! polls it (the server's connection task) and goes on writing the request
 //! body if the answer came early, as an upstream that answers before it has
 //! read a streamed body expects.
+//!
+//! **When the upstream has the request.** Not when it was written: the
+//! gateway's kernel takes megabytes the upstream has not read (see `tcp`).
+//! The request is *handed over* when the upstream's TCP has acknowledged
+//! all of it, and that is asked when the answer's first byte comes: an
+//! upstream that answers after reading the whole request acknowledges it
+//! in the same segment, so a normal exchange never waits for it. An answer
+//! that begins before then is an early answer.
+//!
+//! **A fenced request's last bytes** go out only into an empty send queue
+//! with the upstream's window open (waiting for it in steps of
+//! [`DRAIN_STEP`]): until then all but the last byte is written. So what a
+//! paused or dead gateway's kernel can still deliver is at most its send
+//! buffer of the request's middle, never its end, and an upstream never
+//! applies it.
+//!
+//! **Where a connection goes after an exchange**: back to the pool only
+//! after an exchange that ended normally (handed over before the answer
+//! began, and the answer ended); closed gracefully after one whose request
+//! was written in full, when nothing is left queued; reset in every other
+//! case (see `tcp`).
 
+use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::body::Body;
 use bytes::Bytes;
@@ -19,11 +43,15 @@ use http_body::{Body as _, Frame, SizeHint};
 
 use super::conn::Conn;
 use super::wire::{self, Decoded, Decoder, RequestFraming};
-use super::{ExchangeError, UpstreamClient};
+use super::{ExchangeError, UpstreamClient, Witness};
 
 /// How much of a request body is gathered before it is written: the head
 /// and a small body go out in one write.
 const GATHER: usize = 64 * 1024;
+/// How often a fenced request's last byte asks again whether the send
+/// queue has drained: the kernel has no event for it. Only a body larger
+/// than what the upstream takes at once waits at all.
+const DRAIN_STEP: Duration = Duration::from_millis(1);
 
 /// The request on its way out.
 pub(super) struct RequestWriter {
@@ -43,10 +71,19 @@ pub(super) struct RequestWriter {
     pub(super) written: u64,
     /// Everything was written (and flushed).
     pub(super) finished: bool,
+    /// A fenced write's exchange: told when the request is written, and
+    /// its last bytes wait for an empty send queue (see the module docs).
+    witness: Option<Arc<dyn Witness>>,
+    /// While the last bytes wait for the send queue to drain.
+    drain: Option<Pin<Box<tokio::time::Sleep>>>,
 }
 
 impl RequestWriter {
-    pub(super) fn new(parts: &http::request::Parts, body: Body) -> Self {
+    pub(super) fn new(
+        parts: &http::request::Parts,
+        body: Body,
+        witness: Option<Arc<dyn Witness>>,
+    ) -> Self {
         let hint = http_body::Body::size_hint(&body);
         let framing = RequestFraming::of(http_body::Body::is_end_stream(&body), hint.exact());
         let mut out = Vec::with_capacity(512);
@@ -63,6 +100,8 @@ impl RequestWriter {
             owed,
             written: 0,
             finished: false,
+            witness,
+            drain: None,
         }
     }
 
@@ -114,7 +153,25 @@ impl RequestWriter {
                 }
             }
             if self.at < self.out.len() {
-                match conn.poll_write(cx, &self.out[self.at..]) {
+                let mut end = self.out.len();
+                if self.body.is_none() && self.witness.is_some() {
+                    // The request's end: only into an empty queue (TLS
+                    // holds nothing back either).
+                    std::task::ready!(conn.poll_flush(cx)).map_err(ExchangeError::Io)?;
+                    if !conn.may_write_last() {
+                        if end - self.at > 1 {
+                            end -= 1;
+                        } else {
+                            let step = self
+                                .drain
+                                .get_or_insert_with(|| Box::pin(tokio::time::sleep(DRAIN_STEP)));
+                            std::task::ready!(step.as_mut().poll(cx));
+                            self.drain = None;
+                            continue;
+                        }
+                    }
+                }
+                match conn.poll_write(cx, &self.out[self.at..end]) {
                     Poll::Ready(Ok(0)) => {
                         return Poll::Ready(Err(ExchangeError::Io(
                             std::io::ErrorKind::WriteZero.into(),
@@ -141,6 +198,9 @@ impl RequestWriter {
             }
             std::task::ready!(conn.poll_flush(cx)).map_err(ExchangeError::Io)?;
             self.finished = true;
+            if let Some(w) = &self.witness {
+                w.request_written();
+            }
             return Poll::Ready(Ok(()));
         }
     }
@@ -182,6 +242,9 @@ impl RequestWriter {
 pub(super) struct Flight {
     pub(super) conn: Conn,
     pub(super) request: RequestWriter,
+    /// `None` until the answer's first byte; then whether the request had
+    /// been handed over by then (see the module docs).
+    pub(super) answer_began: Option<bool>,
     /// Where the connection goes back to, under which key.
     pub(super) client: UpstreamClient,
     pub(super) key: std::sync::Arc<str>,
@@ -203,19 +266,40 @@ impl Flight {
             if let Some(head) = wire::parse_head(&mut self.conn.read, method)? {
                 return Poll::Ready(Ok(head));
             }
-            match std::task::ready!(self.conn.poll_fill(cx)) {
+            match std::task::ready!(self.poll_fill(cx)) {
                 Ok(0) => return Poll::Ready(Err(ExchangeError::Closed)),
                 Ok(_) => {}
                 Err(e) => return Poll::Ready(Err(ExchangeError::Io(e))),
             }
         }
     }
+
+    /// Reads what the upstream sent; at the answer's first byte, asks
+    /// whether the request was handed over (see the module docs).
+    fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
+        let n = std::task::ready!(self.conn.poll_fill(cx))?;
+        if n > 0 && self.answer_began.is_none() {
+            let handed_over = self.request.finished && self.conn.unacknowledged() == 0;
+            self.answer_began = Some(handed_over);
+            if let Some(w) = &self.request.witness {
+                w.answer_began(handed_over);
+            }
+        }
+        Poll::Ready(Ok(n))
+    }
+
+    /// Whether the exchange ended normally so far: the request was handed
+    /// over before the answer began.
+    fn handed_over(&self) -> bool {
+        self.answer_began == Some(true)
+    }
 }
 
 /// An upstream's answer body, read from its connection as it is polled.
 /// When the answer has ended and the request is written in full, the
-/// connection goes back to the pool ([`UpstreamBody::poll_finish`]).
-/// Dropped before that, it closes the connection.
+/// connection goes back to the pool or is closed
+/// ([`UpstreamBody::poll_finish`]). Dropped before that, it resets the
+/// connection.
 #[derive(Default)]
 pub struct UpstreamBody {
     /// `None` once the connection is handed back or closed. Held inline:
@@ -238,24 +322,32 @@ impl UpstreamBody {
     /// The answer has ended: ready once the request is written in full
     /// too, and the connection handed back if it can carry another
     /// exchange (or closed). An exchange whose request could not be
-    /// finished is over as well: its connection is closed.
-    pub fn poll_finish(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+    /// finished is over as well: its connection is reset. Answers whether
+    /// the exchange ended normally: the request was handed over before the
+    /// answer began, the answer ended, and the deadline did not cut it.
+    pub fn poll_finish(&mut self, cx: &mut Context<'_>) -> Poll<bool> {
         let Some(flight) = self.flight.as_mut() else {
-            return Poll::Ready(());
+            return Poll::Ready(false);
         };
         let sent = std::task::ready!(flight.request.poll_send(&mut flight.conn, cx)).is_ok();
-        if let Some(Flight {
+        let Some(flight) = self.flight.take() else {
+            return Poll::Ready(false);
+        };
+        let normal = sent && self.decoder.ended() && flight.handed_over();
+        let Flight {
             conn, client, key, ..
-        }) = self.flight.take()
-        {
-            // Anything the upstream sent past its answer is a broken
-            // upstream; a watchdog that reset the connection ended with it.
-            let reusable = sent && self.decoder.ended() && self.keep_alive && conn.read.is_empty();
-            if conn.disarm() && reusable {
-                client.give_back(key, conn);
-            }
+        } = flight;
+        // A watchdog that reset the connection ended with it.
+        if !conn.disarm() {
+            return Poll::Ready(false);
         }
-        Poll::Ready(())
+        // Anything the upstream sent past its answer is a broken upstream.
+        if normal && self.keep_alive && conn.read.is_empty() {
+            client.give_back(key, conn);
+        } else if sent {
+            conn.close_gracefully();
+        }
+        Poll::Ready(normal)
     }
 }
 
@@ -287,7 +379,7 @@ impl http_body::Body for UpstreamBody {
                     return Poll::Ready(Some(Err(ExchangeError::Wire(e))));
                 }
             }
-            match std::task::ready!(flight.conn.poll_fill(cx)) {
+            match std::task::ready!(flight.poll_fill(cx)) {
                 Ok(0) if *decoder == Decoder::ToClose => *decoder = Decoder::Ended,
                 Ok(0) => {
                     this.flight = None;

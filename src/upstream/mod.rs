@@ -25,11 +25,14 @@
 //! never among them.
 //!
 //! **When a connection is handed back**: after the answer's body ended
-//! *and* the request was written in full, so "the exchange is over" means
-//! both directions are, which is what the fenced write's `Exchange` needs
-//! to hear (see `proxy::RelayBody`). A connection that cannot carry another
-//! exchange (an answer read to the close, `Connection: close`, bytes past
-//! the answer, a request not finished) is closed instead.
+//! *and* the request was handed over before the answer began (the
+//! upstream's TCP acknowledged all of it: see `flight`), so "the exchange
+//! ended normally" means both directions are over at the upstream, which is
+//! what the fenced write's `Exchange` needs to hear (see
+//! `proxy::RelayBody`). A connection that cannot carry another exchange (an
+//! answer read to the close, `Connection: close`, bytes past the answer, an
+//! early answer, a request not finished) is closed instead, and every close
+//! but one after a normal end resets it ([`tcp`]).
 //!
 //! **Deadlines a connection enforces itself**: see [`cutoff`].
 //!
@@ -49,10 +52,10 @@
 mod conn;
 mod cutoff;
 mod flight;
+mod tcp;
 pub(crate) mod wire;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -61,7 +64,6 @@ use http::{Request, Response};
 
 use crate::config::Upstream;
 use conn::Conn;
-pub use cutoff::OnCut;
 pub use flight::UpstreamBody;
 use flight::{Flight, RequestWriter};
 pub use wire::WireError;
@@ -128,27 +130,23 @@ struct Idle {
     since: Instant,
 }
 
-/// Whether any byte came from the upstream since the current request began.
-/// An answer that starts arriving while the request body is still being
-/// handed over is an early answer, whenever its head is complete.
-#[derive(Clone, Default)]
-pub struct Heard(Arc<AtomicBool>);
-
-impl Heard {
-    /// A request begins: nothing heard yet.
-    fn arm(&self) {
-        self.0.store(false, Ordering::Release);
-    }
-
-    /// Something came from the upstream.
-    fn note(&self) {
-        self.0.store(true, Ordering::Release);
-    }
-
-    /// Whether the upstream has sent anything since the request began.
-    pub fn anything(&self) -> bool {
-        self.0.load(Ordering::Acquire)
-    }
+/// What an upstream connection tells a fenced write's exchange, which
+/// decides from it when the upstream is done with the write (see
+/// `exchange`). Only the connection can tell: whether the upstream has the
+/// request is a question about its TCP, not about what was written.
+pub trait Witness: Send + Sync {
+    /// The request was written into the connection in full (which is not
+    /// yet handed over: the upstream's TCP may not have acknowledged it).
+    fn request_written(&self);
+    /// The answer's first byte came. `handed_over`: the upstream's TCP had
+    /// acknowledged the whole request by then; otherwise this is an early
+    /// answer, and the upstream may go on reading and applying the request
+    /// after it.
+    fn answer_began(&self, handed_over: bool);
+    /// The connection reset itself at the exchange's deadline: from then
+    /// on nothing of the exchange can reach the upstream, even if its
+    /// bodies are never polled again.
+    fn cut(&self);
 }
 
 /// Why an upstream request failed.
@@ -197,17 +195,20 @@ impl UpstreamClient {
         while let Some(mut c) = stack.pop() {
             // Newest first; anything this old below it is older still.
             if c.since.elapsed() > IDLE_TIMEOUT {
-                stack.clear();
+                stack.push(c);
+                stack.drain(..).for_each(|c| c.conn.close_gracefully());
                 return None;
             }
             if c.conn.is_open() {
                 return Some(c.conn);
             }
+            c.conn.close_gracefully();
         }
         None
     }
 
-    /// Returns a connection whose exchange is over to its pool.
+    /// Returns a connection whose exchange ended normally to its pool (or
+    /// closes it, when the pool is full).
     fn give_back(&self, key: Arc<str>, conn: Conn) {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let stack = idle.entry(key).or_default();
@@ -216,24 +217,27 @@ impl UpstreamClient {
                 conn,
                 since: Instant::now(),
             });
+        } else {
+            conn.close_gracefully();
         }
     }
 
     /// Sends `req` to `upstream` (its URI in origin form, `Host` set) and
     /// reads the answer's head; the answer's body reads the rest, and hands
-    /// the connection back when the exchange is over. `cut`: a fenced
-    /// write's deadline, past which the connection closes itself and then
-    /// tells the exchange (see [`cutoff`]). `listen` learns the
-    /// connection's [`Heard`] before the request is written.
+    /// the connection back when the exchange is over. `fenced`: a fenced
+    /// write's deadline, past which the connection resets itself, and the
+    /// exchange told what the connection sees (see [`Witness`],
+    /// [`cutoff`]); its request's last bytes are written only once the
+    /// send queue has drained (see `flight`).
     pub async fn send(
         &self,
         upstream: &Upstream,
         req: Request<Body>,
-        cut: Option<(Instant, Arc<dyn OnCut>)>,
-        listen: impl Fn(Heard),
+        fenced: Option<(Instant, Arc<dyn Witness>)>,
     ) -> Result<Response<UpstreamBody>, SendError> {
         let (parts, body) = req.into_parts();
-        let mut request = RequestWriter::new(&parts, body);
+        let witness = fenced.as_ref().map(|(_, w)| w.clone());
+        let mut request = RequestWriter::new(&parts, body, witness);
         // Only the method is needed from here on: the rest of the head goes
         // now, and does not sit in this future's state.
         let method = {
@@ -258,14 +262,13 @@ impl UpstreamClient {
                 // into its task and out of it, kilobytes larger.
                 None => (Box::pin(Conn::connect(upstream)).await?, false),
             };
-            if let Some((at, on_cut)) = &cut {
-                conn.arm(*at, on_cut.clone());
+            if let Some((at, witness)) = &fenced {
+                conn.arm(*at, witness.clone());
             }
-            conn.heard.arm();
-            listen(conn.heard.clone());
             let mut flight = Flight {
                 conn,
                 request,
+                answer_began: None,
                 client: self.clone(),
                 key: upstream.pool_key.clone(),
             };
@@ -282,7 +285,8 @@ impl UpstreamClient {
                     let Flight {
                         conn, request: r, ..
                     } = flight;
-                    // Closed now: nothing more of this attempt moves.
+                    // Reset now: nothing more of this attempt moves, and
+                    // nothing of it still queued is delivered later.
                     drop(conn);
                     let io = matches!(e, ExchangeError::Io(_) | ExchangeError::Closed);
                     request = r;

@@ -48,7 +48,7 @@ use crate::support::app::{docs_route, TestApp};
 use crate::support::db::{Backend, TestStore};
 use crate::support::raw_upstream::{
     chunk, read_response, read_response_head, Behaviour, RawUpstream, BEHAVIOUR_HEADER,
-    CHUNKS_HEADER, CHUNK_MS_HEADER, FENCE_HEADER, ID_HEADER, WORK_HEADER,
+    CHUNKS_HEADER, CHUNK_MS_HEADER, FENCE_HEADER, FLOOD_BYTES_HEADER, ID_HEADER, WORK_HEADER,
 };
 use crate::support::{fenced_put, wait_for};
 
@@ -551,7 +551,7 @@ async fn exchange_cut_at_timeout(setup: Setup) {
         "the upstream's answer must be cut at timeout_ms ({TIMEOUT:?}) after token 1 \
          was sent, not before; it was cut at {cut:?}"
     );
-    rig.assert_held(Some("timeout")).await;
+    rig.assert_held(Some("answer_unfinished")).await;
 }
 
 /// 6. Control: after a normal exchange the key opens at once, not after
@@ -692,7 +692,7 @@ async fn client_stops_reading_the_answer(setup: Setup) {
          {cut:?}: token 2 did not follow the cut\n{timeline}"
     );
     assert_eq!(rig.up.applied_tokens(path), vec![1, 2], "{timeline}");
-    rig.assert_held(Some("timeout")).await;
+    rig.assert_held(Some("answer_unfinished")).await;
     drop(s);
 }
 
@@ -1014,10 +1014,12 @@ async fn abandoned_writes_do_not_use_up_key_lock_connections() {
         ),
     );
     let app = Arc::new(TestApp::from_text(&text).await);
-    // Four writes whose clients give up while the upstream works on them.
+    // Four writes whose clients give up while the upstream works on them,
+    // longer than the route's timeout: each is cut at its deadline (an
+    // answer that came in time would be drained, and its key opened).
     for i in 0..4 {
         let gave_up = fenced_put(&app.http, app.url(&format!("/docs/left{i}")), "1", "x")
-            .header("x-test-delay-ms", "600")
+            .header("x-test-delay-ms", "4000")
             .timeout(Duration::from_millis(200))
             .send()
             .await;
@@ -1161,17 +1163,21 @@ async fn a_paused_instance_sends_nothing_past_its_deadline() {
 }
 
 /// 9. A hostile (or buggy) holder of token 1 keeps the key closed to a newer
-///    token by leaving mid-exchange, then tries to extend the hold with more
-///    writes of its token. Token 2 is recorded on arrival, so the later
-///    token-1 write is refused (409) and never reaches the upstream, and
-///    token 2 follows once token 1's one hold ends: at `timeout_ms`, not
-///    later than the bound allows (shared mode's in-flight marker lasts 1 s
-///    longer; a few seconds of slack on top).
+///    token by leaving mid-exchange while its answer is larger than the
+///    gateway drains for a client that left, then tries to extend the hold
+///    with more writes of its token. Token 2
+///    is recorded on arrival, so the later token-1 write is refused (409)
+///    and never reaches the upstream, and token 2 follows once token 1's
+///    one hold ends: at `timeout_ms`, not later than the bound allows
+///    (shared mode's in-flight marker lasts 1 s longer; a few seconds of
+///    slack on top).
 async fn a_departed_writer_cannot_extend_its_hold(setup: Setup) {
     let rig = Rig::new(setup, TIMEOUT).await;
     let path = "/docs/extend";
     let sent1 = Instant::now();
-    let mut s = raw_write(rig.a(), path, 1, Behaviour::SlowStream, &[], "one").await;
+    // Applied before its answer, which is larger than the drain limit.
+    let large = [(FLOOD_BYTES_HEADER, "4194304")];
+    let mut s = raw_write(rig.a(), path, 1, Behaviour::Flood, &large, "one").await;
     let (status, _) = read_response_head(&mut s, &mut BytesMut::new())
         .await
         .expect("token 1's answer head");

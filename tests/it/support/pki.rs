@@ -272,7 +272,14 @@ impl HttpsUpstream {
                                         .unwrap_or("")
                                 );
                                 log.lock().unwrap().push(line);
-                                let body = if req.uri().query() == Some("endless") {
+                                // Read to its end before the answer, as an
+                                // upstream that applies writes does: an
+                                // answer before the request is acknowledged
+                                // is an early one, whose connection the
+                                // gateway does not keep.
+                                let endless_answer = req.uri().query() == Some("endless");
+                                let _ = req.into_body().collect().await;
+                                let body = if endless_answer {
                                     endless(log.clone())
                                 } else {
                                     http_body_util::Full::new(bytes::Bytes::from_static(b"secure"))
