@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::error::{ClientError, GatewayError};
-use crate::gate::{Arrival, Gate, Permit};
+use crate::gate::{Arrival, Gate, NotAdmitted, Permit, Ticket};
 use crate::store::{Begin, Entered, FenceStore, InFlight, StoreError};
 
 /// The right to forward one fenced write; drop it when the upstream is done
@@ -348,10 +348,7 @@ impl Fence {
         }
         // From here the record is written: a refusal leaves it to be
         // forgotten (an error, not `Refused`).
-        let permit = ticket
-            .admit(token)
-            .await
-            .map_err(|s| stale(key, token, s.highest))?;
+        let permit = self.admit(key, ticket, token).await?;
         // As in `check_single`: the last moment before the write may go.
         self.store.check_writer()?;
         Ok(admitted(permit, sent_at, record.in_flight))
@@ -444,10 +441,14 @@ impl Fence {
         };
         // Admitted by the store, and the record (if any) written: a refusal
         // by this instance's gate now leaves it to be forgotten.
-        let permit = ticket
-            .admit(token)
-            .await
-            .map_err(|s| Shared::Failed(stale(key, token, s.highest)))?;
+        let permit = ticket.admit(token).await.map_err(|refused| {
+            Shared::Failed(match refused {
+                NotAdmitted::Stale(s) => stale(key, token, s.highest),
+                NotAdmitted::Reset(_) => {
+                    GatewayError::Internal("shared mode's gate refused a write for a reset")
+                }
+            })
+        })?;
         let entered_at = lock.entered_at();
         Ok(Some((
             Admission {
@@ -488,16 +489,37 @@ impl Fence {
                 tokio::time::sleep_until(until.into()).await;
             }
         }
-        let permit = ticket
-            .admit(token)
-            .await
-            .map_err(|s| stale(key, token, s.highest))?;
+        let permit = self.admit(key, ticket, token).await?;
         // The wait at the gate (or the quarantine) may have outlasted the
         // lock: checked again right before the write may go, and the permit
         // dropped unused if it is gone. The token stays recorded, which only
         // makes older tokens stale sooner.
         self.store.check_writer()?;
         Ok(permit)
+    }
+}
+
+impl Fence {
+    /// Single mode: admits `ticket`'s write of `token`, recorded already.
+    /// An admin reset of the key since then may have set the store below
+    /// `token` (see `NotAdmitted::Reset`): the token is then decided again
+    /// against the store, and admitted only if it is still the highest, so
+    /// that no write is forwarded with a token above what the store holds.
+    async fn admit(&self, key: &str, ticket: Ticket, token: i64) -> Result<Permit, GatewayError> {
+        let mut ticket = ticket;
+        loop {
+            match ticket.admit(token).await {
+                Ok(permit) => return Ok(permit),
+                Err(NotAdmitted::Stale(s)) => return Err(stale(key, token, s.highest)),
+                Err(NotAdmitted::Reset(t)) => {
+                    ticket = t;
+                    ticket.record_again();
+                    let answer = self.store.record(key, token).await;
+                    ticket.settle(answer.as_ref().ok().copied());
+                    accepted(key, token, answer?)?;
+                }
+            }
+        }
     }
 }
 

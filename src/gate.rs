@@ -310,6 +310,27 @@ pub struct Stale {
     pub highest: i64,
 }
 
+/// Why [`Ticket::admit`] did not admit.
+pub enum NotAdmitted {
+    /// A higher token reached the gate.
+    Stale(Stale),
+    /// Single mode: an admin reset of the key came after the ticket's
+    /// token was recorded, and may have set the store below it. The
+    /// token is recorded again ([`Ticket::record_again`]) and the ticket
+    /// admitted after that, so that no write is forwarded with a token
+    /// above what the store holds.
+    Reset(Ticket),
+}
+
+impl std::fmt::Debug for NotAdmitted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            NotAdmitted::Stale(s) => s.fmt(f),
+            NotAdmitted::Reset(t) => write!(f, "Reset({})", t.key()),
+        }
+    }
+}
+
 impl Gate {
     /// A gate that keeps up to `capacity` idle keys' durable tokens; `exact`
     /// in single mode (see the field); `unsettled_for` as long as a store
@@ -604,9 +625,22 @@ impl Ticket {
         });
     }
 
+    /// A reset came between this ticket's store call and its admission
+    /// ([`NotAdmitted::Reset`]): a new store call begins, under the reset
+    /// count of now. Settle it as the first.
+    pub fn record_again(&mut self) {
+        debug_assert!(!self.recording, "one store call at a time");
+        let resets = self.gate.with_slot(self.hash, &self.key, |s| {
+            s.recording += 1;
+            s.resets
+        });
+        self.resets = resets.unwrap_or(self.resets);
+        self.recording = true;
+    }
+
     /// Waits until a write with `token` may go to the upstream. `token` must
     /// have been durably recorded (the store answered with it as highest).
-    pub async fn admit(mut self, token: i64) -> Result<Permit, Stale> {
+    pub async fn admit(mut self, token: i64) -> Result<Permit, NotAdmitted> {
         debug_assert!(!self.recording, "settle the store call before admission");
         loop {
             let wait = {
@@ -614,11 +648,18 @@ impl Ticket {
                 let slot = slots
                     .get_mut(self.hash, &self.key)
                     .expect("a live ticket keeps its slot");
+                // Only single mode's gate decides from what it knows of the
+                // store; shared mode's admissions went through Postgres,
+                // which orders them against resets itself.
+                if self.gate.exact && slot.resets != self.resets {
+                    drop(slots);
+                    return Err(NotAdmitted::Reset(self));
+                }
                 slot.highest = slot.highest.max(token);
                 if token < slot.highest {
-                    return Err(Stale {
+                    return Err(NotAdmitted::Stale(Stale {
                         highest: slot.highest,
-                    });
+                    }));
                 }
                 if token == slot.current || slot.inflight == 0 {
                     slot.current = token;
@@ -749,7 +790,10 @@ mod tests {
         let w3 = tokio::spawn(t3.admit(3));
         tokio::time::sleep(Duration::from_millis(10)).await;
         drop(a);
-        assert_eq!(w2.await.unwrap().err(), Some(Stale { highest: 3 }));
+        assert!(matches!(
+            w2.await.unwrap(),
+            Err(NotAdmitted::Stale(Stale { highest: 3 }))
+        ));
         let p3 = w3.await.unwrap().unwrap();
         drop(p3);
         assert_eq!(gate.tracked_keys(), 0);
@@ -962,6 +1006,42 @@ mod cache_tests {
         drop(in_flight);
         drop(waiting.await.unwrap().unwrap());
         assert!(matches!(gate.arrive("k", 5), Ok(Arrival::Recorded(_))));
+    }
+
+    /// A write recorded before a reset and waiting at the gate is not
+    /// admitted on what the store said before the reset: it must be
+    /// recorded again, and is admitted after that; the reset does not
+    /// raise the key's highest in memory meanwhile, so a lower token the
+    /// reset allows is not refused on its account.
+    #[tokio::test]
+    async fn a_write_recorded_before_a_reset_is_recorded_again() {
+        let gate = Gate::new(100, true, UNSETTLED);
+        let mut five = record(&gate, "k", 5);
+        five.settle(Some(5));
+        let in_flight = five.admit(5).await.unwrap();
+        let mut nine = record(&gate, "k", 9);
+        nine.settle(Some(9));
+        let waiting = tokio::spawn(nine.admit(9));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        gate.forget("k");
+        drop(in_flight);
+        let mut nine = match waiting.await.unwrap() {
+            Err(NotAdmitted::Reset(t)) => t,
+            Err(other) => panic!("refused: {other:?}"),
+            Ok(_) => panic!("admitted across a reset"),
+        };
+        // Recorded again: admitted now.
+        nine.record_again();
+        nine.settle(Some(9));
+        let permit = nine.admit(9).await.unwrap();
+        drop(permit);
+        assert!(matches!(gate.arrive("k", 9), Ok(Arrival::Recorded(_))));
+        // Shared mode's gate leaves resets to Postgres.
+        let shared = Gate::new(100, false, UNSETTLED);
+        let mut one = record(&shared, "k", 1);
+        one.settle(Some(1));
+        shared.forget("k");
+        drop(one.admit(1).await.unwrap());
     }
 
     /// Single mode on Postgres: once the single-writer lock was taken again,

@@ -28,6 +28,7 @@ mod operating;
 mod ordering;
 mod pg_outage;
 mod raw_upstream_selftest;
+mod resets;
 mod server_limits;
 mod shared_mode;
 mod support;
