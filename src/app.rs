@@ -85,19 +85,21 @@ impl Application {
         let store = FenceStore::open(&config.store).await?;
         let metrics = Metrics::new();
         let mut fence = Fence::new(store.clone(), config.store.cache_keys);
-        if !store.begin_run().await? {
+        let longest = config
+            .routes
+            .iter()
+            .map(|r| r.timeout)
+            .max()
+            .unwrap_or_default();
+        if let Some(recorded) = store.begin_run(longest).await? {
             // The previous single-mode instance crashed (or lost the store
             // in a failover and has not stopped): its forwards may still
-            // reach the upstream until its longest route timeout, and it
-            // may have admitted writes until its lease on the lock ran out
+            // reach the upstream until its longest route timeout (the one
+            // it recorded, which a new config cannot shorten), and it may
+            // have admitted writes until its lease on the lock ran out
             // after its last confirmation (see `store::OWNER_LEASE`).
-            let longest = config
-                .routes
-                .iter()
-                .map(|r| r.timeout)
-                .max()
-                .unwrap_or_default();
-            let wait = longest + std::time::Duration::from_secs(1) + store.writer_lease();
+            let wait =
+                longest.max(recorded) + std::time::Duration::from_secs(1) + store.writer_lease();
             tracing::warn!(
                 wait_ms = wait.as_millis() as u64,
                 "the previous instance on this store did not stop cleanly; fenced writes wait until its writes can no longer arrive"

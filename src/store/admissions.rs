@@ -39,7 +39,7 @@ use sqlx::PgPool;
 use super::batch::Batcher;
 use super::idempotency::BeginItem;
 use super::postgres::rolled_back;
-use super::{bounded, StoreError};
+use super::{bounded, millis, StoreError};
 
 /// The first wait before a write told `wait` asks again.
 pub const FIRST_POLL: Duration = Duration::from_millis(1);
@@ -407,7 +407,7 @@ fn ruling(
     sent_at: Instant,
     (outcome, highest, wait_ms, entered_ms): (String, i64, i64, i64),
 ) -> Ruling {
-    let ms = |v: i64| Duration::from_millis(u64::try_from(v).unwrap_or(0));
+    let ms = super::from_millis;
     match outcome.as_str() {
         "ok" => {
             let entered_at = sent_at + ms(entered_ms);
@@ -424,8 +424,4 @@ fn ruling(
         // "wait", and anything else: not admitted.
         _ => Ruling::Wait(ms(wait_ms).max(FIRST_POLL)),
     }
-}
-
-fn millis(d: Duration) -> i64 {
-    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }

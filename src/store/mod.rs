@@ -188,14 +188,26 @@ impl FenceStore {
         }
     }
 
-    /// Single mode: records that an instance runs on this store; returns
-    /// whether the previous one stopped cleanly (false after a crash).
-    /// Shared mode keeps per-write markers instead and always answers true.
-    pub async fn begin_run(&self) -> Result<bool, StoreError> {
+    /// Single mode: records that an instance runs on this store, and
+    /// `longest_timeout`, its longest route timeout. After an unclean stop
+    /// (a crash) answers the stopped instance's recorded bound: its
+    /// forwards may reach the upstream until then. Shared mode keeps
+    /// per-write markers instead and always answers `None`.
+    pub async fn begin_run(&self, longest_timeout: Duration) -> Result<Option<Duration>, StoreError> {
         match self {
-            Self::Postgres(s) if s.is_shared() => Ok(true),
-            Self::Postgres(s) => s.begin_run().await,
-            Self::Sqlite(s) => s.begin_run().await,
+            Self::Postgres(s) if s.is_shared() => Ok(None),
+            Self::Postgres(s) => s.begin_run(longest_timeout).await,
+            Self::Sqlite(s) => s.begin_run(longest_timeout).await,
+        }
+    }
+
+    /// Single mode: raises the recorded longest route timeout (see
+    /// [`FenceStore::begin_run`]) before a reload lets writes run as long.
+    pub async fn raise_run_bound(&self, longest_timeout: Duration) -> Result<(), StoreError> {
+        match self {
+            Self::Postgres(s) if s.is_shared() => Ok(()),
+            Self::Postgres(s) => s.raise_run_bound(longest_timeout).await,
+            Self::Sqlite(s) => s.raise_run_bound(longest_timeout).await,
         }
     }
 
@@ -307,4 +319,14 @@ pub async fn migrate_url(url: &str) -> Result<(), StoreError> {
     } else {
         postgres::migrate_url(url).await
     }
+}
+
+/// A duration as the store's milliseconds (saturating).
+fn millis(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+/// The store's milliseconds as a duration (a negative value as none).
+fn from_millis(ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
 }

@@ -316,20 +316,46 @@ impl PgStore {
 
     /// Marks the store as in use by a running single-mode instance; returns
     /// whether the previous instance stopped cleanly.
-    pub async fn begin_run(&self) -> Result<bool, StoreError> {
+    pub async fn begin_run(&self, longest_timeout: Duration) -> Result<Option<Duration>, StoreError> {
         self.check_owner()?;
         bounded(self.timeout, StoreError::Timeout, async {
-            let was_running: Option<bool> =
-                sqlx::query_scalar("SELECT running FROM gateway_state WHERE id = 1")
-                    .fetch_optional(&self.pool)
-                    .await?;
-            sqlx::query(
-                "INSERT INTO gateway_state (id, running, changed_at) VALUES (1, true, now()) \
-                 ON CONFLICT (id) DO UPDATE SET running = true, changed_at = now()",
+            let before: Option<(bool, i64)> = sqlx::query_as(
+                "SELECT running, longest_timeout_ms FROM gateway_state WHERE id = 1",
             )
+            .fetch_optional(&self.pool)
+            .await?;
+            // After an unclean stop the stored bound is kept if larger: a
+            // crash during this instance's wait must still wait it out.
+            sqlx::query(
+                "INSERT INTO gateway_state (id, running, changed_at, longest_timeout_ms) \
+                 VALUES (1, true, now(), $1) \
+                 ON CONFLICT (id) DO UPDATE SET running = true, changed_at = now(), \
+                 longest_timeout_ms = CASE WHEN gateway_state.running \
+                 THEN greatest(gateway_state.longest_timeout_ms, excluded.longest_timeout_ms) \
+                 ELSE excluded.longest_timeout_ms END",
+            )
+            .bind(super::millis(longest_timeout))
             .execute(&self.pool)
             .await?;
-            Ok(was_running != Some(true))
+            Ok(before.and_then(|(running, ms)| running.then(|| super::from_millis(ms))))
+        })
+        .await
+    }
+
+    /// Raises the running instance's recorded longest route timeout to
+    /// `longest_timeout` (see `FenceStore::begin_run`), before a reload
+    /// lets writes run that long.
+    pub async fn raise_run_bound(&self, longest_timeout: Duration) -> Result<(), StoreError> {
+        self.check_owner()?;
+        bounded(self.timeout, StoreError::Timeout, async {
+            sqlx::query(
+                "UPDATE gateway_state \
+                 SET longest_timeout_ms = greatest(longest_timeout_ms, $1) WHERE id = 1",
+            )
+            .bind(super::millis(longest_timeout))
+            .execute(&self.pool)
+            .await?;
+            Ok(())
         })
         .await
     }

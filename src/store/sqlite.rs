@@ -43,10 +43,16 @@ ON CONFLICT (resource_key) DO UPDATE
     WHERE fences.highest_token < excluded.highest_token
 RETURNING highest_token");
 
+/// After an unclean stop the stored bound is kept if larger: a crash
+/// during the successor's wait must still wait it out.
 #[rustfmt::skip]
 const BEGIN_RUN: &str = concat!("\
-INSERT INTO gateway_state (id, running, changed_at) VALUES (1, 1, ", sqlite_now_ms!(), ")
-ON CONFLICT (id) DO UPDATE SET running = 1, changed_at = excluded.changed_at");
+INSERT INTO gateway_state (id, running, changed_at, longest_timeout_ms)
+VALUES (1, 1, ", sqlite_now_ms!(), ", ?1)
+ON CONFLICT (id) DO UPDATE SET running = 1, changed_at = excluded.changed_at,
+    longest_timeout_ms = CASE WHEN gateway_state.running = 1
+        THEN max(gateway_state.longest_timeout_ms, excluded.longest_timeout_ms)
+        ELSE excluded.longest_timeout_ms END");
 
 #[rustfmt::skip]
 const END_RUN: &str = concat!("\
@@ -106,14 +112,32 @@ impl SqliteStore {
     }
 
     /// See `PgStore::begin_run`.
-    pub async fn begin_run(&self) -> Result<bool, StoreError> {
+    pub async fn begin_run(&self, longest_timeout: Duration) -> Result<Option<Duration>, StoreError> {
         bounded(self.timeout, StoreError::Timeout, async {
-            let was_running: Option<i64> =
-                sqlx::query_scalar("SELECT running FROM gateway_state WHERE id = 1")
-                    .fetch_optional(&self.pool)
-                    .await?;
-            sqlx::query(BEGIN_RUN).fetch_all(&self.pool).await?;
-            Ok(was_running != Some(1))
+            let before: Option<(i64, i64)> = sqlx::query_as(
+                "SELECT running, longest_timeout_ms FROM gateway_state WHERE id = 1",
+            )
+            .fetch_optional(&self.pool)
+            .await?;
+            sqlx::query(BEGIN_RUN)
+                .bind(super::millis(longest_timeout))
+                .fetch_all(&self.pool)
+                .await?;
+            Ok(before.and_then(|(running, ms)| (running == 1).then(|| super::from_millis(ms))))
+        })
+        .await
+    }
+
+    /// See `PgStore::raise_run_bound`.
+    pub async fn raise_run_bound(&self, longest_timeout: Duration) -> Result<(), StoreError> {
+        bounded(self.timeout, StoreError::Timeout, async {
+            sqlx::query(
+                "UPDATE gateway_state SET longest_timeout_ms = max(longest_timeout_ms, ?1) WHERE id = 1",
+            )
+            .bind(super::millis(longest_timeout))
+            .execute(&self.pool)
+            .await?;
+            Ok(())
         })
         .await
     }
