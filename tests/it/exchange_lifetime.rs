@@ -50,6 +50,7 @@ use crate::support::raw_upstream::{
     chunk, read_response, read_response_head, Behaviour, RawUpstream, BEHAVIOUR_HEADER,
     CHUNKS_HEADER, CHUNK_MS_HEADER, FENCE_HEADER, ID_HEADER, WORK_HEADER,
 };
+use crate::support::setups::{on_every_setup, Setup};
 use crate::support::{fenced_put, wait_for};
 
 /// The route's `timeout_ms` in the single-exchange cases.
@@ -67,13 +68,6 @@ const SETTLE: Duration = Duration::from_secs(15);
 /// right.
 const TOKEN_2_PAUSE: Duration = Duration::from_millis(200);
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Setup {
-    SingleSqlite,
-    SinglePostgres,
-    SharedPostgres,
-}
-
 /// The gateway(s) under test, the raw upstream behind them, the store.
 struct Rig {
     /// One instance in single mode; A and B in shared mode.
@@ -87,27 +81,13 @@ struct Rig {
 impl Rig {
     async fn new(setup: Setup, timeout: Duration) -> Rig {
         let up = RawUpstream::start().await;
-        let backend = match setup {
-            Setup::SingleSqlite => Backend::Sqlite,
-            Setup::SinglePostgres | Setup::SharedPostgres => Backend::Postgres,
-        };
-        let store = TestStore::new(backend).await;
+        let store = TestStore::new(setup.backend()).await;
         let routes = format!(
             "{}timeout_ms = {}\n",
             docs_route(&up.url()),
             timeout.as_millis()
         );
-        let apps = match setup {
-            Setup::SharedPostgres => {
-                // Continues the `[store]` table that `config_text` opens.
-                let extra = format!("mode = \"shared\"\n{routes}");
-                vec![
-                    TestApp::spawn(&store.url, &extra).await,
-                    TestApp::spawn(&store.url, &extra).await,
-                ]
-            }
-            _ => vec![TestApp::spawn(&store.url, &routes).await],
-        };
+        let apps = setup.spawn(&store.url, &routes).await;
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(20))
             .build()
@@ -251,10 +231,11 @@ async fn assert_key_held_until_timeout(rig: &Rig, path: &str, sent1: Instant) {
 }
 
 /// Once the upstream has settled: no breach of the guarantee. Answers the
-/// timeline of `path` (see [`timeline`]) for later assertions' messages.
+/// timeline of `path` (see [`RawUpstream::timeline`]) for later assertions'
+/// messages.
 async fn settled_without_breach(rig: &Rig, path: &str, sent1: Instant) -> String {
     rig.up.settle(SETTLE).await;
-    let timeline = timeline(&rig.up, path, sent1);
+    let timeline = rig.up.timeline(path, sent1);
     let violations = rig.up.violations();
     assert!(
         violations.is_empty(),
@@ -262,51 +243,6 @@ async fn settled_without_breach(rig: &Rig, path: &str, sent1: Instant) -> String
         violations.join("\n")
     );
     timeline
-}
-
-/// The writes on `path` as the upstream saw them, in ms since `t0`.
-fn timeline(up: &RawUpstream, path: &str, t0: Instant) -> String {
-    let ms = |t: Instant| t.saturating_duration_since(t0).as_millis();
-    let mut out = format!("writes on {path}, ms since token 1 was sent:\n");
-    for w in up.writes().iter().filter(|w| w.path == path) {
-        out.push_str(&format!(
-            "  token {:?} {}: started {}, body {} bytes{}, last byte {:?}, applied {:?}{}, ended {:?}\n",
-            w.token,
-            w.behaviour.as_str(),
-            ms(w.started),
-            w.body_bytes,
-            if w.body_complete { "" } else { " (incomplete)" },
-            w.last_body_byte.map(ms),
-            w.applied_at.map(ms),
-            if w.aborted { " (aborted)" } else { "" },
-            w.ended.map(ms),
-        ));
-    }
-    out
-}
-
-/// One test per set-up for a case.
-macro_rules! on_every_setup {
-    ($case:ident) => {
-        mod $case {
-            use super::Setup;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn single_sqlite() {
-                super::$case(Setup::SingleSqlite).await
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn single_postgres() {
-                super::$case(Setup::SinglePostgres).await
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn shared_postgres() {
-                super::$case(Setup::SharedPostgres).await
-            }
-        }
-    };
 }
 
 on_every_setup!(upstream_breaks_after_the_head);
@@ -670,7 +606,7 @@ async fn client_stops_reading_the_answer(setup: Setup) {
     tokio::time::sleep(TOKEN_2_PAUSE).await;
     rig.token_2_is_forwarded(path).await;
     rig.up.settle(SETTLE).await;
-    let timeline = timeline(&rig.up, path, sent1);
+    let timeline = rig.up.timeline(path, sent1);
     let (w1, w2) = (rig.up.write(path, 1), rig.up.write(path, 2));
     let cut = w1
         .answer_cut
