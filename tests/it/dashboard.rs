@@ -127,13 +127,16 @@ async fn the_dashboard_shows_live_data_looks_up_fences_and_shows_refusals() {
         })
         .await;
 
-    // A write whose client leaves before its answer holds its key until the
-    // route's timeout: the route's row counts it, by reason.
+    // A write whose client leaves before its answer, an answer larger than
+    // the gateway drains for a client that left (4 MiB), holds its key
+    // until the route's timeout: the route's row counts it, by reason. (An
+    // answer that ends normally would open the key at once.)
     // It leaves once the upstream has the write (500 ms of work), not
     // after a fixed time that a slow forward could outlast.
     let gone = tokio::spawn(
         crate::support::fenced_put(&reqwest::Client::new(), app.url("/docs/gone"), "1", "w")
             .header("x-test-delay-ms", "500")
+            .header("x-test-response-bytes", (4 << 20).to_string())
             .send(),
     );
     crate::support::wait_for("the write at the upstream", || up.in_flight() == 1).await;

@@ -1,9 +1,14 @@
 //! How long a fenced write's exchange keeps its key closed (CONTRACT.md, "A
-//! fenced write"): a key opens for a different token only when the upstream
-//! is done with the older write — its request body fully sent and its answer
-//! ended normally. An exchange that ends any other way (a break in either
-//! direction, the client leaving before or after the response head, an
-//! answer that comes while the request body is still being sent) keeps the
+//! fenced write", and the third round's "The upstream has it, or never
+//! will"): a key opens for a different token only when the upstream is done
+//! with the older write — its request body fully sent and its answer ended
+//! normally. A client that leaves after its request was handed over (before
+//! the response head, or during the answer) does not end the exchange: the
+//! gateway reads the answer to its end itself, discarding it (bounded by the
+//! deadline and a drain limit of [`DRAIN_LIMIT`] bytes of answer body), and
+//! when it ends normally the key opens at once. An exchange that ends any
+//! other way (a break in either direction, an answer that comes while the
+//! request body is still being sent, an answer too large to drain) keeps the
 //! key closed until the route's `timeout_ms` since the forward began. The
 //! whole exchange (request body, response head and body) is bounded by
 //! `timeout_ms`: when it runs out the gateway cuts both directions, and the
@@ -16,24 +21,31 @@
 //! and when token 2 arrived.
 //!
 //! The cases: 1. the upstream breaks the connection after the head; 2. the
-//! client leaves while the answer streams; 3. the client leaves before the
-//! head; 4. the upstream answers before it has read the body (the body keeps
-//! coming and is applied afterwards); 5. an answer streaming longer than
-//! `timeout_ms` is cut then; 6. control: a normal exchange reopens the key at
-//! once; 7. the client breaks off while sending the request body; 8. the
-//! client stops reading a large answer but stays connected; 9. a client
-//! that left mid-answer tries to extend its hold with another write of its
-//! token. Then a randomized mix of all of it on three keys. Each case also
-//! checks what `fencegate_held_keys_total` counted, and why.
+//! client leaves while the answer streams (the key opens when the answer
+//! ends); 3. the client leaves before the head (likewise); 4. the upstream
+//! answers before it has read the body (the body keeps coming and is
+//! applied afterwards); 5. an answer streaming longer than `timeout_ms` is
+//! cut then; 6. control: a normal exchange reopens the key at once; 7. the
+//! client breaks off while sending the request body; 8. the client stops
+//! reading a large answer but stays connected; 9. a client that left
+//! mid-answer of an answer too large to drain tries to extend its hold
+//! with another write of its token; 10. how long token 2 waits after
+//! the answer to a departed client ended, with a `timeout_ms` of 10 s; 11.
+//! a departed client's answer larger than the drain limit keeps the key
+//! closed until `timeout_ms`. Then a randomized mix of all of it on three
+//! keys. Each case also checks what `fencegate_held_keys_total` counted,
+//! and why (but 11, where the reason is the gateway's choice).
 //!
 //! Timing: `timeout_ms` is 2 s and the upstream's work about 0.5 s. "Token 2
 //! arrived no earlier than `timeout_ms` after token 1's forward began" is
 //! checked against the moment the test *sent* token 1, which is before the
 //! forward began: the bound can only be looser than the contract's, never
 //! stricter, so a slow machine cannot make a correct gateway fail it. The
-//! only upper bounds (case 5: token 2 comes before the upstream's 5 s stream
-//! would end; case 6: token 2 comes before `timeout_ms`; case 9: token 2
-//! comes within 5 s after `timeout_ms`) leave seconds of slack.
+//! only upper bounds (cases 2, 3 and 6: token 2 comes before `timeout_ms`,
+//! more than a second after the upstream's answer ended; case 5: token 2
+//! comes before the upstream's 5 s stream would end; case 9: token 2 comes
+//! within 5 s after `timeout_ms`; case 10: token 2 comes less than a quarter
+//! of its 10 s `timeout_ms` after the answer ended) leave seconds of slack.
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -50,12 +62,20 @@ use crate::support::raw_upstream::{
     chunk, read_response, read_response_head, Behaviour, RawUpstream, BEHAVIOUR_HEADER,
     CHUNKS_HEADER, CHUNK_MS_HEADER, FENCE_HEADER, FLOOD_BYTES_HEADER, ID_HEADER, WORK_HEADER,
 };
+use crate::support::setups::{on_every_setup, Setup};
 use crate::support::{fenced_put, wait_for};
 
 /// The route's `timeout_ms` in the single-exchange cases.
 const TIMEOUT: Duration = Duration::from_millis(2000);
 /// The upstream's work on token 1, well inside `TIMEOUT`.
 const WORK_MS: u64 = 500;
+/// The gateway's drain limit: how much of an answer's body it reads for a
+/// client that left (CONTRACT.md, third round). Case 11's answer is a few
+/// times larger.
+const DRAIN_LIMIT: usize = 1 << 20;
+/// Case 10's route `timeout_ms`: long, so that a key held to it and a key
+/// opened when the answer ended cannot be mistaken for each other.
+const LONG_TIMEOUT: Duration = Duration::from_secs(10);
 /// Upper bound for the upstream to finish everything it was sent.
 const SETTLE: Duration = Duration::from_secs(15);
 /// How long after token 1's exchange went wrong token 2 is sent, while the
@@ -66,13 +86,6 @@ const SETTLE: Duration = Duration::from_secs(15);
 /// exchange (and could be answered 504) on a gateway that is otherwise
 /// right.
 const TOKEN_2_PAUSE: Duration = Duration::from_millis(200);
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Setup {
-    SingleSqlite,
-    SinglePostgres,
-    SharedPostgres,
-}
 
 /// The gateway(s) under test, the raw upstream behind them, the store.
 struct Rig {
@@ -87,27 +100,13 @@ struct Rig {
 impl Rig {
     async fn new(setup: Setup, timeout: Duration) -> Rig {
         let up = RawUpstream::start().await;
-        let backend = match setup {
-            Setup::SingleSqlite => Backend::Sqlite,
-            Setup::SinglePostgres | Setup::SharedPostgres => Backend::Postgres,
-        };
-        let store = TestStore::new(backend).await;
+        let store = TestStore::new(setup.backend()).await;
         let routes = format!(
             "{}timeout_ms = {}\n",
             docs_route(&up.url()),
             timeout.as_millis()
         );
-        let apps = match setup {
-            Setup::SharedPostgres => {
-                // Continues the `[store]` table that `config_text` opens.
-                let extra = format!("mode = \"shared\"\n{routes}");
-                vec![
-                    TestApp::spawn(&store.url, &extra).await,
-                    TestApp::spawn(&store.url, &extra).await,
-                ]
-            }
-            _ => vec![TestApp::spawn(&store.url, &routes).await],
-        };
+        let apps = setup.spawn(&store.url, &routes).await;
         let http = reqwest::Client::builder()
             .timeout(Duration::from_secs(20))
             .build()
@@ -250,11 +249,42 @@ async fn assert_key_held_until_timeout(rig: &Rig, path: &str, sent1: Instant) {
     );
 }
 
+/// The upstream's side after token 1's client left and the upstream's
+/// answer to it ended normally, with token 2 sent meanwhile: no breach, 1
+/// applied before 2, token 2 arrived only after the upstream was done with
+/// token 1, and before `timeout_ms` since token 1 was sent (the key opened
+/// when the answer ended, not at the deadline).
+async fn assert_key_opened_when_the_answer_ended(rig: &Rig, path: &str, sent1: Instant) {
+    let timeline = settled_without_breach(rig, path, sent1).await;
+    assert_eq!(
+        rig.up.applied_tokens(path),
+        vec![1, 2],
+        "apply order\n{timeline}"
+    );
+    let (w1, w2) = (rig.up.write(path, 1), rig.up.write(path, 2));
+    let ended1 = w1.ended.expect("the upstream is done with token 1");
+    assert!(
+        w2.started >= ended1,
+        "token 2 reached the upstream {:?} before it was done with token 1\n{timeline}",
+        ended1.saturating_duration_since(w2.started)
+    );
+    let after = w2.started.saturating_duration_since(sent1);
+    assert!(
+        after < TIMEOUT,
+        "token 2 reached the upstream {after:?} after token 1 was sent, {:?} after the \
+         upstream's answer to token 1 ended: a client that left must not keep the key \
+         closed once that answer ended normally; the key must open then, not at \
+         timeout_ms ({TIMEOUT:?})\n{timeline}",
+        w2.started.saturating_duration_since(ended1)
+    );
+}
+
 /// Once the upstream has settled: no breach of the guarantee. Answers the
-/// timeline of `path` (see [`timeline`]) for later assertions' messages.
+/// timeline of `path` (see [`RawUpstream::timeline`]) for later assertions'
+/// messages.
 async fn settled_without_breach(rig: &Rig, path: &str, sent1: Instant) -> String {
     rig.up.settle(SETTLE).await;
-    let timeline = timeline(&rig.up, path, sent1);
+    let timeline = rig.up.timeline(path, sent1);
     let violations = rig.up.violations();
     assert!(
         violations.is_empty(),
@@ -262,51 +292,6 @@ async fn settled_without_breach(rig: &Rig, path: &str, sent1: Instant) -> String
         violations.join("\n")
     );
     timeline
-}
-
-/// The writes on `path` as the upstream saw them, in ms since `t0`.
-fn timeline(up: &RawUpstream, path: &str, t0: Instant) -> String {
-    let ms = |t: Instant| t.saturating_duration_since(t0).as_millis();
-    let mut out = format!("writes on {path}, ms since token 1 was sent:\n");
-    for w in up.writes().iter().filter(|w| w.path == path) {
-        out.push_str(&format!(
-            "  token {:?} {}: started {}, body {} bytes{}, last byte {:?}, applied {:?}{}, ended {:?}\n",
-            w.token,
-            w.behaviour.as_str(),
-            ms(w.started),
-            w.body_bytes,
-            if w.body_complete { "" } else { " (incomplete)" },
-            w.last_body_byte.map(ms),
-            w.applied_at.map(ms),
-            if w.aborted { " (aborted)" } else { "" },
-            w.ended.map(ms),
-        ));
-    }
-    out
-}
-
-/// One test per set-up for a case.
-macro_rules! on_every_setup {
-    ($case:ident) => {
-        mod $case {
-            use super::Setup;
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn single_sqlite() {
-                super::$case(Setup::SingleSqlite).await
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn single_postgres() {
-                super::$case(Setup::SinglePostgres).await
-            }
-
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn shared_postgres() {
-                super::$case(Setup::SharedPostgres).await
-            }
-        }
-    };
 }
 
 on_every_setup!(upstream_breaks_after_the_head);
@@ -318,6 +303,8 @@ on_every_setup!(normal_exchange_reopens_at_once);
 on_every_setup!(client_breaks_off_the_request_body);
 on_every_setup!(client_stops_reading_the_answer);
 on_every_setup!(a_departed_writer_cannot_extend_its_hold);
+on_every_setup!(a_departed_clients_key_opens_when_the_answer_ends);
+on_every_setup!(an_answer_past_the_drain_limit_holds_the_key);
 
 /// 1. The upstream sends the head and a chunk, resets the connection, and
 ///    goes on working. The client sees the body break off; token 2, sent
@@ -348,30 +335,42 @@ async fn upstream_breaks_after_the_head(setup: Setup) {
     rig.assert_held(Some("answer_unfinished")).await;
 }
 
-/// 2. The upstream streams its answer slowly; the client reads the head and
-///    goes away. The upstream keeps working until its stream would have
-///    ended; token 2, sent right after, must wait.
+/// 2. The upstream streams its answer slowly (0.5 s); the client reads the
+///    head and goes away. The gateway reads the rest of the answer itself,
+///    and when it has ended normally the key opens: token 2, sent right
+///    after the client left, reaches the upstream once it is done with
+///    token 1, well before `timeout_ms`.
 async fn client_leaves_during_the_answer(setup: Setup) {
     let rig = Rig::new(setup, TIMEOUT).await;
     let path = "/docs/left-after-head";
     let sent1 = Instant::now();
-    // 10 chunks, 100 ms apart: a 1 s stream.
-    let mut s = raw_write(rig.a(), path, 1, Behaviour::SlowStream, &[], "one").await;
+    // 5 chunks, 100 ms apart: a 0.5 s stream.
+    let mut s = raw_write(
+        rig.a(),
+        path,
+        1,
+        Behaviour::SlowStream,
+        &[(CHUNKS_HEADER, "5")],
+        "one",
+    )
+    .await;
     let mut buf = BytesMut::new();
     let (status, _) = read_response_head(&mut s, &mut buf)
         .await
         .expect("token 1's answer head");
     assert_eq!(status, 200);
     drop(s); // the client leaves
-             // The upstream streams until ~1 s; see `TOKEN_2_PAUSE`.
     tokio::time::sleep(TOKEN_2_PAUSE).await;
     rig.token_2_is_forwarded(path).await;
-    assert_key_held_until_timeout(&rig, path, sent1).await;
-    rig.assert_held(Some("answer_unfinished")).await;
+    assert_key_opened_when_the_answer_ended(&rig, path, sent1).await;
+    rig.assert_held(None).await;
 }
 
-/// 3. The client gives up (~200 ms) while the upstream still works (800 ms)
-///    on token 1, before any answer; token 2, sent right after, must wait.
+/// 3. The client gives up (~200 ms) while the upstream still works (600 ms)
+///    on token 1, before any answer. The gateway waits for the answer and
+///    reads it itself; when it has ended normally the key opens: token 2,
+///    sent right after the client left, reaches the upstream once it is
+///    done with token 1, well before `timeout_ms`.
 async fn client_leaves_before_the_head(setup: Setup) {
     let rig = Rig::new(setup, TIMEOUT).await;
     let path = "/docs/left-before-head";
@@ -381,7 +380,7 @@ async fn client_leaves_before_the_head(setup: Setup) {
         path,
         1,
         Behaviour::Normal,
-        &[(WORK_HEADER, "800")],
+        &[(WORK_HEADER, "600")],
         "one",
     )
     .await;
@@ -392,11 +391,11 @@ async fn client_leaves_before_the_head(setup: Setup) {
     drop(s);
     assert!(
         rig.up.write(path, 1).applied_at.is_none(),
-        "the test's client must leave before the answer (800 ms of work)"
+        "the test's client must leave before the answer (600 ms of work)"
     );
     rig.token_2_is_forwarded(path).await;
-    assert_key_held_until_timeout(&rig, path, sent1).await;
-    rig.assert_held(Some("answer_unfinished")).await;
+    assert_key_opened_when_the_answer_ended(&rig, path, sent1).await;
+    rig.assert_held(None).await;
 }
 
 /// 4. The upstream answers right after the head, then reads the body as it
@@ -670,7 +669,7 @@ async fn client_stops_reading_the_answer(setup: Setup) {
     tokio::time::sleep(TOKEN_2_PAUSE).await;
     rig.token_2_is_forwarded(path).await;
     rig.up.settle(SETTLE).await;
-    let timeline = timeline(&rig.up, path, sent1);
+    let timeline = rig.up.timeline(path, sent1);
     let (w1, w2) = (rig.up.write(path, 1), rig.up.write(path, 2));
     let cut = w1
         .answer_cut
@@ -996,10 +995,13 @@ async fn a_body_arriving_after_the_head_reopens_the_key_at_once() {
     );
 }
 
-/// Shared mode: writes whose clients leave hold their keys until the
+/// Shared mode: writes whose clients leave, and whose answers do not come
+/// before the deadline (the upstream works 4 s, the route's `timeout_ms`
+/// is 3 s), hold their keys until the
 /// deadline through the in-flight marker, not through a key-lock
 /// connection each: more of them than there are connections do not starve
-/// other keys' writes.
+/// other keys' writes. (An answer that ends normally would open its key
+/// then, client or no client: case 2.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn abandoned_writes_do_not_use_up_key_lock_connections() {
     let store = TestStore::new(Backend::Postgres).await;
@@ -1164,7 +1166,7 @@ async fn a_paused_instance_sends_nothing_past_its_deadline() {
 
 /// 9. A hostile (or buggy) holder of token 1 keeps the key closed to a newer
 ///    token by leaving mid-exchange while its answer is larger than the
-///    gateway drains for a client that left, then tries to extend the hold
+///    gateway drains for a client that left (case 11), then tries to extend the hold
 ///    with more writes of its token. Token 2
 ///    is recorded on arrival, so the later token-1 write is refused (409)
 ///    and never reaches the upstream, and token 2 follows once token 1's
@@ -1182,7 +1184,9 @@ async fn a_departed_writer_cannot_extend_its_hold(setup: Setup) {
         .await
         .expect("token 1's answer head");
     assert_eq!(status, 200);
-    drop(s); // leaves mid-answer: the key is held until timeout_ms
+    // Leaves mid-answer, and the upstream breaks the exchange: the key is
+    // held until timeout_ms.
+    drop(s);
     tokio::time::sleep(TOKEN_2_PAUSE).await;
     let two = rig.send_token_2(path);
     // Token 2 is recorded before it waits for the key.
@@ -1239,4 +1243,149 @@ async fn a_departed_writer_cannot_extend_its_hold(setup: Setup) {
          last timeout_ms ({TIMEOUT:?}), and the older token cannot extend it\n{timeline}"
     );
     rig.assert_held(Some("answer_unfinished")).await;
+}
+
+/// 10. How long token 2 waits after the upstream's answer to a departed
+///     client ended, with a route `timeout_ms` of 10 s: on one key the
+///     client leaves during a 0.5 s answer stream (as in case 2), on
+///     another before the head, while the upstream works 600 ms (as in case
+///     3). Each wait is printed; each must be far below `timeout_ms` (a
+///     quarter of it): the key opened when the answer ended, it was not
+///     held to the deadline.
+async fn a_departed_clients_key_opens_when_the_answer_ends(setup: Setup) {
+    let rig = Rig::new(setup, LONG_TIMEOUT).await;
+    let sent1 = Instant::now();
+    let during = async {
+        let path = "/docs/wait-after-head";
+        let mut s = raw_write(
+            rig.a(),
+            path,
+            1,
+            Behaviour::SlowStream,
+            &[(CHUNKS_HEADER, "5")],
+            "one",
+        )
+        .await;
+        let (status, _) = read_response_head(&mut s, &mut BytesMut::new())
+            .await
+            .expect("token 1's answer head");
+        assert_eq!(status, 200);
+        drop(s);
+        path
+    };
+    let before = async {
+        let path = "/docs/wait-before-head";
+        let s = raw_write(
+            rig.a(),
+            path,
+            1,
+            Behaviour::Normal,
+            &[(WORK_HEADER, "600")],
+            "one",
+        )
+        .await;
+        wait_for("token 1 at the upstream", || rig.up.arrived(path, 1) == 1).await;
+        tokio::time::sleep_until((sent1 + Duration::from_millis(200)).into()).await;
+        drop(s);
+        path
+    };
+    let (during, before) = tokio::join!(during, before);
+    tokio::time::sleep(TOKEN_2_PAUSE).await;
+    let (two_during, two_before) = (rig.send_token_2(during), rig.send_token_2(before));
+    let statuses = [two_during.await.unwrap(), two_before.await.unwrap()];
+    let cases = [(during, "during the answer"), (before, "before the head")];
+    for ((path, left), status) in cases.into_iter().zip(statuses) {
+        // Shared mode: B waits for a key closed elsewhere only so long,
+        // then refuses (503); with the key held to a 10 s deadline, it
+        // would.
+        assert_eq!(
+            status,
+            200,
+            "client left {left}: token 2 was not forwarded, the key stayed closed after \
+             the upstream's answer to token 1 ended\n{}",
+            rig.up.timeline(path, sent1)
+        );
+    }
+    let mut waits = Vec::new();
+    for (path, left) in cases {
+        let timeline = settled_without_breach(&rig, path, sent1).await;
+        assert_eq!(rig.up.applied_tokens(path), vec![1, 2], "{timeline}");
+        let (w1, w2) = (rig.up.write(path, 1), rig.up.write(path, 2));
+        let ended1 = w1.ended.expect("the upstream is done with token 1");
+        assert!(
+            w2.started >= ended1,
+            "token 2 reached the upstream before it was done with token 1\n{timeline}"
+        );
+        let wait = w2.started.saturating_duration_since(ended1);
+        eprintln!(
+            "{setup:?}, client left {left}: token 2 reached the upstream {wait:?} after its \
+             answer to token 1 ended (timeout_ms {LONG_TIMEOUT:?})"
+        );
+        waits.push((left, wait, timeline));
+    }
+    for (left, wait, timeline) in waits {
+        assert!(
+            wait < LONG_TIMEOUT / 4,
+            "client left {left}: token 2 reached the upstream {wait:?} after the answer to \
+             token 1 ended normally; the key must open when that answer ends, not at \
+             timeout_ms ({LONG_TIMEOUT:?})\n{timeline}"
+        );
+    }
+    rig.assert_held(None).await;
+}
+
+/// 11. The client reads the head and leaves; the upstream's answer (applied
+///     first) is [`DRAIN_LIMIT`] × 4 bytes, more than the gateway reads for
+///     a client that left. The exchange does not end normally, so the key
+///     stays closed until `timeout_ms` since token 1 was sent.
+///
+/// As in case 8, the upstream may learn of the cut only a moment after the
+/// gateway let the key go (if the gateway keeps the connection until the
+/// deadline): the two writes may overlap at the upstream by that moment,
+/// which is the price of the bound and is not checked. What is checked: no
+/// token applied after a newer one, the apply order, and token 2's arrival
+/// no earlier than `timeout_ms`. How the hold is counted
+/// (`fencegate_held_keys_total`'s reason) is the gateway's choice.
+async fn an_answer_past_the_drain_limit_holds_the_key(setup: Setup) {
+    let rig = Rig::new(setup, TIMEOUT).await;
+    let path = "/docs/past-drain-limit";
+    let sent1 = Instant::now();
+    let flood = (4 * DRAIN_LIMIT).to_string();
+    let mut s = raw_write(
+        rig.a(),
+        path,
+        1,
+        Behaviour::Flood,
+        &[(FLOOD_BYTES_HEADER, &flood)],
+        "one",
+    )
+    .await;
+    let (status, _) = read_response_head(&mut s, &mut BytesMut::new())
+        .await
+        .expect("token 1's answer head");
+    assert_eq!(status, 200);
+    drop(s); // the client leaves
+    tokio::time::sleep(TOKEN_2_PAUSE).await;
+    rig.token_2_is_forwarded(path).await;
+    rig.up.settle(SETTLE).await;
+    let timeline = rig.up.timeline(path, sent1);
+    let applied_late: Vec<String> = rig
+        .up
+        .violations()
+        .into_iter()
+        .filter(|v| v.starts_with("applied "))
+        .collect();
+    assert!(applied_late.is_empty(), "{applied_late:?}\n{timeline}");
+    assert_eq!(rig.up.applied_tokens(path), vec![1, 2], "{timeline}");
+    let after = rig
+        .up
+        .write(path, 2)
+        .started
+        .saturating_duration_since(sent1);
+    assert!(
+        after >= TIMEOUT,
+        "token 2 reached the upstream {after:?} after token 1 was sent: an answer larger \
+         than the drain limit ({DRAIN_LIMIT} bytes) to a client that left does not end \
+         normally, and the key must stay closed until timeout_ms ({TIMEOUT:?})\n{timeline}"
+    );
 }

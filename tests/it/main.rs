@@ -14,6 +14,7 @@ mod exchange_lifetime;
 mod failover_pg;
 mod failover_redis;
 mod group_commit;
+mod handover;
 mod headers;
 mod http_server;
 mod idempotency;

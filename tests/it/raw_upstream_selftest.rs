@@ -1,6 +1,7 @@
 //! Self-tests of the raw-socket upstream, driven by raw TCP clients (no
 //! gateway): each behaviour does what its header says, and each kind of
-//! violation is detected, so the exchange-lifetime tests can rely on them.
+//! violation is detected, so the exchange-lifetime and handover tests can
+//! rely on them.
 
 use std::time::{Duration, Instant};
 
@@ -450,4 +451,77 @@ async fn dropping_the_upstream_stops_it() {
         matches!(read, Ok(0) | Err(_)),
         "connection closed: {read:?}"
     );
+}
+
+/// A body far larger than a 4 KiB receive buffer, sent whole on a new
+/// connection to `up` with `behaviour` and a stall of 500 ms; answers the
+/// connection once the body is in the client's send queue.
+async fn stalled_big_write(up: &RawUpstream, path: &str, behaviour: &str) -> TcpStream {
+    let mut s = TcpStream::connect(up.addr()).await.expect("connect");
+    let body = vec![b'x'; 300 * 1024];
+    let h = head(
+        "PUT",
+        path,
+        &[
+            ("x-fence-token", "1"),
+            ("x-test-behaviour", behaviour),
+            ("x-test-stall-ms", "500"),
+        ],
+        Some(body.len()),
+    );
+    let mut raw = h.into_bytes();
+    raw.extend_from_slice(&body);
+    // The client's send queue takes it all: the upstream reads nothing yet.
+    s.write_all(&raw).await.expect("send");
+    s
+}
+
+/// The mechanism the handover tests rest on: a stalled body stays in the
+/// sender's queue; a sender that *closes* (FIN after its data) still
+/// delivers all of it, and the write is applied after the stall; a sender
+/// that *resets* delivers only what the upstream's socket already held,
+/// and the write is aborted.
+#[tokio::test]
+async fn stall_body_applies_what_a_close_delivers_and_aborts_what_a_reset_cuts() {
+    let up = RawUpstream::start_with_recv_buffer(4096).await;
+    let closed = stalled_big_write(&up, "/closed", "stall-body").await;
+    let reset = stalled_big_write(&up, "/reset", "stall-body").await;
+    eventually("both heads", || up.writes().len() == 2).await;
+    drop(closed);
+    reset.set_zero_linger().expect("SO_LINGER 0");
+    drop(reset);
+    up.settle(SETTLE).await;
+    let (c, r) = (up.write("/closed", 1), up.write("/reset", 1));
+    assert!(c.body_complete && c.applied_at.is_some(), "{c:?}");
+    assert!(c.last_body_byte.unwrap() - c.started >= Duration::from_millis(500));
+    assert!(r.aborted && !r.body_complete && r.applied_at.is_none());
+    assert!(r.body_bytes < 300 * 1024, "{} bytes", r.body_bytes);
+    assert!(up.violations().is_empty(), "{:?}", up.violations());
+}
+
+/// `answer-then-stall` and `half-close-after-head` answer before reading
+/// anything of the body, then read and apply it after the stall; the
+/// half-close ends the answer with `connection: close` and a FIN.
+#[tokio::test]
+async fn answers_before_a_stalled_body() {
+    let up = RawUpstream::start_with_recv_buffer(4096).await;
+    for (path, behaviour) in [("/a", "answer-then-stall"), ("/h", "half-close-after-head")] {
+        let mut s = stalled_big_write(&up, path, behaviour).await;
+        let mut buf = BytesMut::new();
+        let resp = read_response(&mut s, &mut buf).await.expect("an answer");
+        assert_eq!((resp.status, resp.complete), (200, true), "{behaviour}");
+        let w = up.write(path, 1);
+        assert!(w.body_bytes == 0 && w.applied_at.is_none(), "{w:?}");
+        if behaviour == "half-close-after-head" {
+            assert_eq!(resp.header("connection"), Some("close"));
+            let mut probe = [0u8; 1];
+            let read = tokio::io::AsyncReadExt::read(&mut s, &mut probe).await;
+            assert!(matches!(read, Ok(0)), "FIN after the answer: {read:?}");
+        }
+        up.settle(SETTLE).await;
+        let w = up.write(path, 1);
+        assert!(w.body_complete && w.applied_at.is_some(), "{w:?}");
+        assert!(w.applied_at.unwrap() - w.started >= Duration::from_millis(500));
+    }
+    assert!(up.violations().is_empty(), "{:?}", up.violations());
 }

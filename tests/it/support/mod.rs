@@ -13,6 +13,7 @@ pub mod raw_upstream;
 pub mod redis;
 pub mod reply_loss;
 pub mod sessions;
+pub mod setups;
 pub mod upstream;
 
 /// One test per fence store of the case `$case(Backend)`, under the names

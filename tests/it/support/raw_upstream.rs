@@ -20,6 +20,11 @@
 //!
 //! A write whose body is cut off (EOF, reset, bad chunk framing) before it is
 //! complete is recorded as aborted and never applied, whatever its behaviour.
+//! A stalled body is read only after the stall, so a connection the proxy
+//! *reset* meanwhile shows as the few bytes the upstream's socket already
+//! held, then the reset: aborted. A connection the proxy merely *closed*
+//! (FIN after its data) still delivers all of its queued body when the
+//! upstream gets to it, complete: applied.
 //! GET, HEAD and OPTIONS are answered `200` with an empty body and are not
 //! recorded.
 //!
@@ -32,7 +37,11 @@
 //! | `x-test-behaviour: slow-stream` | read the body, work, send a chunked `200` head, then `x-test-chunks` chunks one every `x-test-chunk-ms`, apply when that streaming period is over (whether or not the peer is still there), then send the final chunk |
 //! | `x-test-behaviour: early-answer` | right after the head, send a complete `200` (Content-Length body) before reading the body; then read the body however slowly it comes, work, apply |
 //! | `x-test-behaviour: flood` | read the body, work, apply, then send a chunked `200` of `x-test-flood-bytes` as fast as the peer takes it, with no time limit (a peer that stops reading stalls it); the write ends when the answer is sent or found cut off. Not among [`Behaviour::ALL`] |
+//! | `x-test-behaviour: stall-body` | after the head, read nothing for `x-test-stall-ms`, then read the body, work, apply, answer `200` as `normal` does: an upstream too busy to read (with a small receive buffer, see [`RawUpstream::start_with_recv_buffer`], the sender's queue fills). Not among [`Behaviour::ALL`] |
+//! | `x-test-behaviour: answer-then-stall` | right after the head, send a complete `200` (Content-Length body), then read nothing for `x-test-stall-ms`, then read the body, work, apply; keep the connection alive. Not among [`Behaviour::ALL`] |
+//! | `x-test-behaviour: half-close-after-head` | right after the head, send a complete `200` with `connection: close` and shut the sending side (FIN), then read nothing for `x-test-stall-ms`, then read the body, work, apply. Not among [`Behaviour::ALL`] |
 //! | `x-test-work-ms: N` | the write's work before it is applied, in ms (default 0) |
+//! | `x-test-stall-ms: N` | the three stalling behaviours: how long the body is left unread, from the head's arrival, in ms (default 4000) |
 //! | `x-test-chunks: N` | `slow-stream`: number of chunks (default 10) |
 //! | `x-test-chunk-ms: N` | `slow-stream`: ms between chunks (default 100) |
 //! | `x-test-flood-bytes: N` | `flood`: bytes of answer body (default 32 MiB) |
@@ -79,6 +88,10 @@ pub const FLOOD_BYTES_HEADER: &str = "x-test-flood-bytes";
 pub const ID_HEADER: &str = "x-test-id";
 /// Header carrying the fencing token.
 pub const FENCE_HEADER: &str = "x-fence-token";
+/// Header: how long the stalling behaviours leave the body unread (ms).
+pub const STALL_MS_HEADER: &str = "x-test-stall-ms";
+/// The stalling behaviours' stall without `x-test-stall-ms`.
+pub const DEFAULT_STALL: Duration = Duration::from_millis(4000);
 /// `break-after-head`: pause between the chunk and the reset.
 pub const BREAK_PAUSE: Duration = Duration::from_millis(30);
 
@@ -93,11 +106,15 @@ pub enum Behaviour {
     SlowStream,
     EarlyAnswer,
     Flood,
+    StallBody,
+    AnswerThenStall,
+    HalfCloseAfterHead,
 }
 
 impl Behaviour {
     /// The behaviours of an exchange of ordinary size (the randomized mix
-    /// draws from these); `flood` is for the one case it was made for.
+    /// draws from these); `flood` and the stalling ones are for the cases
+    /// they were made for.
     pub const ALL: [Behaviour; 4] = [
         Behaviour::Normal,
         Behaviour::BreakAfterHead,
@@ -113,6 +130,9 @@ impl Behaviour {
             Behaviour::SlowStream => "slow-stream",
             Behaviour::EarlyAnswer => "early-answer",
             Behaviour::Flood => "flood",
+            Behaviour::StallBody => "stall-body",
+            Behaviour::AnswerThenStall => "answer-then-stall",
+            Behaviour::HalfCloseAfterHead => "half-close-after-head",
         }
     }
 
@@ -121,7 +141,12 @@ impl Behaviour {
         let s = s.trim();
         Behaviour::ALL
             .into_iter()
-            .chain([Behaviour::Flood])
+            .chain([
+                Behaviour::Flood,
+                Behaviour::StallBody,
+                Behaviour::AnswerThenStall,
+                Behaviour::HalfCloseAfterHead,
+            ])
             .find(|b| b.as_str().eq_ignore_ascii_case(s))
     }
 }
@@ -185,6 +210,27 @@ impl RawUpstream {
         let listener = TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind raw upstream");
+        Self::serve(listener)
+    }
+
+    /// Like [`start`](Self::start), with `SO_RCVBUF` set to `bytes` on the
+    /// listening socket before `listen`, so that every accepted connection
+    /// has that small a receive buffer (and window) from its handshake on:
+    /// a body the upstream does not read stays in the sender's queue, not
+    /// in the upstream's socket.
+    pub async fn start_with_recv_buffer(bytes: u32) -> RawUpstream {
+        let socket = tokio::net::TcpSocket::new_v4().expect("raw upstream socket");
+        socket
+            .set_recv_buffer_size(bytes)
+            .expect("SO_RCVBUF on the raw upstream");
+        socket
+            .bind("127.0.0.1:0".parse().expect("an address"))
+            .expect("bind raw upstream");
+        let listener = socket.listen(1024).expect("listen");
+        Self::serve(listener)
+    }
+
+    fn serve(listener: TcpListener) -> RawUpstream {
         let addr = listener.local_addr().expect("local_addr");
         let shared = Arc::new(Shared::default());
         let accept = tokio::spawn(accept_loop(listener, shared.clone()));
@@ -260,6 +306,28 @@ impl RawUpstream {
             .iter()
             .filter(|w| w.test_id.as_deref() == Some(id))
             .count()
+    }
+
+    /// The writes on `path` as the upstream saw them, one line each, in ms
+    /// since `t0` (for assertion messages).
+    pub fn timeline(&self, path: &str, t0: Instant) -> String {
+        let ms = |t: Instant| t.saturating_duration_since(t0).as_millis();
+        let mut out = format!("writes on {path}, ms since the test's first write was sent:\n");
+        for w in self.writes().iter().filter(|w| w.path == path) {
+            out.push_str(&format!(
+                "  token {:?} {}: started {}, body {} bytes{}, last byte {:?}, applied {:?}{}, ended {:?}\n",
+                w.token,
+                w.behaviour.as_str(),
+                ms(w.started),
+                w.body_bytes,
+                if w.body_complete { "" } else { " (incomplete)" },
+                w.last_body_byte.map(ms),
+                w.applied_at.map(ms),
+                if w.aborted { " (aborted)" } else { "" },
+                w.ended.map(ms),
+            ));
+        }
+        out
     }
 
     /// Waits until no write is in flight; panics after `limit`.
@@ -785,12 +853,37 @@ async fn serve_request(shared: &Arc<Shared>, mut conn: Conn, head: Head) -> Opti
     let work_ms = head.header_u64(WORK_HEADER).unwrap_or(0);
     let id = shared.begin(&head, behaviour);
 
-    if behaviour == Behaviour::EarlyAnswer {
+    if matches!(
+        behaviour,
+        Behaviour::EarlyAnswer | Behaviour::AnswerThenStall | Behaviour::HalfCloseAfterHead
+    ) {
         // The whole answer first, the body after.
         let text = format!("{{\"write\":{id},\"early\":true}}");
-        if conn.stream.write_all(&json_answer(&text)).await.is_err() {
+        let mut answer = json_answer(&text);
+        if behaviour == Behaviour::HalfCloseAfterHead {
+            let at = answer
+                .windows(2)
+                .position(|w| w == b"\r\n")
+                .expect("a status line");
+            answer.splice(at + 2..at + 2, b"connection: close\r\n".iter().copied());
+        }
+        if conn.stream.write_all(&answer).await.is_err() {
             shared.answer_cut(id);
         }
+        if behaviour == Behaviour::HalfCloseAfterHead {
+            // FIN: this side is done sending; the body is still read.
+            let _ = conn.stream.shutdown().await;
+        }
+    }
+    if matches!(
+        behaviour,
+        Behaviour::StallBody | Behaviour::AnswerThenStall | Behaviour::HalfCloseAfterHead
+    ) {
+        // Counted from the head's arrival; nothing is read meanwhile.
+        let stall = head
+            .header_u64(STALL_MS_HEADER)
+            .map_or(DEFAULT_STALL, Duration::from_millis);
+        tokio::time::sleep_until((head.received + stall).into()).await;
     }
 
     // The request body, for every behaviour; a cut body aborts the write.
@@ -806,7 +899,7 @@ async fn serve_request(shared: &Arc<Shared>, mut conn: Conn, head: Head) -> Opti
     shared.body_complete(id);
 
     match behaviour {
-        Behaviour::Normal => {
+        Behaviour::Normal | Behaviour::StallBody => {
             work(work_ms).await;
             shared.apply(id);
             let token = shared.state().writes[id].token;
@@ -830,6 +923,20 @@ async fn serve_request(shared: &Arc<Shared>, mut conn: Conn, head: Head) -> Opti
             });
             shared.track(task.abort_handle());
             Some(conn)
+        }
+        Behaviour::AnswerThenStall => {
+            // Answered already: work, apply, and the connection may carry
+            // the next request.
+            work(work_ms).await;
+            shared.apply(id);
+            shared.end(id);
+            Some(conn)
+        }
+        Behaviour::HalfCloseAfterHead => {
+            work(work_ms).await;
+            shared.apply(id);
+            shared.end(id);
+            None
         }
         Behaviour::BreakAfterHead => {
             let mut out = CHUNKED_HEAD.to_vec();
