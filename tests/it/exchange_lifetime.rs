@@ -550,7 +550,7 @@ async fn exchange_cut_at_timeout(setup: Setup) {
         "the upstream's answer must be cut at timeout_ms ({TIMEOUT:?}) after token 1 \
          was sent, not before; it was cut at {cut:?}"
     );
-    rig.assert_held(Some("answer_unfinished")).await;
+    rig.assert_held(Some("timeout")).await;
 }
 
 /// 6. Control: after a normal exchange the key opens at once, not after
@@ -691,7 +691,7 @@ async fn client_stops_reading_the_answer(setup: Setup) {
          {cut:?}: token 2 did not follow the cut\n{timeline}"
     );
     assert_eq!(rig.up.applied_tokens(path), vec![1, 2], "{timeline}");
-    rig.assert_held(Some("answer_unfinished")).await;
+    rig.assert_held(Some("timeout")).await;
     drop(s);
 }
 
