@@ -193,7 +193,10 @@ impl FenceStore {
     /// (a crash) answers the stopped instance's recorded bound: its
     /// forwards may reach the upstream until then. Shared mode keeps
     /// per-write markers instead and always answers `None`.
-    pub async fn begin_run(&self, longest_timeout: Duration) -> Result<Option<Duration>, StoreError> {
+    pub async fn begin_run(
+        &self,
+        longest_timeout: Duration,
+    ) -> Result<Option<Duration>, StoreError> {
         match self {
             Self::Postgres(s) if s.is_shared() => Ok(None),
             Self::Postgres(s) => s.begin_run(longest_timeout).await,

@@ -316,7 +316,10 @@ impl PgStore {
 
     /// Marks the store as in use by a running single-mode instance; returns
     /// whether the previous instance stopped cleanly.
-    pub async fn begin_run(&self, longest_timeout: Duration) -> Result<Option<Duration>, StoreError> {
+    pub async fn begin_run(
+        &self,
+        longest_timeout: Duration,
+    ) -> Result<Option<Duration>, StoreError> {
         self.check_owner()?;
         bounded(self.timeout, StoreError::Timeout, async {
             let before: Option<(bool, i64)> = sqlx::query_as(

@@ -112,7 +112,10 @@ impl SqliteStore {
     }
 
     /// See `PgStore::begin_run`.
-    pub async fn begin_run(&self, longest_timeout: Duration) -> Result<Option<Duration>, StoreError> {
+    pub async fn begin_run(
+        &self,
+        longest_timeout: Duration,
+    ) -> Result<Option<Duration>, StoreError> {
         bounded(self.timeout, StoreError::Timeout, async {
             let before: Option<(i64, i64)> = sqlx::query_as(
                 "SELECT running, longest_timeout_ms FROM gateway_state WHERE id = 1",

@@ -30,6 +30,7 @@ mod ordering;
 mod pg_outage;
 mod raw_upstream_selftest;
 mod resets;
+mod restarts;
 mod server_limits;
 mod shared_mode;
 mod support;
