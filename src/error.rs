@@ -405,9 +405,15 @@ impl GatewayError {
                     status,
                     "unissued-token",
                     "Token never issued",
-                    format!(
-                        "token {presented} is above {highest_issued}, the highest fence the lock API granted for '{key}': it was never issued, so it is refused and not recorded"
-                    ),
+                    if *highest_issued == 0 {
+                        format!(
+                            "the lock API never granted a fence for '{key}', so no token for it was issued, {presented} included: it is refused and not recorded; acquire the lock first"
+                        )
+                    } else {
+                        format!(
+                            "token {presented} is above {highest_issued}, the highest fence the lock API granted for '{key}': it was never issued, so it is refused and not recorded"
+                        )
+                    },
                 )
                 .with("resource_key", key.as_str())
                 .with("presented_token", *presented)

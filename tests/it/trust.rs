@@ -232,6 +232,42 @@ async fn admin_actions_need_an_admin_key() {
     assert_eq!(call(&app, "GET", "/fences", None, None).await.status(), 200);
 }
 
+/// `token = "issued"` on a name the lock API never granted: no token is
+/// issued, 0 included, so 0 is 403 `unissued-token` (highest issued 0),
+/// not recorded and not forwarded (before, 0 got 200). Once fence 1 was
+/// granted, 0 and 1 pass. On both stores.
+async fn issued_zero_needs_a_grant(backend: Backend) {
+    let store = TestStore::new(backend).await;
+    let up = Upstream::start().await;
+    let routes = format!("{}token = \"issued\"\n", docs_route(&up.url()));
+    let app = TestApp::spawn(&store.url, &routes).await;
+    for _ in 0..2 {
+        let body = problem(app.put("/docs/never", Some("0"), "forged").await, 403).await;
+        assert_eq!(body["type"], "urn:fencegate:problem:unissued-token");
+        assert_eq!(body["resource_key"], "doc:never");
+        assert_eq!(body["presented_token"], 0);
+        assert_eq!(body["highest_issued"], 0);
+        assert_detail_says(&body, "never granted a fence");
+    }
+    assert!(up.requests().is_empty(), "nothing was forwarded");
+    let fence = call(&app, "GET", "/fences/doc:never", None, None).await;
+    assert_eq!(fence.status(), 404, "a refused token is not recorded");
+    let grant: Value = acquire(&app, "doc:never", None).await.json().await.unwrap();
+    assert_eq!(grant["fence"], 1);
+    for token in ["0", "1", "1"] {
+        assert_eq!(
+            app.put("/docs/never", Some(token), token).await.status(),
+            200
+        );
+    }
+    problem(app.put("/docs/never", Some("2"), "early").await, 403).await;
+    let tokens: Vec<_> = up.applied().iter().map(|a| a.token).collect();
+    assert_eq!(tokens, [Some(0), Some(1), Some(1)]);
+}
+
+crate::support::per_store!(#[tokio::test] issued_zero_needs_a_grant =>
+    issued_zero_needs_a_grant_sqlite, issued_zero_needs_a_grant_postgres);
+
 /// On a `token = "issued"` route a forged integer is refused (403), never
 /// recorded and never forwarded; a granted fence is accepted. On the table
 /// backend of both stores, and on Redis and Redlock, whose grants the
