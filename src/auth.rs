@@ -63,6 +63,9 @@ pub enum AuthError {
     /// A known client asking for something it may not do: 403.
     #[error("{0}")]
     Forbidden(String),
+    /// More than one `Authorization` header: 400, whoever they name.
+    #[error("more than one Authorization header")]
+    Ambiguous,
 }
 
 /// How a request identified itself.
@@ -80,6 +83,41 @@ impl Credentials<'static> {
         authorization: None,
         tls_subject: None,
     };
+}
+
+impl<'a> Credentials<'a> {
+    /// A request's credentials: its one `Authorization` header, if any, and
+    /// its connection's client certificate CN. More than one
+    /// `Authorization` header is refused, whatever they hold: servers and
+    /// libraries disagree on which one counts (the first, the last, or
+    /// both joined), so an admin key sent with another client's key could
+    /// be judged by one here and by the other elsewhere.
+    pub fn of(
+        headers: &'a http::HeaderMap,
+        tls_subject: Option<&'a str>,
+    ) -> Result<Self, AuthError> {
+        Ok(Self {
+            authorization: one_authorization(headers)?,
+            tls_subject,
+        })
+    }
+}
+
+/// The request's `Authorization` header, if it has one; more than one is
+/// [`AuthError::Ambiguous`]. Costs one lookup: a second value is looked
+/// for only when some header of the request is repeated.
+pub fn one_authorization(
+    headers: &http::HeaderMap,
+) -> Result<Option<&http::HeaderValue>, AuthError> {
+    if headers.len() == headers.keys_len() {
+        return Ok(headers.get(http::header::AUTHORIZATION));
+    }
+    let mut all = headers.get_all(http::header::AUTHORIZATION).iter();
+    let first = all.next();
+    match all.next() {
+        Some(_) => Err(AuthError::Ambiguous),
+        None => Ok(first),
+    }
 }
 
 impl Client {

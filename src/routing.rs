@@ -286,6 +286,14 @@ impl KeyTemplate {
         })
     }
 
+    /// The headers the key is made of (its `{header.NAME}` parts).
+    pub fn header_names(&self) -> impl Iterator<Item = &HeaderName> {
+        self.parts.iter().filter_map(|p| match p {
+            KeyPart::Header(name) => Some(name),
+            _ => None,
+        })
+    }
+
     /// Lower-cases the rendered key (`key_case = "lower"`).
     pub fn lower_cased(mut self) -> Self {
         self.lower = true;
