@@ -104,20 +104,26 @@ impl<'a> Credentials<'a> {
 }
 
 /// The request's `Authorization` header, if it has one; more than one is
-/// [`AuthError::Ambiguous`]. Costs one lookup: a second value is looked
-/// for only when some header of the request is repeated.
+/// [`AuthError::Ambiguous`].
 pub fn one_authorization(
     headers: &http::HeaderMap,
 ) -> Result<Option<&http::HeaderValue>, AuthError> {
-    if headers.len() == headers.keys_len() {
-        return Ok(headers.get(http::header::AUTHORIZATION));
+    if two_authorizations(headers) {
+        return Err(AuthError::Ambiguous);
     }
-    let mut all = headers.get_all(http::header::AUTHORIZATION).iter();
-    let first = all.next();
-    match all.next() {
-        Some(_) => Err(AuthError::Ambiguous),
-        None => Ok(first),
-    }
+    Ok(headers.get(http::header::AUTHORIZATION))
+}
+
+/// Whether the request has more than one `Authorization` header. Costs no
+/// lookup unless some header of the request is repeated (its map then has
+/// more values than names).
+pub fn two_authorizations(headers: &http::HeaderMap) -> bool {
+    headers.len() != headers.keys_len()
+        && headers
+            .get_all(http::header::AUTHORIZATION)
+            .iter()
+            .nth(1)
+            .is_some()
 }
 
 impl Client {

@@ -1538,19 +1538,22 @@ fn check_framing(req: &Request<Body>, max_body: u64) -> Result<(), GatewayError>
 /// forwards them as it read them; so
 ///
 /// * more than one `Authorization` header is refused (400
-///   `ambiguous-credentials`): the upstream might judge the request by
-///   another one than the one anything here saw;
+///   `ambiguous-credentials`): servers disagree on which one counts, so
+///   the upstream and anything else on the way may each judge the
+///   request by another one;
 /// * a `Connection` header naming one of them is refused (400
 ///   `protected-header`): a proxy removes what `Connection` names, so the
 ///   upstream would get the write without the very header it was fenced
 ///   by (a key part missing there may default to another resource, a
 ///   token missing there cannot be checked again).
 ///
-/// Both cost nothing on the usual request: one lookup for `Connection`,
-/// and the `Authorization` values are counted only when some header is
-/// repeated (see [`crate::auth::one_authorization`]).
+/// Both cost next to nothing on the usual request: one lookup for
+/// `Connection`, and the `Authorization` values are counted only when some
+/// header is repeated (see [`crate::auth::two_authorizations`]).
 fn check_headers(route: &Route, headers: &http::HeaderMap) -> Result<(), ClientError> {
-    crate::auth::one_authorization(headers).map_err(|_| ClientError::AmbiguousCredentials)?;
+    if crate::auth::two_authorizations(headers) {
+        return Err(ClientError::AmbiguousCredentials);
+    }
     if !headers.contains_key(header::CONNECTION) {
         return Ok(());
     }

@@ -291,7 +291,8 @@ fn key_identity(r: &Route) -> [(&'static str, String); 4] {
 }
 
 /// Every change of a fenced route's key identity from the running routes
-/// `old` to `new`, which a reload refuses.
+/// `old` to `new`, which a reload refuses. (Every route is fenced: the
+/// config needs at least one fenced method per route.)
 ///
 /// Routes are matched by name. A route only in `old` (removed) or only in
 /// `new` (added) changes no key identity by itself, with one exception: a
@@ -317,9 +318,6 @@ pub fn key_identity_changes(old: &[&Route], new: &[Route]) -> Vec<KeyIdentityCha
                 (*before, Some(before.name.as_str()))
             }
         };
-        if before.fenced_methods.is_empty() {
-            continue;
-        }
         let (was, is) = (key_identity(before), key_identity(r));
         for ((what, from), (_, to)) in was.iter().zip(&is) {
             if from == to {
