@@ -260,16 +260,14 @@ fn lock_api_disabled() -> Response {
 /// The name of the admin client calling an action, or the answer refusing
 /// it.
 fn admin_client(s: &AdminState, headers: &http::HeaderMap) -> Result<String, Box<Response>> {
-    let creds = crate::auth::Credentials {
-        authorization: headers.get(header::AUTHORIZATION),
-        tls_subject: None,
-    };
+    let refused = |e| Box::new(crate::error::auth_problem(&e).into_response());
+    let creds = crate::auth::Credentials::of(headers, None).map_err(refused)?;
     s.live
         .load()
         .auth
         .admin(creds)
         .map(|c| c.name.clone())
-        .map_err(|e| Box::new(crate::error::auth_problem(&e).into_response()))
+        .map_err(refused)
 }
 
 /// An admin action's caller and target: the admin client's name and the

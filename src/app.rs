@@ -327,8 +327,15 @@ async fn reload_on_hangup(reloader: crate::reload::Reloader, mut hangups: Hangup
             Ok(()) => tracing::info!(
                 "SIGHUP: config reloaded (routes, token keys, auth clients, TLS files) for new requests"
             ),
-            Err(problems) => {
-                for p in problems {
+            Err(refused) => {
+                for c in &refused.key_identity {
+                    tracing::error!(
+                        route = %c.route,
+                        change = %c.change,
+                        "SIGHUP: config reload refused: it would change the key identity of a fenced route, and with it which writes are fenced against which; the running config stays (to change it, stop the route's writers and restart: see README, Reloading the config)"
+                    );
+                }
+                for p in refused.problems {
                     tracing::error!(problem = %p, "SIGHUP: config not reloaded; the running config stays");
                 }
             }

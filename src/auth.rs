@@ -63,6 +63,9 @@ pub enum AuthError {
     /// A known client asking for something it may not do: 403.
     #[error("{0}")]
     Forbidden(String),
+    /// More than one `Authorization` header: 400, whoever they name.
+    #[error("more than one Authorization header")]
+    Ambiguous,
 }
 
 /// How a request identified itself.
@@ -80,6 +83,47 @@ impl Credentials<'static> {
         authorization: None,
         tls_subject: None,
     };
+}
+
+impl<'a> Credentials<'a> {
+    /// A request's credentials: its one `Authorization` header, if any, and
+    /// its connection's client certificate CN. More than one
+    /// `Authorization` header is refused, whatever they hold: servers and
+    /// libraries disagree on which one counts (the first, the last, or
+    /// both joined), so an admin key sent with another client's key could
+    /// be judged by one here and by the other elsewhere.
+    pub fn of(
+        headers: &'a http::HeaderMap,
+        tls_subject: Option<&'a str>,
+    ) -> Result<Self, AuthError> {
+        Ok(Self {
+            authorization: one_authorization(headers)?,
+            tls_subject,
+        })
+    }
+}
+
+/// The request's `Authorization` header, if it has one; more than one is
+/// [`AuthError::Ambiguous`].
+pub fn one_authorization(
+    headers: &http::HeaderMap,
+) -> Result<Option<&http::HeaderValue>, AuthError> {
+    if two_authorizations(headers) {
+        return Err(AuthError::Ambiguous);
+    }
+    Ok(headers.get(http::header::AUTHORIZATION))
+}
+
+/// Whether the request has more than one `Authorization` header. Costs no
+/// lookup unless some header of the request is repeated (its map then has
+/// more values than names).
+pub fn two_authorizations(headers: &http::HeaderMap) -> bool {
+    headers.len() != headers.keys_len()
+        && headers
+            .get_all(http::header::AUTHORIZATION)
+            .iter()
+            .nth(1)
+            .is_some()
 }
 
 impl Client {

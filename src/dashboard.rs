@@ -23,6 +23,7 @@ use http::{header, HeaderValue, Uri};
 
 use crate::admin::{bad_request, AdminState};
 use crate::config::{Config, LockBackendConfig, StoreBackend, StoreMode, TokenKind};
+use crate::metrics::ReloadResult;
 
 const PAGE: &str = include_str!("dashboard/index.html");
 const STYLE: &str = include_str!("dashboard/dashboard.css");
@@ -120,8 +121,9 @@ async fn instance(State(s): State<AdminState>) -> Response {
         "store": {"backend": a.store_backend, "mode": a.store_mode},
         "locks": {"enabled": a.lock_backend.is_some(), "backend": a.lock_backend},
         "config_reloads": {
-            "ok": s.metrics.config_reloads(true),
-            "error": s.metrics.config_reloads(false),
+            "ok": s.metrics.config_reloads(ReloadResult::Ok),
+            "error": s.metrics.config_reloads(ReloadResult::Error),
+            "refused": s.metrics.config_reloads(ReloadResult::Refused),
         },
         "gate_keys": s.gate.tracked_keys(),
     }))

@@ -87,6 +87,14 @@ pub enum ClientError {
     ClientGone,
     #[error("{0}")]
     BadRequest(&'static str),
+    /// The `Connection` header names a header the gateway relies on (the
+    /// token, the idempotency key, the credentials, a key part): a proxy
+    /// would remove it before forwarding.
+    #[error("the Connection header names {0}, which the gateway relies on")]
+    ProtectedHeader(String),
+    /// More than one `Authorization` header: which one counts is not clear.
+    #[error("more than one Authorization header")]
+    AmbiguousCredentials,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -257,10 +265,23 @@ impl IntoResponse for Problem {
     }
 }
 
+/// 400 `ambiguous-credentials`: more than one `Authorization` header, on
+/// a proxied request ([`ClientError::AmbiguousCredentials`]) or a call of
+/// the lock API or an admin action ([`crate::auth::AuthError::Ambiguous`]).
+fn ambiguous_credentials(status: StatusCode) -> Problem {
+    Problem::new(
+        status,
+        "ambiguous-credentials",
+        "Ambiguous credentials",
+        "the request carries more than one Authorization header; servers disagree on which one counts, so it is refused and nothing was forwarded or done: send one",
+    )
+}
+
 /// The problem document for a refused credential or permission: 401 with
-/// `WWW-Authenticate: Bearer`, or 403.
+/// `WWW-Authenticate: Bearer`, 403, or 400 for more than one credential.
 pub fn auth_problem(e: &crate::auth::AuthError) -> Problem {
     match e {
+        crate::auth::AuthError::Ambiguous => ambiguous_credentials(StatusCode::BAD_REQUEST),
         crate::auth::AuthError::Unauthenticated(why) => Problem::new(
             StatusCode::UNAUTHORIZED,
             "unauthenticated",
@@ -293,7 +314,9 @@ impl GatewayError {
                 | C::Head(H::Malformed | H::Length | H::Coding)
                 | C::BadRequest(_)
                 | C::IdempotencyKey(_)
-                | C::ClientGone => StatusCode::BAD_REQUEST,
+                | C::ClientGone
+                | C::ProtectedHeader(_)
+                | C::AmbiguousCredentials => StatusCode::BAD_REQUEST,
                 C::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
                 C::MissingToken { .. } => StatusCode::PRECONDITION_REQUIRED,
                 C::InvalidJwt(_) => StatusCode::UNAUTHORIZED,
@@ -405,9 +428,15 @@ impl GatewayError {
                     status,
                     "unissued-token",
                     "Token never issued",
-                    format!(
-                        "token {presented} is above {highest_issued}, the highest fence the lock API granted for '{key}': it was never issued, so it is refused and not recorded"
-                    ),
+                    if *highest_issued == 0 {
+                        format!(
+                            "the lock API never granted a fence for '{key}', so no token for it was issued, {presented} included: it is refused and not recorded; acquire the lock first"
+                        )
+                    } else {
+                        format!(
+                            "token {presented} is above {highest_issued}, the highest fence the lock API granted for '{key}': it was never issued, so it is refused and not recorded"
+                        )
+                    },
                 )
                 .with("resource_key", key.as_str())
                 .with("presented_token", *presented)
@@ -467,6 +496,15 @@ impl GatewayError {
                     "Client gone",
                     "the client left before its write was started; nothing was forwarded",
                 ),
+                C::ProtectedHeader(name) => Problem::new(
+                    status,
+                    "protected-header",
+                    "Protected header named in Connection",
+                    format!(
+                        "the Connection header names '{name}', which the gateway relies on (the fencing token, the Idempotency-Key, the credentials and the route's key parts are forwarded as checked), so it would be removed before forwarding; nothing was forwarded: send the request without '{name}' in Connection"
+                    ),
+                ),
+                C::AmbiguousCredentials => ambiguous_credentials(status),
             },
             GatewayError::Store(crate::store::StoreError::KeyBusy(waited)) => Problem::new(
                 status,

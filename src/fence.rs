@@ -355,10 +355,13 @@ impl Fence {
     }
 
     /// `token = "issued"`: refuses a token above the highest fence the lock
-    /// API granted for the key's lock, from memory when it knows a fence at
-    /// least that high was granted, else from the store (a grant may be
-    /// newer than memory, or made by another instance). Fences only grow,
-    /// so what memory knows stays true (a reset makes it forget).
+    /// API granted for the key's lock, and every token on a lock never
+    /// granted (0 included: no grant issued it), from memory when it knows
+    /// a fence at least that high was granted, else from the store (a grant
+    /// may be newer than memory, or made by another instance). Fences only
+    /// grow, so what memory knows stays true (a reset makes it forget).
+    /// Every grant's fence is at least 1, so the store's 0 means "never
+    /// granted", and memory only ever learns a granted one.
     async fn check_issued(
         &self,
         key: &str,
@@ -379,8 +382,10 @@ impl Fence {
                 return Err(e.into());
             }
         };
-        ticket.note_issued(issued);
-        if token > issued {
+        if issued > 0 {
+            ticket.note_issued(issued);
+        }
+        if issued == 0 || token > issued {
             ticket.settle_unrecorded();
             return Err(ClientError::UnissuedToken {
                 key: key.to_string(),

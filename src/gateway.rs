@@ -23,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::response::{IntoResponse, Response};
+use http::header::HeaderName;
 use http::{header, Method, Request};
 use tokio::sync::oneshot;
 
@@ -373,7 +374,9 @@ fn refusal_outcome(e: &GatewayError) -> Option<Outcome> {
             C::AmbiguousPath(_) => Outcome::AmbiguousPath,
             C::AmbiguousKey(_) => Outcome::AmbiguousKey,
             C::UnissuedToken { .. } => Outcome::Unissued,
-            C::IdempotencyKey(_) => Outcome::BadRequest,
+            C::IdempotencyKey(_) | C::ProtectedHeader(_) | C::AmbiguousCredentials => {
+                Outcome::BadRequest
+            }
             C::IdempotencyReused
             | C::IdempotencyInProgress { .. }
             | C::IdempotencyOutcomeUnknown => Outcome::IdempotencyConflict,
@@ -477,10 +480,15 @@ fn admit(
             return refused(None, false, e);
         }
     };
-    // Phase: framing and size, before anything touches the store.
+    // Phase: framing and size, before anything touches the store; then
+    // the headers the gateway relies on, which must reach the upstream as
+    // they were checked.
     let fenced = route.fenced_methods.contains(req.method());
     if let Err(e) = check_framing(&req, state.max_body_bytes) {
         return refused(Some(&route), fenced, e);
+    }
+    if let Err(e) = check_headers(&route, req.headers()) {
+        return refused(Some(&route), fenced, e.into());
     }
     if !fenced {
         if !is_safe(req.method()) {
@@ -1522,6 +1530,57 @@ fn check_framing(req: &Request<Body>, max_body: u64) -> Result<(), GatewayError>
         }
     }
     Ok(())
+}
+
+/// Phase: the headers the gateway relies on, on every proxied request
+/// (fenced or not). It reads the credentials, the fencing token, the
+/// `Idempotency-Key` and the route's `{header.NAME}` key parts, and
+/// forwards them as it read them; so
+///
+/// * more than one `Authorization` header is refused (400
+///   `ambiguous-credentials`): servers disagree on which one counts, so
+///   the upstream and anything else on the way may each judge the
+///   request by another one;
+/// * a `Connection` header naming one of them is refused (400
+///   `protected-header`): a proxy removes what `Connection` names, so the
+///   upstream would get the write without the very header it was fenced
+///   by (a key part missing there may default to another resource, a
+///   token missing there cannot be checked again).
+///
+/// Both cost next to nothing on the usual request: one lookup for
+/// `Connection`, and the `Authorization` values are counted only when some
+/// header is repeated (see [`crate::auth::two_authorizations`]).
+fn check_headers(route: &Route, headers: &http::HeaderMap) -> Result<(), ClientError> {
+    if crate::auth::two_authorizations(headers) {
+        return Err(ClientError::AmbiguousCredentials);
+    }
+    if !headers.contains_key(header::CONNECTION) {
+        return Ok(());
+    }
+    for token in proxy::connection_tokens(headers) {
+        if let Some(name) = protected(route, token) {
+            return Err(ClientError::ProtectedHeader(name.to_string()));
+        }
+    }
+    Ok(())
+}
+
+/// The headers every proxied request's `Connection` must leave alone,
+/// whatever its route.
+static PROTECTED: [HeaderName; 3] = [
+    token::HEADER,
+    idempotency::IDEMPOTENCY_KEY,
+    header::AUTHORIZATION,
+];
+
+/// The header `token` (a `Connection` token, in any case) names, if the
+/// gateway relies on it on `route`.
+fn protected<'a>(route: &'a Route, token: &[u8]) -> Option<&'a str> {
+    PROTECTED
+        .iter()
+        .map(HeaderName::as_str)
+        .chain(route.key.header_names().map(HeaderName::as_str))
+        .find(|name| name.as_bytes().eq_ignore_ascii_case(token))
 }
 
 fn is_safe(m: &Method) -> bool {

@@ -212,9 +212,32 @@ pub struct HoldLabels {
     pub reason: HoldReason,
 }
 
+/// How a SIGHUP reload ended: the `result` label of
+/// `fencegate_config_reloads_total`.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum ReloadResult {
+    /// Applied.
+    Ok,
+    /// A config with problems, or a change only a restart applies.
+    Error,
+    /// A valid config that would change a fenced route's key identity.
+    Refused,
+}
+
+impl ReloadResult {
+    pub const ALL: [ReloadResult; 3] =
+        [ReloadResult::Ok, ReloadResult::Error, ReloadResult::Refused];
+}
+
+label_values!(ReloadResult {
+    Ok => "ok",
+    Error => "error",
+    Refused => "refused",
+});
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReloadLabels {
-    pub result: &'static str,
+    pub result: ReloadResult,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -324,7 +347,7 @@ type HistogramFamily<L> = Family<L, Latency, fn() -> Latency>;
 pub struct Metrics {
     /// `Idempotency-Key` outcomes by route.
     pub idempotency: Family<IdempotencyLabels, ShardedCounter>,
-    /// Config reloads (SIGHUP) by result (`ok`, `error`).
+    /// Config reloads (SIGHUP) by result (`ok`, `error`, `refused`).
     pub config_reloads: Family<ReloadLabels, Counter>,
     /// Fence decisions by route and [`Outcome`].
     pub decisions: Family<DecisionLabels, ShardedCounter>,
@@ -579,9 +602,9 @@ impl Metrics {
         let decisions = Family::<DecisionLabels, ShardedCounter>::default();
         let idempotency = Family::<IdempotencyLabels, ShardedCounter>::default();
         let config_reloads = Family::<ReloadLabels, Counter>::default();
-        // Both results from the start: an alert on the increase of a
+        // Every result from the start: an alert on the increase of a
         // counter sees its first failure only if the series existed before.
-        for result in ["ok", "error"] {
+        for result in ReloadResult::ALL {
             let _ = config_reloads.get_or_create(&ReloadLabels { result });
         }
         registry.register(
@@ -670,16 +693,14 @@ impl Metrics {
         }
     }
 
-    pub fn config_reload(&self, ok: bool) {
-        let result = if ok { "ok" } else { "error" };
+    pub fn config_reload(&self, result: ReloadResult) {
         self.config_reloads
             .get_or_create(&ReloadLabels { result })
             .inc();
     }
 
     /// A config reload's count by result.
-    pub fn config_reloads(&self, ok: bool) -> u64 {
-        let result = if ok { "ok" } else { "error" };
+    pub fn config_reloads(&self, result: ReloadResult) -> u64 {
         self.config_reloads
             .get_or_create(&ReloadLabels { result })
             .get()

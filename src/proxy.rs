@@ -67,7 +67,24 @@ pub fn names_headers(connection: &[u8]) -> bool {
         })
 }
 
+/// The tokens of every `Connection` header of a message, in order, trimmed,
+/// empty ones skipped (`Connection: a,,b` and two `Connection` headers are
+/// one list, RFC 9110 §5.3).
+pub fn connection_tokens(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
+        .map(<[u8]>::trim_ascii)
+        .filter(|t| !t.is_empty())
+}
+
 /// Removes hop-by-hop headers, including every header `Connection` names.
+///
+/// On a request, `Connection` never names a header the gateway relies on
+/// (the token, the idempotency key, the credentials, a key part): such a
+/// request was refused before it got here (`gateway::check_headers`), so
+/// what is forwarded is what was checked.
 ///
 /// One pass over the message's few names finds which hop-by-hop ones it
 /// carries (usually none in a request, and only `Connection: keep-alive`
@@ -87,14 +104,9 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Headers named by `Connection` (present only with it: it is one of
     // them). Its usual tokens need no lookup: `close` names no header, and
     // `keep-alive`'s header is one of them already.
-    let named: Vec<HeaderName> = headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(','))
-        .map(str::trim)
-        .filter(|t| !t.eq_ignore_ascii_case("keep-alive") && !t.eq_ignore_ascii_case("close"))
-        .filter_map(|t| HeaderName::from_bytes(t.as_bytes()).ok())
+    let named: Vec<HeaderName> = connection_tokens(headers)
+        .filter(|t| !t.eq_ignore_ascii_case(b"keep-alive") && !t.eq_ignore_ascii_case(b"close"))
+        .filter_map(|t| HeaderName::from_bytes(t).ok())
         .collect();
     for name in named {
         headers.remove(name);

@@ -14,15 +14,25 @@
 //! reload is counted as an error. So is a change to a setting only a restart
 //! can apply (a listener, the store, the lock backend, worker threads, the
 //! log format): the log names each one.
+//!
+//! A reload never changes a fenced route's **key identity**, what its
+//! writes are fenced under: its path pattern, key template, `paths` and
+//! `key_case` ([`key_identity_changes`]). Were it changed, a write in
+//! flight under the old key (token 100) and an older holder's write under
+//! the new key, which has no recorded token yet (token 1), would both be
+//! admitted, and the upstream could apply 1 after 100. Such a reload is
+//! refused as a whole and counted as `refused`; the log names the route
+//! and what changed. Changing key identity is an operator's step, with
+//! the writers stopped and a restart (README, "Reloading the config").
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
 
-use crate::config::Config;
+use crate::config::{Config, PathsMode, Route};
 use crate::gateway::GatedRoute;
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, ReloadResult};
 
 /// What a reload swaps for new requests.
 pub struct Live {
@@ -180,18 +190,19 @@ impl Reloader {
 
     /// Re-reads the file and applies it; on any problem, changes nothing
     /// and answers every problem.
-    pub fn reload(&self) -> Result<(), Vec<String>> {
+    pub fn reload(&self) -> Result<(), NotReloaded> {
         let result = self.try_reload();
-        self.metrics.config_reload(result.is_ok());
+        self.metrics.config_reload(match &result {
+            Ok(()) => ReloadResult::Ok,
+            Err(e) => e.result(),
+        });
         result
     }
 
-    fn try_reload(&self) -> Result<(), Vec<String>> {
-        let config = Config::load(&self.path).map_err(|e| {
-            e.to_string()
-                .lines()
-                .map(str::to_string)
-                .collect::<Vec<_>>()
+    fn try_reload(&self) -> Result<(), NotReloaded> {
+        let config = Config::load(&self.path).map_err(|e| NotReloaded {
+            problems: e.to_string().lines().map(str::to_string).collect(),
+            key_identity: Vec::new(),
         })?;
         let restart: Vec<String> = fixed(&config)
             .into_iter()
@@ -199,8 +210,14 @@ impl Reloader {
             .filter(|(new, old)| new.1 != old.1)
             .map(|(new, _)| format!("{}: changed, and only a restart applies it", new.0))
             .collect();
-        if !restart.is_empty() {
-            return Err(restart);
+        let running = self.live.load();
+        let old: Vec<&Route> = running.routes.iter().map(|r| &r.route).collect();
+        let key_identity = key_identity_changes(&old, &config.routes);
+        if !restart.is_empty() || !key_identity.is_empty() {
+            return Err(NotReloaded {
+                problems: restart,
+                key_identity,
+            });
         }
         if let (Some(tls), Some(new)) = (&self.tls, &config.server.tls) {
             tls.adopt(new);
@@ -212,6 +229,113 @@ impl Reloader {
         warn_if_open(&config);
         Ok(())
     }
+}
+
+/// Why a reload applied nothing.
+#[derive(Debug)]
+pub struct NotReloaded {
+    /// The new config's problems, and the settings only a restart applies.
+    pub problems: Vec<String>,
+    /// The fenced routes whose key identity the new config would change.
+    pub key_identity: Vec<KeyIdentityChange>,
+}
+
+impl NotReloaded {
+    /// How it is counted: `refused` when it would change a route's key
+    /// identity (whatever else is wrong with it), else `error`.
+    pub fn result(&self) -> ReloadResult {
+        if self.key_identity.is_empty() {
+            ReloadResult::Error
+        } else {
+            ReloadResult::Refused
+        }
+    }
+}
+
+/// A fenced route whose resource keys a reload would form differently.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyIdentityChange {
+    /// The route's name in the new config.
+    pub route: String,
+    /// What changed, from what to what.
+    pub change: String,
+}
+
+impl std::fmt::Display for KeyIdentityChange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "route '{}': {}", self.route, self.change)
+    }
+}
+
+/// What a route's resource keys are made of, setting by setting, as
+/// written in the config: the path pattern, the key template, `paths` and
+/// `key_case`. Compared as written: a respelling that means the same
+/// (another capture name) is a change too; telling meanings apart is not
+/// worth a fork of a key's history.
+fn key_identity(r: &Route) -> [(&'static str, String); 4] {
+    let paths = match r.paths {
+        PathsMode::Strict => "strict",
+        PathsMode::AsIs => "as-is",
+    };
+    let case = if r.key.is_lower_cased() {
+        "lower"
+    } else {
+        "preserve"
+    };
+    [
+        ("path pattern", r.path.clone()),
+        ("key template", r.key.source().to_string()),
+        ("paths", paths.to_string()),
+        ("key_case", case.to_string()),
+    ]
+}
+
+/// Every change of a fenced route's key identity from the running routes
+/// `old` to `new`, which a reload refuses. (Every route is fenced: the
+/// config needs at least one fenced method per route.)
+///
+/// Routes are matched by name. A route only in `old` (removed) or only in
+/// `new` (added) changes no key identity by itself, with one exception: a
+/// route only in `new` that has the path pattern or the key template of a
+/// route only in `old` cannot be told from that route renamed, so it is
+/// held to the same rule. A pure rename (all four settings equal) passes;
+/// one that also changes a setting is refused.
+pub fn key_identity_changes(old: &[&Route], new: &[Route]) -> Vec<KeyIdentityChange> {
+    let named = |name: &str| old.iter().find(|r| r.name == name);
+    let kept = |name: &str| new.iter().any(|r| r.name == name);
+    let mut changes = Vec::new();
+    for r in new {
+        let (before, renamed) = match named(&r.name) {
+            Some(before) => (*before, None),
+            None => {
+                let (path, key) = (r.path.as_str(), r.key.source());
+                let Some(before) = old
+                    .iter()
+                    .find(|o| !kept(&o.name) && (o.path == path || o.key.source() == key))
+                else {
+                    continue;
+                };
+                (*before, Some(before.name.as_str()))
+            }
+        };
+        let (was, is) = (key_identity(before), key_identity(r));
+        for ((what, from), (_, to)) in was.iter().zip(&is) {
+            if from == to {
+                continue;
+            }
+            let change = match renamed {
+                None => format!("{what} changed from '{from}' to '{to}'"),
+                Some(old_name) => format!(
+                    "{what} changed from '{from}' to '{to}' (it replaces route '{old_name}', whose path pattern or key template it has: a rename cannot be told from a new route taking over the old one's resources)"
+                ),
+            };
+            changes.push(KeyIdentityChange {
+                route: r.name.clone(),
+                change,
+            });
+        }
+    }
+    changes
 }
 
 /// Warns when `config` leaves the lock API open to the network (see
@@ -234,6 +358,111 @@ mod tests {
     fn config(upstream: &str) -> Config {
         let text = crate::config::tests::GOOD.replace("http://127.0.0.1:9000", upstream);
         Config::from_toml("t.toml", &text, Vec::new()).unwrap()
+    }
+
+    /// The routes of a config made of `routes` (`[[routes]]` entries).
+    fn routes(routes: &str) -> Vec<Route> {
+        let text = format!(
+            "[server]\nlisten = \"127.0.0.1:8080\"\nadmin_listen = \"127.0.0.1:9090\"\n\
+             [store]\nurl = \"sqlite://x.db\"\n{routes}"
+        );
+        Config::from_toml("t.toml", &text, Vec::new())
+            .unwrap()
+            .routes
+    }
+
+    /// A `[[routes]]` entry: `extra` are more of its lines.
+    fn route(name: &str, path: &str, key: &str, extra: &str) -> String {
+        format!(
+            "[[routes]]\nname = \"{name}\"\npath = \"{path}\"\n\
+             upstream = \"http://127.0.0.1:9000\"\nkey = \"{key}\"\n{extra}"
+        )
+    }
+
+    fn changes(old: &str, new: &str) -> Vec<String> {
+        let old = routes(old);
+        let old: Vec<&Route> = old.iter().collect();
+        key_identity_changes(&old, &routes(new))
+            .iter()
+            .map(ToString::to_string)
+            .collect()
+    }
+
+    /// Each of the four settings of a kept route's key identity is a
+    /// change, named with its route; anything else (a timeout, the
+    /// upstream, the methods, the token kind, another route added or one
+    /// removed) is not, and neither is a pure rename. A renamed route that
+    /// also changes a setting cannot be told from a new route taking over
+    /// the old one's resources: a change too.
+    #[test]
+    fn only_a_fenced_routes_key_identity_counts_as_a_change() {
+        let docs = route("docs", "/docs/{id}", "doc:{id}", "");
+        let other = route("other", "/other/{id}", "other:{id}", "");
+        for (new, what) in [
+            (
+                route("docs", "/docs/{id}", "document:{id}", ""),
+                "key template changed from 'doc:{id}' to 'document:{id}'",
+            ),
+            (
+                route("docs", "/v2/docs/{id}", "doc:{id}", ""),
+                "path pattern changed from '/docs/{id}' to '/v2/docs/{id}'",
+            ),
+            (
+                route("docs", "/docs/{id}", "doc:{id}", "paths = \"as-is\"\n"),
+                "paths changed from 'strict' to 'as-is'",
+            ),
+            (
+                route("docs", "/docs/{id}", "doc:{id}", "key_case = \"lower\"\n"),
+                "key_case changed from 'preserve' to 'lower'",
+            ),
+            (
+                route("docs", "/docs/{doc}", "doc:{doc}", ""),
+                "path pattern changed from '/docs/{id}' to '/docs/{doc}'",
+            ),
+        ] {
+            let found = changes(&format!("{docs}{other}"), &format!("{new}{other}"));
+            assert_eq!(
+                found.len(),
+                if what.contains("{doc}") { 2 } else { 1 },
+                "{found:?}"
+            );
+            assert_eq!(found[0], format!("route 'docs': {what}"));
+        }
+        for harmless in [
+            route("docs", "/docs/{id}", "doc:{id}", "timeout_ms = 100\n"),
+            route(
+                "docs",
+                "/docs/{id}",
+                "doc:{id}",
+                "methods = [\"PUT\"]\nidempotency = \"optional\"\n",
+            ),
+            route("docs", "/docs/{id}", "doc:{id}", "")
+                + &route("new", "/new/{id}", "new:{id}", ""),
+            route("renamed", "/docs/{id}", "doc:{id}", ""),
+        ] {
+            assert_eq!(
+                changes(&format!("{docs}{other}"), &format!("{harmless}{other}")),
+                Vec::<String>::new()
+            );
+        }
+        assert_eq!(
+            changes(&format!("{docs}{other}"), &docs),
+            Vec::<String>::new(),
+            "a removed route"
+        );
+        for renamed in [
+            route("documents", "/docs/{id}", "document:{id}", ""),
+            route("documents", "/documents/{id}", "doc:{id}", ""),
+        ] {
+            let found = changes(&format!("{docs}{other}"), &format!("{renamed}{other}"));
+            assert_eq!(found.len(), 1, "{found:?}");
+            assert!(found[0].starts_with("route 'documents': "), "{found:?}");
+            assert!(found[0].contains("it replaces route 'docs'"), "{found:?}");
+        }
+        // A new route beside the kept one, with its key template: no
+        // rename, since the route it would replace is still there.
+        let beside = format!("{docs}{}", route("more", "/more/{id}", "doc:{id}", ""));
+        assert_eq!(changes(&docs, &beside), Vec::<String>::new());
     }
 
     /// A worker's copy has routes, pool keys and `Host` values of its own

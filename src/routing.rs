@@ -50,6 +50,8 @@ pub struct KeyTemplate {
     parts: Vec<KeyPart>,
     /// `key_case = "lower"`: the rendered key is lower-cased.
     lower: bool,
+    /// The template as written in the config.
+    source: String,
 }
 
 #[derive(Debug, Clone)]
@@ -283,6 +285,25 @@ impl KeyTemplate {
         Ok(Self {
             parts,
             lower: false,
+            source: template.to_string(),
+        })
+    }
+
+    /// The template as written in the config (`doc:{id}`).
+    pub fn source(&self) -> &str {
+        &self.source
+    }
+
+    /// Whether the rendered key is lower-cased (`key_case = "lower"`).
+    pub fn is_lower_cased(&self) -> bool {
+        self.lower
+    }
+
+    /// The headers the key is made of (its `{header.NAME}` parts).
+    pub fn header_names(&self) -> impl Iterator<Item = &HeaderName> {
+        self.parts.iter().filter_map(|p| match p {
+            KeyPart::Header(name) => Some(name),
+            _ => None,
         })
     }
 

@@ -113,8 +113,11 @@
       "store: " + b.store.backend + ", " + b.store.mode + " mode · " + locks +
       " · up " + fmtAgo(b.uptime_s * 1000) + " · started " + new Date(b.started_at).toLocaleString();
     $("t-gate").textContent = fmtCount(b.gate_keys);
-    $("t-reloads").textContent = fmtCount(b.config_reloads.ok) + " / " + fmtCount(b.config_reloads.error);
-    $("t-reloads").classList.toggle("bad", b.config_reloads.error > 0);
+    // Failed: a config with problems, or one refused for changing a
+    // fenced route's key identity.
+    const failed = b.config_reloads.error + b.config_reloads.refused;
+    $("t-reloads").textContent = fmtCount(b.config_reloads.ok) + " / " + fmtCount(failed);
+    $("t-reloads").classList.toggle("bad", failed > 0);
   }
 
   function renderRoutes(b, now) {

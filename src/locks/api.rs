@@ -43,14 +43,16 @@ pub struct LockApiState {
 }
 
 /// The caller's credentials: its `Authorization` header and, on a TLS
-/// connection, its verified client certificate's CN.
-fn credentials<'a>(headers: &'a http::HeaderMap, conn: Option<&'a ConnInfo>) -> Credentials<'a> {
-    Credentials {
-        authorization: headers.get(header::AUTHORIZATION),
-        tls_subject: conn
-            .and_then(|c| c.tls.as_ref())
-            .and_then(|t| t.client_cn.as_deref()),
-    }
+/// connection, its verified client certificate's CN; more than one
+/// `Authorization` header is refused (400 `ambiguous-credentials`).
+fn credentials<'a>(
+    headers: &'a http::HeaderMap,
+    conn: Option<&'a ConnInfo>,
+) -> Result<Credentials<'a>, AuthError> {
+    let cn = conn
+        .and_then(|c| c.tls.as_ref())
+        .and_then(|t| t.client_cn.as_deref());
+    Credentials::of(headers, cn)
 }
 
 /// The lock API's routes, to be merged into the traffic router.
@@ -337,7 +339,7 @@ fn authorize(
     name: Result<Path<String>, PathRejection>,
 ) -> Result<Named, Refused> {
     let live = s.live.load();
-    let creds = credentials(headers, conn);
+    let creds = credentials(headers, conn)?;
     let client = live.auth.authenticate(creds)?;
     let Path(name) = name.map_err(|e| BadBody::new("name", e.body_text()))?;
     check_name(&name)?;

@@ -86,7 +86,7 @@ fn label_values(expr: &str, label: &str) -> Vec<String> {
 
 /// The label values the gateway uses, per label.
 fn known_values(label: &str) -> Vec<String> {
-    use fencegate::metrics::{Outcome, UpstreamFailure};
+    use fencegate::metrics::{Outcome, ReloadResult, UpstreamFailure};
     match label {
         "outcome" => Outcome::ALL
             .iter()
@@ -96,7 +96,10 @@ fn known_values(label: &str) -> Vec<String> {
             .iter()
             .map(|k| k.as_str().to_string())
             .collect(),
-        "result" => vec!["ok".into(), "error".into()],
+        "result" => ReloadResult::ALL
+            .iter()
+            .map(|r| r.as_str().to_string())
+            .collect(),
         "op" => vec!["record".into(), "get".into(), "ping".into()],
         _ => unreachable!("no list for {label}"),
     }

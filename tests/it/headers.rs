@@ -1,8 +1,11 @@
-//! Header hygiene and streaming.
+//! Header hygiene and streaming; the headers a request's `Connection`
+//! cannot take away, and one set of credentials.
+
+use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use crate::support::app::{config_sections, docs_route, problem, TestApp};
+use crate::support::app::{config_sections, docs_route, problem, route, TestApp};
 use crate::support::db::{Backend, TestStore};
 use crate::support::fenced_put;
 use crate::support::upstream::Upstream;
@@ -204,4 +207,185 @@ async fn garbage_requests_get_4xx_not_a_crash() {
     assert!(up.requests().is_empty());
     // Still serving.
     assert_eq!(app.put("/docs/a", Some("1"), "ok").await.status(), 200);
+}
+
+/// The route whose key has a header part: `/t/{id}?tenant=T` with
+/// `X-Region` → `ten:T:{id}:REGION`.
+fn tenants_route(upstream: &str) -> String {
+    route(
+        "tenants",
+        "/t/{id}",
+        upstream,
+        "ten:{query.tenant}:{id}:{header.x-region}",
+    )
+}
+
+/// Sends `raw` on a new connection and reads the answer's head and body
+/// (by its Content-Length): its status and body.
+async fn raw_answer(app: &TestApp, raw: &str) -> (u16, String) {
+    let mut s = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    s.write_all(raw.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        let text = String::from_utf8_lossy(&buf).into_owned();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let length = head
+                .lines()
+                .find_map(|l| {
+                    let (name, value) = l.split_once(':')?;
+                    name.eq_ignore_ascii_case("content-length")
+                        .then(|| value.trim().parse::<usize>().ok())?
+                })
+                .unwrap_or(0);
+            if body.len() >= length {
+                let status = head[9..12].parse().unwrap();
+                return (status, body.to_string());
+            }
+        }
+        let read = tokio::time::timeout(Duration::from_secs(5), s.read(&mut chunk)).await;
+        match read.expect("an answer within 5 s").unwrap_or(0) {
+            0 => panic!("the connection ended before the answer: {text}"),
+            n => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+/// `method` on `/t/7?tenant=a` with every header the gateway relies on
+/// (token, `Idempotency-Key`, credentials, the key's `X-Region`) and the
+/// `connection` lines given (each a whole `Connection: ...` line, or none).
+fn tenant_request(method: &str, connection: &[&str]) -> String {
+    let mut raw = format!(
+        "{method} /t/7?tenant=a HTTP/1.1\r\nHost: x\r\nX-Region: eu\r\nX-Fence-Token: 5\r\n\
+         Idempotency-Key: \"k-1\"\r\nAuthorization: Bearer upstream-key\r\n"
+    );
+    for line in connection {
+        raw.push_str(line);
+        raw.push_str("\r\n");
+    }
+    raw.push_str("Content-Length: 2\r\n\r\nok");
+    raw
+}
+
+/// A `Connection` header that names a header the gateway relies on, in any
+/// case, among other tokens or in a second `Connection` header, is 400
+/// `protected-header` naming it, on a fenced write and on a pass-through
+/// read, and nothing reaches the upstream. Before, the gateway stripped
+/// the header and forwarded the rest: a write fenced under `ten:a:7:eu`
+/// arrived without its `X-Region`, and `Connection: keep-alive,
+/// X-Fence-Token` took the token away.
+#[tokio::test]
+async fn connection_cannot_strip_a_header_the_gateway_relies_on() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = Upstream::start().await;
+    let routes = format!("{}{}", tenants_route(&up.url()), docs_route(&up.url()));
+    let app = TestApp::spawn(&store.url, &routes).await;
+    for method in ["PUT", "GET"] {
+        for (connection, named) in [
+            (
+                &["Connection: keep-alive, X-Fence-Token"][..],
+                "x-fence-token",
+            ),
+            (&["Connection: x-fence-token"], "x-fence-token"),
+            (&["Connection: Idempotency-Key"], "idempotency-key"),
+            (&["Connection: close, IDEMPOTENCY-KEY"], "idempotency-key"),
+            (&["Connection: Authorization"], "authorization"),
+            (&["Connection: keep-alive,authorization ,"], "authorization"),
+            (&["Connection: x-region"], "x-region"),
+            (&["Connection: X-REGION, keep-alive"], "x-region"),
+            (
+                &["Connection: keep-alive", "Connection: X-Region"],
+                "x-region",
+            ),
+            (
+                &[
+                    "Connection: keep-alive",
+                    "Connection: x-private, X-Fence-Token",
+                ],
+                "x-fence-token",
+            ),
+        ] {
+            let (status, body) = raw_answer(&app, &tenant_request(method, connection)).await;
+            assert_eq!(status, 400, "{method} {connection:?}: {body}");
+            let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(
+                body["type"], "urn:fencegate:problem:protected-header",
+                "{method} {connection:?}"
+            );
+            assert!(
+                body["detail"]
+                    .as_str()
+                    .unwrap()
+                    .contains(&format!("'{named}'")),
+                "{method} {connection:?}: {body}"
+            );
+            assert!(
+                up.requests().is_empty(),
+                "{method} {connection:?} was forwarded: {:?}",
+                up.requests()
+            );
+        }
+    }
+    // On another route, `X-Region` is no key part: a Connection naming it
+    // strips it as any hop-by-hop header; the rest stays protected.
+    let docs = |connection: &str, token: &str| {
+        format!(
+            "PUT /docs/a HTTP/1.1\r\nHost: x\r\nX-Region: eu\r\nX-Fence-Token: {token}\r\n\
+             Connection: {connection}\r\nContent-Length: 2\r\n\r\nok"
+        )
+    };
+    let (status, body) = raw_answer(&app, &docs("keep-alive, X-Fence-Token", "1")).await;
+    assert_eq!(status, 400, "{body}");
+    assert!(up.requests().is_empty());
+    let (status, body) = raw_answer(&app, &docs("keep-alive, X-Region", "1")).await;
+    assert_eq!(status, 200, "{body}");
+    let reqs = up.requests();
+    assert_eq!(reqs.len(), 1);
+    assert!(!reqs[0].headers.contains_key("x-region"), "{reqs:?}");
+    assert_eq!(reqs[0].header("x-fence-token"), Some("1"));
+    // The same write, its Connection naming nothing it relies on: fenced
+    // under its region, forwarded with it.
+    let plain = tenant_request("PUT", &["Connection: keep-alive, X-Private"]);
+    let (status, body) = raw_answer(&app, &plain).await;
+    assert_eq!(status, 200, "{body}");
+    let reqs = up.requests();
+    assert_eq!(reqs.len(), 2);
+    assert_eq!(reqs[1].header("x-region"), Some("eu"));
+    assert_eq!(reqs[1].header("x-fence-token"), Some("5"));
+    let fence = app.admin_get("/fences/ten:a:7:eu").await;
+    assert_eq!(fence.status(), 200);
+}
+
+/// Two `Authorization` headers on a proxied request, fenced or not: 400
+/// `ambiguous-credentials`, nothing forwarded (before, both went to the
+/// upstream, which judged the request by whichever it reads).
+#[tokio::test]
+async fn two_authorization_headers_on_a_proxied_request_are_refused() {
+    let (_s, up, app) = setup().await;
+    for method in ["PUT", "GET"] {
+        let raw = format!(
+            "{method} /docs/a HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\n\
+             Authorization: Bearer admin-key\r\nAuthorization: Bearer billing-key\r\n\
+             Content-Length: 2\r\n\r\nok"
+        );
+        let (status, body) = raw_answer(&app, &raw).await;
+        assert_eq!(status, 400, "{method}: {body}");
+        let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            body["type"], "urn:fencegate:problem:ambiguous-credentials",
+            "{method}"
+        );
+        assert!(up.requests().is_empty(), "{method} was forwarded");
+    }
+    // One is forwarded as sent.
+    let one = fenced_put(&app.http, app.url("/docs/a"), "1", "ok")
+        .bearer_auth("admin-key")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(one.status(), 200);
+    assert_eq!(
+        up.requests()[0].header_all("authorization"),
+        ["Bearer admin-key"]
+    );
 }

@@ -131,9 +131,20 @@ impl Api<'_> {
     /// sent to `path`.
     async fn call(
         &mut self,
-        (method, template): (&str, &str),
+        op: (&str, &str),
         path: &str,
         key: Option<&str>,
+        body: Option<&Value>,
+    ) -> (u16, Value) {
+        self.call_with_keys(op, path, key.as_slice(), body).await
+    }
+
+    /// [`Api::call`] with an `Authorization` header for each of `keys`.
+    async fn call_with_keys(
+        &mut self,
+        (method, template): (&str, &str),
+        path: &str,
+        keys: &[&str],
         body: Option<&Value>,
     ) -> (u16, Value) {
         let url = if template.starts_with("/_fencegate/") {
@@ -145,7 +156,7 @@ impl Api<'_> {
             .app
             .http
             .request(method.parse().expect("a method"), url);
-        if let Some(k) = key {
+        for k in keys {
             req = req.bearer_auth(k);
         }
         if let Some(b) = body {
@@ -204,14 +215,19 @@ impl Api<'_> {
     /// A refusal of a proxied fenced write, against a named schema.
     async fn fenced(&self, path: &str, token: Option<&str>, schema: &str) {
         let resp = self.app.put(path, token, "x").await;
+        self.proxied(resp, &format!("PUT {path}"), schema).await;
+    }
+
+    /// A refusal of a proxied request (`what`), against a named schema.
+    async fn proxied(&self, resp: reqwest::Response, what: &str, schema: &str) {
         let status = resp.status().as_u16();
         assert_eq!(
             resp.headers()["content-type"],
             "application/problem+json",
-            "PUT {path}"
+            "{what}"
         );
         let body: Value = resp.json().await.expect("a problem document");
-        let what = format!("PUT {path} → {status}");
+        let what = format!("{what} → {status}");
         conforms(
             &self.doc,
             &json!({"$ref": format!("#/components/schemas/{schema}")}),
@@ -286,6 +302,34 @@ async fn real_answers_match_the_documented_schemas() {
     api.fenced("/issued/1", Some("5"), "UnissuedTokenProblem")
         .await;
     api.fenced("/docs/a;b", Some("5"), "Problem").await;
+    let twice = app
+        .http
+        .get(app.url("/docs/report"))
+        .bearer_auth("one")
+        .bearer_auth("two");
+    let resp = twice.send().await.expect("an answer");
+    api.proxied(resp, "GET with two keys", "AmbiguousCredentialsProblem")
+        .await;
+    let stripping = app
+        .http
+        .get(app.url("/docs/report"))
+        .header("x-fence-token", "5")
+        .header("connection", "x-fence-token");
+    let resp = stripping.send().await.expect("an answer");
+    api.proxied(
+        resp,
+        "GET naming its token in Connection",
+        "ProtectedHeaderProblem",
+    )
+    .await;
+    // Two keys on a lock API call: a bad lock request, named as such.
+    let (s, p) = api
+        .call_with_keys(acquire, a, &["key-billing", "key-ops"], Some(&ttl))
+        .await;
+    assert_eq!(
+        (s, p["type"].as_str()),
+        (400, Some("urn:fencegate:problem:ambiguous-credentials"))
+    );
 
     // The admin listener.
     for (template, path) in [
@@ -353,6 +397,10 @@ async fn real_answers_match_the_documented_schemas() {
     assert_eq!(s, 401);
     let (s, _) = api.call(brk, b, billing, None).await;
     assert_eq!(s, 403);
+    let (s, _) = api
+        .call_with_keys(brk, b, &["key-ops", "key-billing"], None)
+        .await;
+    assert_eq!(s, 400);
     let (s, _) = api.call(brk, b, ops, None).await;
     assert_eq!(s, 204);
     let (s, _) = api.call(brk, b, ops, None).await;

@@ -1,8 +1,8 @@
 //! Operating the gateway: JSON and access logs that a pipeline can parse
 //! and that never carry a credential, SIGHUP reloads that change routes
 //! under load without a failed request, or change nothing when the new
-//! config is wrong, and a gateway process that runs without transparent
-//! huge pages.
+//! config is wrong or would change a fenced route's key identity, and a
+//! gateway process that runs without transparent huge pages.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -214,6 +214,74 @@ async fn a_bad_reload_keeps_serving() {
     let metrics = gw.metrics().await;
     assert!(
         metrics.contains("fencegate_config_reloads_total{result=\"error\"} 2"),
+        "{metrics}"
+    );
+}
+
+/// A reload that would change how a fenced route forms its keys is refused:
+/// the running config stays, the log names the route and what changed, and
+/// `fencegate_config_reloads_total{result="refused"}` counts it. The case
+/// of the issue: token 100 in flight on `doc:{id}`, a reload to
+/// `document:{id}`, then token 1 on the same path; before, 1 was recorded
+/// under a key of its own, forwarded, and applied after 100. A reload that
+/// changes something harmless (the route's timeout) still applies.
+#[tokio::test]
+async fn a_reload_never_changes_a_fenced_routes_key_identity() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = Upstream::start().await;
+    let docs = |key: &str, timeout_ms: u64| {
+        route("docs", "/docs/{id}", &up.url(), key) + &format!("timeout_ms = {timeout_ms}\n")
+    };
+    let gw = GatewayProcess::start(&config(&store, &docs("doc:{id}", 5000)));
+    let in_flight = up
+        .held_write(gw.url("/docs/a"), "100", "hundred", 1500)
+        .await;
+    assert_eq!(up.in_flight(), 1, "token 100 is in flight");
+    reload(
+        &gw,
+        &config(&store, &docs("document:{id}", 5000)),
+        "config reload refused",
+    )
+    .await;
+    let log = gw.log();
+    assert!(
+        log.contains("route=docs")
+            && log.contains("key template changed from 'doc:{id}' to 'document:{id}'"),
+        "the log names the route and the change:\n{log}"
+    );
+    assert!(!log.contains("config reloaded"), "{log}");
+    // The old key is still in force: 1 is stale against 100, in flight or
+    // done.
+    assert_eq!(put_status(&gw, "/docs/a", "one").await, 409);
+    assert_eq!(in_flight.await.unwrap().unwrap(), 200);
+    assert_eq!(put_status(&gw, "/docs/a", "one").await, 409);
+    let tokens: Vec<_> = up.applied_on("/docs/a").iter().map(|a| a.token).collect();
+    assert_eq!(tokens, [Some(100)], "only 100 was applied");
+    let http = reqwest::Client::new();
+    let fence = |key: &str| http.get(gw.admin_url(&format!("/fences/{key}"))).send();
+    assert_eq!(fence("doc:a").await.unwrap().status(), 200);
+    assert_eq!(fence("document:a").await.unwrap().status(), 404);
+    let metrics = gw.metrics().await;
+    for (result, count) in [("refused", 1), ("error", 0), ("ok", 0)] {
+        let line = format!("fencegate_config_reloads_total{{result=\"{result}\"}} {count}");
+        assert!(metrics.contains(&line), "no '{line}':\n{metrics}");
+    }
+    // A harmless change applies: the new timeout cuts a slow write.
+    reload(
+        &gw,
+        &config(&store, &docs("doc:{id}", 400)),
+        "config reloaded",
+    )
+    .await;
+    let slow = fenced_put(&http, gw.url("/docs/b"), "1", "slow")
+        .header("x-test-delay-ms", "1500")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(slow.status(), 504, "the new timeout applies");
+    let metrics = gw.metrics().await;
+    assert!(
+        metrics.contains("fencegate_config_reloads_total{result=\"ok\"} 1"),
         "{metrics}"
     );
 }

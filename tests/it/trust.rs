@@ -232,6 +232,104 @@ async fn admin_actions_need_an_admin_key() {
     assert_eq!(call(&app, "GET", "/fences", None, None).await.status(), 200);
 }
 
+/// Two `Authorization` headers are 400 `ambiguous-credentials`, whatever
+/// they hold and wherever the gateway reads them: a lock API call (with
+/// clients configured or open) and an admin action, each refused before
+/// anything is done. Before, the first one was used: an admin key sent
+/// with a billing key got 200.
+#[tokio::test]
+async fn two_authorization_headers_are_refused_by_the_lock_api_and_admin_actions() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let app = TestApp::spawn(&store.url, &auth_section()).await;
+    let open = TestApp::spawn(&TestStore::new(Backend::Sqlite).await.url, "").await;
+    assert_eq!(ops_reset(&app, "doc:1", 7, "set up").await.status(), 200);
+    let ttl = json!({"ttl_ms": 10000});
+    let reset = json!({"highest_token": 3, "reason": "test"});
+    let calls = [
+        (
+            &app,
+            "POST",
+            app.url("/_fencegate/locks/billing:x"),
+            Some(&ttl),
+        ),
+        (&app, "GET", app.url("/_fencegate/locks/billing:x"), None),
+        (
+            &open,
+            "POST",
+            open.url("/_fencegate/locks/any:thing"),
+            Some(&ttl),
+        ),
+        (
+            &app,
+            "POST",
+            app.admin_url("/fences/doc:1/reset"),
+            Some(&reset),
+        ),
+        (&app, "POST", app.admin_url("/locks/doc:1/break"), None),
+    ];
+    for (on, method, url, body) in calls {
+        // The admin key first or last.
+        for (first, second) in [("key-ops", "key-billing"), ("key-billing", "key-ops")] {
+            let mut req = on
+                .http
+                .request(method.parse().unwrap(), &url)
+                .header("authorization", format!("Bearer {first}"))
+                .header("authorization", format!("Bearer {second}"));
+            if let Some(b) = body {
+                req = req.json(b);
+            }
+            let body = problem(req.send().await.unwrap(), 400).await;
+            assert_eq!(
+                body["type"], "urn:fencegate:problem:ambiguous-credentials",
+                "{method} {url}"
+            );
+        }
+    }
+    let locks = read(&app, "/locks").await;
+    assert_eq!(locks["locks"], json!([]), "nothing was granted: {locks}");
+    let fence = read(&app, "/fences/doc:1").await;
+    assert_eq!(fence["highest_token"], 7, "no reset was done: {fence}");
+    // One key still works.
+    let one = acquire(&app, "billing:x", Some("key-billing")).await;
+    assert_eq!(one.status(), 201);
+}
+
+/// `token = "issued"` on a name the lock API never granted: no token is
+/// issued, 0 included, so 0 is 403 `unissued-token` (highest issued 0),
+/// not recorded and not forwarded (before, 0 got 200). Once fence 1 was
+/// granted, 0 and 1 pass. On both stores.
+async fn issued_zero_needs_a_grant(backend: Backend) {
+    let store = TestStore::new(backend).await;
+    let up = Upstream::start().await;
+    let routes = format!("{}token = \"issued\"\n", docs_route(&up.url()));
+    let app = TestApp::spawn(&store.url, &routes).await;
+    for _ in 0..2 {
+        let body = problem(app.put("/docs/never", Some("0"), "forged").await, 403).await;
+        assert_eq!(body["type"], "urn:fencegate:problem:unissued-token");
+        assert_eq!(body["resource_key"], "doc:never");
+        assert_eq!(body["presented_token"], 0);
+        assert_eq!(body["highest_issued"], 0);
+        assert_detail_says(&body, "never granted a fence");
+    }
+    assert!(up.requests().is_empty(), "nothing was forwarded");
+    let fence = call(&app, "GET", "/fences/doc:never", None, None).await;
+    assert_eq!(fence.status(), 404, "a refused token is not recorded");
+    let grant: Value = acquire(&app, "doc:never", None).await.json().await.unwrap();
+    assert_eq!(grant["fence"], 1);
+    for token in ["0", "1", "1"] {
+        assert_eq!(
+            app.put("/docs/never", Some(token), token).await.status(),
+            200
+        );
+    }
+    problem(app.put("/docs/never", Some("2"), "early").await, 403).await;
+    let tokens: Vec<_> = up.applied().iter().map(|a| a.token).collect();
+    assert_eq!(tokens, [Some(0), Some(1), Some(1)]);
+}
+
+crate::support::per_store!(#[tokio::test] issued_zero_needs_a_grant =>
+    issued_zero_needs_a_grant_sqlite, issued_zero_needs_a_grant_postgres);
+
 /// On a `token = "issued"` route a forged integer is refused (403), never
 /// recorded and never forwarded; a granted fence is accepted. On the table
 /// backend of both stores, and on Redis and Redlock, whose grants the
