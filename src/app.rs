@@ -152,6 +152,7 @@ impl Application {
             locks.as_ref().map(|l| l.locks.clone()),
             config.server.tls.clone(),
             metrics.clone(),
+            fence.store.clone(),
         );
         let admin_state = AdminState {
             store,
@@ -323,7 +324,7 @@ impl Core {
 /// refused reload is logged; the running config stays.
 async fn reload_on_hangup(reloader: crate::reload::Reloader, mut hangups: Hangups) {
     while hangups.recv().await.is_some() {
-        match reloader.reload() {
+        match reloader.reload().await {
             Ok(()) => tracing::info!(
                 "SIGHUP: config reloaded (routes, token keys, auth clients, TLS files) for new requests"
             ),

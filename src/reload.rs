@@ -143,6 +143,9 @@ pub struct Reloader {
     /// The traffic listener's TLS, for its files.
     tls: Option<Arc<crate::tls::Tls>>,
     metrics: Metrics,
+    /// Where a longer route timeout is recorded before it applies: a
+    /// restart after a crash waits that long (`FenceStore::begin_run`).
+    store: crate::store::FenceStore,
 }
 
 /// The settings a reload cannot change, each with its current value.
@@ -177,6 +180,7 @@ impl Reloader {
         locks: Option<crate::locks::LockService>,
         tls: Option<Arc<crate::tls::Tls>>,
         metrics: Metrics,
+        store: crate::store::FenceStore,
     ) -> Self {
         Self {
             path: PathBuf::from(&config.source),
@@ -185,13 +189,14 @@ impl Reloader {
             locks,
             tls,
             metrics,
+            store,
         }
     }
 
     /// Re-reads the file and applies it; on any problem, changes nothing
     /// and answers every problem.
-    pub fn reload(&self) -> Result<(), NotReloaded> {
-        let result = self.try_reload();
+    pub async fn reload(&self) -> Result<(), NotReloaded> {
+        let result = self.try_reload().await;
         self.metrics.config_reload(match &result {
             Ok(()) => ReloadResult::Ok,
             Err(e) => e.result(),
@@ -199,7 +204,7 @@ impl Reloader {
         result
     }
 
-    fn try_reload(&self) -> Result<(), NotReloaded> {
+    async fn try_reload(&self) -> Result<(), NotReloaded> {
         let config = Config::load(&self.path).map_err(|e| NotReloaded {
             problems: e.to_string().lines().map(str::to_string).collect(),
             key_identity: Vec::new(),
@@ -218,6 +223,21 @@ impl Reloader {
                 problems: restart,
                 key_identity,
             });
+        }
+        // Writes may run as long as the longest route timeout from now on:
+        // a crash after this must be waited out that long, so the store
+        // hears of it first.
+        let new_longest = config.routes.iter().map(|r| r.timeout).max();
+        if new_longest > old.iter().map(|r| r.timeout).max() {
+            let new_longest = new_longest.unwrap_or_default();
+            if let Err(e) = self.store.raise_run_bound(new_longest).await {
+                return Err(NotReloaded {
+                    problems: vec![format!(
+                        "the store could not record the longer route timeout: {e}"
+                    )],
+                    key_identity: Vec::new(),
+                });
+            }
         }
         if let (Some(tls), Some(new)) = (&self.tls, &config.server.tls) {
             tls.adopt(new);

@@ -8,7 +8,9 @@
 //! upstream works 3 s before applying it, and the gateway (route
 //! `timeout_ms` 4 s) is killed meanwhile. The restart comes with a config
 //! whose route times out after 0.5 s: had it waited for its own timeouts,
-//! token 7 would be applied before 6. Single mode, on SQLite and Postgres.
+//! token 7 would be applied before 6. Single mode, on SQLite and Postgres,
+//! and with the crashed instance's 4 s coming from a reload (SIGHUP) of a
+//! config that started with 0.5 s.
 
 use std::time::{Duration, Instant};
 
@@ -33,10 +35,19 @@ fn config(store: &TestStore, up: &RawUpstream, timeout: Duration) -> String {
     config_sections("", &store.url, "timeout_ms = 3000\n", &routes)
 }
 
-async fn the_restart_waits_for_the_crashed_instances_timeout(backend: Backend) {
+async fn the_restart_waits_for_the_crashed_instances_timeout(backend: Backend, reloaded: bool) {
     let store = TestStore::new(backend).await;
     let up = RawUpstream::start().await;
-    let mut first = GatewayProcess::start(&config(&store, &up, FIRST_TIMEOUT));
+    let short = Duration::from_millis(500);
+    let mut first = if reloaded {
+        let first = GatewayProcess::start(&config(&store, &up, short));
+        first.rewrite_config(&config(&store, &up, FIRST_TIMEOUT));
+        first.signal(libc::SIGHUP);
+        wait_for("the reload", || first.log().contains("config reloaded")).await;
+        first
+    } else {
+        GatewayProcess::start(&config(&store, &up, FIRST_TIMEOUT))
+    };
     let path = "/docs/restart";
     let http = reqwest::Client::builder()
         .timeout(Duration::from_secs(20))
@@ -58,7 +69,7 @@ async fn the_restart_waits_for_the_crashed_instances_timeout(backend: Backend) {
     let handed_over = Instant::now();
     first.kill9();
     let _ = six.await;
-    let restart = GatewayProcess::start(&config(&store, &up, Duration::from_millis(500)));
+    let restart = GatewayProcess::start(&config(&store, &up, short));
     assert!(
         restart.log().contains("did not stop cleanly"),
         "the restart must know the first process crashed:\n{}",
@@ -93,10 +104,20 @@ async fn the_restart_waits_for_the_crashed_instances_timeout(backend: Backend) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_restart_waits_for_the_crashed_instances_timeout_sqlite() {
-    the_restart_waits_for_the_crashed_instances_timeout(Backend::Sqlite).await;
+    the_restart_waits_for_the_crashed_instances_timeout(Backend::Sqlite, false).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_restart_waits_for_the_crashed_instances_timeout_postgres() {
-    the_restart_waits_for_the_crashed_instances_timeout(Backend::Postgres).await;
+    the_restart_waits_for_the_crashed_instances_timeout(Backend::Postgres, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_restart_waits_for_a_timeout_a_reload_lengthened_sqlite() {
+    the_restart_waits_for_the_crashed_instances_timeout(Backend::Sqlite, true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_restart_waits_for_a_timeout_a_reload_lengthened_postgres() {
+    the_restart_waits_for_the_crashed_instances_timeout(Backend::Postgres, true).await;
 }
