@@ -30,8 +30,9 @@ use std::time::Duration;
 /// kernel of a paused or dead gateway could still deliver, and a body's
 /// last bytes are written only once it has drained (see `flight`), so those
 /// bytes are never a request's end. Large enough that a body streams at
-/// loopback and LAN speed; over a long fat link it limits a single upload.
-pub(super) const SEND_BUFFER: usize = 64 * 1024;
+/// loopback and LAN speed; over a long fat link it limits a single upload
+/// (the send buffer bounds the bytes in flight).
+pub(super) const SEND_BUFFER: usize = 16 * 1024;
 
 /// Sets the options every upstream socket carries (see the module docs).
 /// A failure is logged and the connection used anyway: only the linger
