@@ -279,4 +279,43 @@ mod tests {
         theirs.read_to_string(&mut got).await.expect("read");
         assert_eq!(got, "before armed next");
     }
+
+    /// Arming a fenced exchange bounds how long its bytes may stay
+    /// unacknowledged by the time left, and a later, longer exchange does
+    /// not raise it: it stays at most every fenced route's timeout.
+    #[cfg(target_os = "linux")]
+    #[tokio::test]
+    async fn unacknowledged_bytes_are_bounded_by_the_time_left() {
+        let user_timeout = |conn: &Conn| {
+            let mut ms: libc::c_uint = 0;
+            let mut len = std::mem::size_of::<libc::c_uint>() as libc::socklen_t;
+            // SAFETY: an open socket; the kernel writes one c_uint.
+            let r = unsafe {
+                libc::getsockopt(
+                    conn.tcp().as_raw_fd(),
+                    libc::IPPROTO_TCP,
+                    libc::TCP_USER_TIMEOUT,
+                    (&mut ms as *mut libc::c_uint).cast(),
+                    &mut len,
+                )
+            };
+            assert_eq!(r, 0);
+            ms
+        };
+        let (ours, _theirs) = super::super::socket_pair().await;
+        let mut conn = Conn::over(Stream::Tcp(ours));
+        assert_eq!(user_timeout(&conn), 0, "the kernel's default until armed");
+        conn.arm(Instant::now() + Duration::from_secs(2), Arc::new(Nobody));
+        let first = user_timeout(&conn);
+        assert!((1..=2000).contains(&first), "{first} ms");
+        assert!(conn.disarm());
+        conn.arm(Instant::now() + Duration::from_secs(30), Arc::new(Nobody));
+        assert_eq!(user_timeout(&conn), first, "never raised");
+        assert!(conn.disarm());
+        conn.arm(
+            Instant::now() + Duration::from_millis(500),
+            Arc::new(Nobody),
+        );
+        assert!(user_timeout(&conn) <= 500, "lowered for a shorter timeout");
+    }
 }
