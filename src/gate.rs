@@ -41,9 +41,9 @@
 //! contention: a hash map grows by moving every slot into a table twice as
 //! large, under its lock. One map of a 100,000-key cache moved megabytes at
 //! a time into memory touched for the first time, and every fenced write of
-//! the process waited behind it (23–25 ms at the 99.9th percentile while a
-//! new gateway's cache filled, 3.4–3.8 ms with shards; README, "The gate's
-//! shards"). A shard's map is at most a few thousand slots, and only writes
+//! the process waited behind it while a new gateway's cache filled
+//! (README, "The gate's shards", has the measurement). A shard's map is at
+//! most a few thousand slots, and only writes
 //! to its keys wait while it grows.
 //!
 //! The slots double as a bounded cache of each key's highest *durable*

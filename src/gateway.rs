@@ -658,8 +658,8 @@ impl Books {
 /// The task's future is boxed: it is a few kilobytes (the forward's state
 /// is in it), and tokio moves a task's stage whole each time it changes
 /// (spawned, finished), where a box moves as a pointer. One allocation
-/// costs less than those copies: a fenced PUT's user-space instructions
-/// fell by 5% (callgrind, `bench/profile.sh --instructions`).
+/// costs less than those copies (`bench/profile.sh --instructions`
+/// counts both).
 fn spawn_on(
     rt: Option<tokio::runtime::Handle>,
     task: impl std::future::Future<Output = ()> + Send + 'static,
@@ -696,8 +696,8 @@ impl Audience for AtomicBool {
 /// before it (the client left).
 ///
 /// Why not always spawn: a task per write costs its spawn, a second task
-/// woken when the upstream answers, and a channel to hand the answer back
-/// (about 2,000 instructions of a fenced PUT's 33,000). The write's future
+/// woken when the upstream answers, and a channel to hand the answer back,
+/// on every fenced write, for a departure that few have. The write's future
 /// is boxed either way, so handing it to a task on drop moves a pointer;
 /// what it holds (its ticket or permit, the upstream exchange) goes on
 /// exactly as in a task spawned at the start.
@@ -1330,20 +1330,18 @@ async fn idempotency_answer(
 
 /// Steps behind the tasks already ready on this worker, once: the
 /// requests that arrived together are read and decided first, and then
-/// go to the upstream together (or, refused, get their answers together:
-/// stale 409s about 3% more per second, three rounds of four).
+/// go to the upstream together (or, refused, get their answers together).
 ///
-/// Why: under load each send to an upstream on this machine wakes the
+/// Why: under load each send to an upstream on the same machine wakes the
 /// upstream's process, which on few cores then takes a core from the
 /// gateway's worker in the middle of its batch of ready connections.
-/// Sends made one after another wake it once for all of them. Measured
-/// (`bench/ab.sh`, 2 cores, wrk at 64 connections, four alternated
-/// rounds): GETs passed through 96.9k/s against 90.6k without the step; a
-/// fenced write polled in the request's future ([`ToTheEnd`]) ran 12%
-/// slower than one spawned without it, and 3% faster with it. (A spawned
-/// write took the same step by accident: its task was queued behind the
-/// ready connections.) Under light load nothing else is ready, and the
-/// step costs one more poll of the request's task, not a wait.
+/// Sends made one after another wake it once for all of them. Without the
+/// step, passed-through GETs and fenced writes polled in the request's
+/// future ([`ToTheEnd`]) were measurably slower (`bench/ab.sh`; the runs
+/// are in `bench/analysis.md`); a spawned write takes the same step by
+/// being queued behind the ready connections. Under light load nothing
+/// else is ready, and the step costs one more poll of the request's task,
+/// not a wait.
 #[derive(Default)]
 struct Behind {
     stepped: bool,

@@ -168,13 +168,11 @@ async fn serve(path: PathBuf) -> ExitCode {
 /// kernel then fills each one by zeroing 2 MiB at the first touch of any
 /// byte of it, or compacts memory to find one, while the touching thread
 /// waits. When that thread holds a lock of the gate, every fenced write that
-/// needs that lock waits too (every fenced write, with the gate in one
-/// piece as when this was measured). Measured: raising writes to fresh keys at 19k/s
-/// over a gateway's first 10 s, p99 58-75 ms with huge pages and 5.9-7.0
-/// ms without, resident memory 72-76 MiB against 67-68 MiB (a virtual
-/// machine where a huge page's first touch took up to 5 ms; README,
-/// "Memory and huge pages"). Databases and caches advise the same for
-/// their latency (Redis warns at start when they are on).
+/// needs that lock waits too. Over a gateway's first seconds that shows
+/// as a p99 of raising writes ten times higher with huge pages, for a few
+/// MiB of resident memory less (README, "Memory and huge pages", has the
+/// measurement). Databases and caches advise the same for their latency
+/// (Redis warns at start when they are on).
 fn no_transparent_huge_pages() {
     #[cfg(target_os = "linux")]
     {

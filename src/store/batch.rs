@@ -12,9 +12,7 @@
 //! batch commits, the next one fills up, and the store pays its
 //! per-statement and per-commit cost once per batch. More batches in
 //! flight made each smaller and cost Postgres more per decision, at lower
-//! throughput (64 clients raising tokens on a 2-core machine: Postgres CPU
-//! per decision about 60 µs with one in flight, 90 with two, 122 with
-//! four; bench/analysis.md has the later measurements). And no task
+//! throughput (bench/analysis.md has the measurements). And no task
 //! spawned per batch: a task and a slot to wait for would put two
 //! wake-ups of the store's runtime (often one on each of its threads)
 //! between a batch's answer and the next batch's statement, the one

@@ -22,16 +22,15 @@
 //! time, one statement (Postgres, [`PG_RECORDS_BATCH`]) or one transaction
 //! (SQLite) and one commit per batch, every answer sent only once its
 //! batch has committed. (Batches of each kind apart, one of each in
-//! flight, cost Postgres about 15% more CPU per first use, for the same
-//! first uses per second: `bench/profile.sh --keyed`.) A first use whose
+//! flight, cost Postgres more CPU per first use, for the same first uses
+//! per second: `bench/profile.sh --keyed`.) A first use whose
 //! token the store must decide, on a key with no other write, brings its
 //! fence decision into the batch of records with its in-flight record:
 //! the decision and the record commit together, and the record is written
-//! only if the token is accepted. (They used to go into a fence batch,
-//! with the answer in a batch of records: two commits on two connections
-//! per batch period, and Postgres's CPU per such first use at 57–61 µs
-//! against 38–40 µs when both of a first use's writes go into batches of
-//! records: bench/analysis.md.) Other first uses (the token already the
+//! only if the token is accepted: one commit on one connection per batch
+//! period for both of a first use's writes, which costs Postgres less than
+//! a fence batch beside a batch of records (bench/analysis.md). Other
+//! first uses (the token already the
 //! key's durable one, or another write on the key) write their record in
 //! a batch of records once admitted. Nothing about the guarantees changes:
 //!
@@ -292,7 +291,7 @@ SELECT 1, route, method, idem_key, attempt FROM c",
 ///   Postgres does not promise that order; a row taken out of it can only
 ///   make a deadlock, which is handled below. Locking the rows first
 ///   (`FOR UPDATE` in primary-key order, then an update by `ctid`) cost a
-///   WAL record per answer and 2–3 µs of Postgres per first use
+///   WAL record per answer and more Postgres CPU per first use
 ///   (`bench/ab.sh`, fresh keys), for an order nothing depends on.
 ///
 /// No record id is sent in both `w` and the answers
@@ -313,8 +312,8 @@ const PG_RECORDS_BATCH: &str = records_batch!(decide);
 
 /// [`PG_RECORDS_BATCH`] for a batch without fence decisions (`$17` and
 /// `$18` not bound, `$8` and `$9` all `NULL`): the same statement without
-/// its fence part, which costs Postgres even when it has no rows (about 2.5
-/// µs per first use in batches of about 30 items, `bench/ab.sh`).
+/// its fence part, which costs Postgres even when it has no rows
+/// (`bench/ab.sh`).
 const PG_RECORDS_ONLY_BATCH: &str = records_batch!(plain);
 
 /// Answers larger than this (body and encoded headers) are stored by a
