@@ -664,12 +664,16 @@ def markdown(res, svg_link):
         "first: a parallel build or test run shows up directly in these numbers.",
         "",
     ]
-    # Hand-written analysis (reasons for misses, micro-benchmarks, before and
-    # after numbers) lives next to this script and is carried into the report.
-    analysis = os.path.join(os.path.dirname(os.path.abspath(__file__)), "analysis.md")
-    if os.path.exists(analysis):
-        with open(analysis) as f:
-            lines += ["", f.read().rstrip(), ""]
+    # The hand-written analysis (reasons for misses, micro-benchmarks, before
+    # and after numbers) stays next to this script: the report is the latest
+    # run only, and links to it.
+    lines += [
+        "## Analysis",
+        "",
+        "Why targets are missed or met, micro-benchmarks and before/after "
+        "measurements of changes: [bench/analysis.md](bench/analysis.md).",
+        "",
+    ]
     return "\n".join(lines)
 
 
