@@ -13,27 +13,32 @@ FROM rust:1.95-bookworm AS builder
 WORKDIR /build
 
 # 1. Dependencies only: build them against stub targets so this layer is
-#    reused until Cargo.toml or Cargo.lock change.
-#    The manifest names a bench target, so a stub of it must exist too.
+#    reused until a manifest or Cargo.lock change.
+#    The manifest names a bench target, so a stub of it must exist too; the
+#    workspace's lock client crate gets a stub library.
 COPY Cargo.toml Cargo.lock ./
-RUN mkdir src benches \
+COPY crates/fencegate-client/Cargo.toml ./crates/fencegate-client/
+RUN mkdir src benches crates/fencegate-client/src \
     && echo 'fn main() {}' > src/main.rs \
-    && touch src/lib.rs \
+    && touch src/lib.rs crates/fencegate-client/src/lib.rs \
     && echo 'fn main() {}' > benches/hot_paths.rs \
     && cargo build --release --locked \
-    && rm -rf src
+    && rm -rf src crates/fencegate-client/src
 
 # 2. The real sources. Migrations are embedded at compile time, so they are
 #    needed here (and only here). The stub's own artifacts are removed so
 #    cargo cannot mistake them for up to date (COPY keeps the files' mtimes).
 COPY build.rs ./
 COPY src ./src
+COPY crates ./crates
 COPY migrations ./migrations
 # The OpenAPI document is compiled in (admin GET /openapi.json).
 COPY docs/openapi.json ./docs/openapi.json
 RUN rm -rf target/release/.fingerprint/fencegate-* \
         target/release/deps/fencegate-* \
         target/release/deps/libfencegate-* \
+        target/release/deps/fencegate_client-* \
+        target/release/deps/libfencegate_client-* \
     && cargo build --release --locked \
     && cp target/release/fencegate /usr/local/bin/fencegate
 

@@ -60,15 +60,18 @@
 //! * [`reload`]: SIGHUP: the config re-read, and what it swaps.
 //! * [`cli`]: the `fencegate` command line, the operators' `lock` and
 //!   `fence` commands included.
-//! * [`client`]: a Rust client of the lock API (http and https), with a
-//!   lease keeper.
 //! * [`demo`]: a toy document store to try the gateway against.
+//!
+//! The lock API's Rust client is a crate of its own, [`fencegate_client`]
+//! (`crates/fencegate-client`), so that services taking locks do not build
+//! the gateway. Imports go one way, from here to it: [`cli`] calls gateways
+//! with it, [`locks`] answers with its wire types (grants, statuses, problem
+//! kinds), and [`tls`] takes its HTTPS client setup from it.
 
 pub mod admin;
 pub mod app;
 pub mod auth;
 pub mod cli;
-pub mod client;
 pub mod config;
 pub mod dashboard;
 pub mod demo;

@@ -12,11 +12,12 @@
 //! never takes the listener down.
 //!
 //! The other direction, HTTPS out of this process (to an upstream, or from
-//! `fencegate lock` to a gateway), shares its trust roots and client config
-//! from here: [`pem_roots`], [`platform_roots`], [`client_config`].
+//! `fencegate lock` to a gateway), takes its trust roots and client config
+//! from the client crate, re-exported here: [`pem_roots`],
+//! [`platform_roots`], [`client_config`].
 
 use std::path::Path;
-use std::sync::{Arc, LazyLock, RwLock};
+use std::sync::{Arc, RwLock};
 
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer};
@@ -158,52 +159,6 @@ fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
     Ok(certs)
 }
 
-/// Trust roots for HTTPS out of this process: the certificates in `pem`,
-/// every one a usable CA, at least one. The error says which rule failed.
-pub fn pem_roots(pem: &[u8]) -> Result<RootCertStore, String> {
-    let mut roots = RootCertStore::empty();
-    for cert in CertificateDer::pem_slice_iter(pem) {
-        let cert = cert.map_err(|e| format!("not PEM certificates: {e}"))?;
-        roots
-            .add(cert)
-            .map_err(|e| format!("not a usable CA: {e}"))?;
-    }
-    if roots.is_empty() {
-        return Err("holds no certificate".into());
-    }
-    Ok(roots)
-}
-
-/// The platform's trust roots, read once (the first caller pays for it).
-static PLATFORM_ROOTS: LazyLock<Result<Arc<RootCertStore>, String>> = LazyLock::new(|| {
-    let found = rustls_native_certs::load_native_certs();
-    let mut roots = RootCertStore::empty();
-    let (added, _) = roots.add_parsable_certificates(found.certs);
-    if added == 0 {
-        let why: Vec<String> = found.errors.iter().map(ToString::to_string).collect();
-        return Err(format!(
-            "no trust roots found on this system ({})",
-            why.join("; ")
-        ));
-    }
-    Ok(Arc::new(roots))
-});
-
-/// The platform's trust roots (`SSL_CERT_FILE` and `SSL_CERT_DIR` are
-/// honoured), or why there are none.
-pub fn platform_roots() -> Result<Arc<RootCertStore>, String> {
-    PLATFORM_ROOTS.clone()
-}
-
-/// A client config trusting `roots`: the `ring` provider, its safe protocol
-/// versions, HTTP/1.1 only (as the gateway and its upstreams speak it).
-pub fn client_config(roots: Arc<RootCertStore>) -> Result<rustls::ClientConfig, String> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut config = rustls::ClientConfig::builder_with_provider(provider)
-        .with_safe_default_protocol_versions()
-        .map_err(|e| format!("TLS protocol versions: {e}"))?
-        .with_root_certificates(roots)
-        .with_no_client_auth();
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
-    Ok(config)
-}
+/// HTTPS out of this process uses the lock client's trust roots and client
+/// config: one TLS client setup for the upstreams and `fencegate lock`.
+pub use fencegate_client::tls::{client_config, pem_roots, platform_roots};

@@ -10,12 +10,12 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Subcommand};
+use fencegate_client::{lock_path, segment, ClientOptions, Error, LockClient};
 use http::Method;
 use serde_json::{json, Value};
 
 use super::exit;
 use super::run::RunArgs;
-use crate::client::{lock_path, segment, ClientOptions, Error, LockClient};
 
 /// The default lease time of `lock acquire` and `lock run`: long enough that
 /// a renewal every third of it rides out a gateway restart, short enough

@@ -5,7 +5,7 @@
 //! asked" (64, 77) and from "the job lost its lock" (76) without reading
 //! messages. README.md lists them with what each means for a supervisor.
 
-use crate::client::Error;
+use fencegate_client::Error;
 
 /// Refused by the gateway for another reason: 404 (no fence recorded for
 /// the key, the lock API turned off, an admin endpoint this gateway does

@@ -22,12 +22,12 @@ use std::process::{ExitCode, ExitStatus};
 use std::time::{Duration, Instant};
 
 use clap::Args;
+use fencegate_client::{Error, LeaseKeeper, LockClient};
 use tokio::process::Child;
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
 use super::calls::{Gateway, DEFAULT_TTL_MS};
 use super::exit;
-use crate::client::{Error, LeaseKeeper, LockClient};
 
 #[derive(Debug, Args)]
 pub struct RunArgs {

@@ -18,6 +18,7 @@ use axum::extract::{FromRequest, FromRequestParts, Path, Request, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use axum::{Json, Router};
+use fencegate_client::problem;
 use http::{header, HeaderValue, StatusCode};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer};
@@ -82,11 +83,11 @@ impl BadBody {
     fn into_response(self) -> Response {
         Problem::new(
             StatusCode::BAD_REQUEST,
-            "bad-lock-request",
+            problem::BAD_LOCK_REQUEST,
             "Bad lock request",
             format!("{}: {}", self.field, self.why),
         )
-        .with("field", self.field)
+        .with(problem::FIELD, self.field)
         .into_response()
     }
 }
@@ -307,11 +308,11 @@ impl<B: Body> FromRequest<LockApiState> for Call<B> {
             Refused(Box::new(
                 Problem::new(
                     e.status(),
-                    "bad-lock-request",
+                    problem::BAD_LOCK_REQUEST,
                     "Bad lock request",
                     format!("body: {}", e.body_text()),
                 )
-                .with("field", "body")
+                .with(problem::FIELD, "body")
                 .header(header::CONNECTION, HeaderValue::from_static("close"))
                 .into_response(),
             ))
@@ -413,19 +414,19 @@ pub(crate) fn lock_error(name: &str, e: LockError, retry_after: Duration) -> Res
         LockError::Held { expires_in } => {
             let mut p = Problem::new(
                 StatusCode::CONFLICT,
-                "lock-held",
+                problem::LOCK_HELD,
                 "Lock held",
                 format!("the lock '{name}' is held by another holder"),
             )
             .with("name", name);
             if let Some(d) = expires_in {
-                p = p.with("expires_in_ms", d.as_millis() as u64);
+                p = p.with(problem::EXPIRES_IN_MS, d.as_millis() as u64);
             }
             p.into_response()
         }
         LockError::NotHolder => Problem::new(
             StatusCode::CONFLICT,
-            "not-holder",
+            problem::NOT_HOLDER,
             "Not the holder",
             format!(
                 "this lease does not hold the lock '{name}': it expired, was released, or never held it"
@@ -435,7 +436,7 @@ pub(crate) fn lock_error(name: &str, e: LockError, retry_after: Duration) -> Res
         .into_response(),
         LockError::Expired => Problem::new(
             StatusCode::CONFLICT,
-            "not-holder",
+            problem::NOT_HOLDER,
             "Not the holder",
             format!("this lease of the lock '{name}' expired; acquire the lock again"),
         )

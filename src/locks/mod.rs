@@ -31,7 +31,7 @@ pub mod table;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use chrono::{DateTime, Utc};
+use chrono::Utc;
 use rand::RngCore;
 
 use crate::metrics::{LockEvent, Metrics};
@@ -103,50 +103,9 @@ impl LockBackend for Backend {
     }
 }
 
-/// A grant as the API returns it (and as `fencegate::client` reads it).
-/// `Debug` shows everything but the lease id, which is a secret.
-#[derive(Clone, serde::Serialize, serde::Deserialize)]
-pub struct Grant {
-    pub name: String,
-    /// Secret: proves ownership for renew and release.
-    pub lease: String,
-    pub fence: i64,
-    /// What to send as `X-Fence-Token`: a JWT when signing keys are
-    /// configured, else the decimal fence.
-    pub token: String,
-    pub ttl_ms: u64,
-    /// When the lease ends by the gateway's clock at grant time; the
-    /// backend's clock decides.
-    pub expires_at: DateTime<Utc>,
-}
-
-/// What `GET /_fencegate/locks/{name}` shows (never the lease id).
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct Status {
-    pub name: String,
-    pub held: bool,
-    pub fence: i64,
-    pub expires_in_ms: Option<u64>,
-    /// While a lock-delay runs after an expiry: when the name may be granted
-    /// again (RFC 3339; the backend's clock decides, this is its reading
-    /// turned into wall time by the gateway). Absent otherwise, so answers
-    /// without a delay look as before.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub delayed_until: Option<DateTime<Utc>>,
-}
-
-impl std::fmt::Debug for Grant {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Grant")
-            .field("name", &self.name)
-            .field("lease", &"<redacted>")
-            .field("fence", &self.fence)
-            .field("token", &self.token)
-            .field("ttl_ms", &self.ttl_ms)
-            .field("expires_at", &self.expires_at)
-            .finish()
-    }
-}
+/// Grants and statuses are written with the client crate's types, so that
+/// the answers and what `fencegate_client` reads are one wire format.
+pub use fencegate_client::{Grant, Status};
 
 /// Cheap to clone.
 #[derive(Clone)]

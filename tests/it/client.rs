@@ -1,8 +1,8 @@
-//! `fencegate::client` against a real in-process gateway on SQLite.
+//! `fencegate_client` against a real in-process gateway on SQLite.
 
 use std::time::{Duration, Instant};
 
-use fencegate::client::{Error, LeaseKeeper, LockClient};
+use fencegate_client::{Error, LeaseKeeper, LockClient};
 
 use crate::support::app::{docs_route, route, TestApp};
 use crate::support::db::{Backend, TestStore};

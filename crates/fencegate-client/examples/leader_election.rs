@@ -1,7 +1,7 @@
 //! Leader election through the gateway's lock API.
 //!
 //! ```text
-//! cargo run --example leader_election -- http://127.0.0.1:8080 job:nightly
+//! cargo run -p fencegate-client --example leader_election -- http://127.0.0.1:8080 job:nightly
 //! ```
 //!
 //! Run it in two terminals: one becomes leader and works; the other waits.
@@ -11,7 +11,7 @@
 
 use std::time::Duration;
 
-use fencegate::client::{Error, LeaseKeeper, LockClient};
+use fencegate_client::{Error, LeaseKeeper, LockClient};
 
 /// How long a lease lasts without renewal: how long the others wait when
 /// the leader dies without releasing.
