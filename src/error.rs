@@ -311,12 +311,15 @@ impl GatewayError {
                 | C::AmbiguousPath(_)
                 | C::AmbiguousKey(_)
                 | C::MalformedToken(_)
-                | C::Head(H::Malformed | H::Length | H::Coding)
+                | C::Head(
+                    H::Malformed | H::Length | H::Coding | H::Host | H::BareLf | H::Chunked(_),
+                )
                 | C::BadRequest(_)
                 | C::IdempotencyKey(_)
                 | C::ClientGone
                 | C::ProtectedHeader(_)
                 | C::AmbiguousCredentials => StatusCode::BAD_REQUEST,
+                C::Head(H::UnsupportedCoding) => StatusCode::NOT_IMPLEMENTED,
                 C::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
                 C::MissingToken { .. } => StatusCode::PRECONDITION_REQUIRED,
                 C::InvalidJwt(_) => StatusCode::UNAUTHORIZED,
@@ -452,7 +455,15 @@ impl GatewayError {
                     let (kind, title) = match e {
                         H::TooLarge => ("head-too-large", "Request head too large"),
                         H::Timeout => ("head-timeout", "Request head too slow"),
-                        H::Malformed | H::Length | H::Coding => ("bad-request", "Bad request"),
+                        H::UnsupportedCoding => {
+                            ("unsupported-coding", "Unsupported transfer coding")
+                        }
+                        H::Malformed
+                        | H::Length
+                        | H::Coding
+                        | H::Host
+                        | H::BareLf
+                        | H::Chunked(_) => ("bad-request", "Bad request"),
                     };
                     Problem::new(status, kind, title, e.to_string())
                 }

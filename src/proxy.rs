@@ -122,6 +122,11 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// (with the upstream's base path), `Host` set to the upstream from config,
 /// `X-Forwarded-*` set. The `X-Fence-Token` header is left exactly as the
 /// client sent it.
+///
+/// - `X-Forwarded-Host` is the gateway's own: the client's `Host`, which
+///   the server validated (`server::wire`); a client's `X-Forwarded-Host`
+///   is replaced by it, or dropped when there is none (an HTTP/1.0
+///   request without `Host`), never forwarded as sent.
 pub fn upstream_request(
     mut req: Request<Body>,
     upstream: &Upstream,
@@ -141,8 +146,9 @@ pub fn upstream_request(
     *req.version_mut() = http::Version::HTTP_11;
     let headers = req.headers_mut();
     strip_hop_by_hop(headers);
-    if let Some(host) = headers.insert(header::HOST, upstream.host.clone()) {
-        headers.insert(X_FORWARDED_HOST, host);
+    match headers.insert(header::HOST, upstream.host.clone()) {
+        Some(host) => _ = headers.insert(X_FORWARDED_HOST, host),
+        None => _ = headers.remove(X_FORWARDED_HOST),
     }
     if let Some(peer) = peer.forwarded_for {
         let prev = headers

@@ -389,3 +389,33 @@ async fn two_authorization_headers_on_a_proxied_request_are_refused() {
         ["Bearer admin-key"]
     );
 }
+
+/// `X-Forwarded-Host` is the gateway's: the client's validated `Host`, or
+/// none (an HTTP/1.0 request without `Host`); a client's own never passes
+/// (`X-Forwarded-Host: a b@c` used to reach the upstream as sent).
+#[tokio::test]
+async fn x_forwarded_host_is_the_validated_host_or_nothing() {
+    let (_s, up, app) = setup().await;
+    let (status, _) = raw_answer(
+        &app,
+        "GET /docs/a HTTP/1.1\r\nHost: client.example:8080\r\nX-Forwarded-Host: a b@c\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status, 404, "the upstream's");
+    let (status, _) = raw_answer(
+        &app,
+        "GET /docs/b HTTP/1.0\r\nX-Forwarded-Host: a b@c\r\nX-Forwarded-Host: evil\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status, 404, "the upstream's");
+    let reqs = up.requests();
+    assert_eq!(reqs.len(), 2);
+    assert_eq!(
+        reqs[0].header_all("x-forwarded-host"),
+        ["client.example:8080"]
+    );
+    assert!(
+        reqs[1].header_all("x-forwarded-host").is_empty(),
+        "{reqs:?}"
+    );
+}
