@@ -95,6 +95,15 @@ pub enum ClientError {
     /// More than one `Authorization` header: which one counts is not clear.
     #[error("more than one Authorization header")]
     AmbiguousCredentials,
+    /// A fenced write with a header name that has `_`: CGI, WSGI and Rack
+    /// read `_` and `-` as one, so the application may read it in place of
+    /// a header the gateway checked. `shadows`: the header the gateway
+    /// relies on that it would stand in for (a key part, the token...).
+    #[error("the header name {name} has '_'")]
+    AmbiguousHeader {
+        name: String,
+        shadows: Option<String>,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -318,7 +327,8 @@ impl GatewayError {
                 | C::IdempotencyKey(_)
                 | C::ClientGone
                 | C::ProtectedHeader(_)
-                | C::AmbiguousCredentials => StatusCode::BAD_REQUEST,
+                | C::AmbiguousCredentials
+                | C::AmbiguousHeader { .. } => StatusCode::BAD_REQUEST,
                 C::Head(H::UnsupportedCoding) => StatusCode::NOT_IMPLEMENTED,
                 C::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
                 C::MissingToken { .. } => StatusCode::PRECONDITION_REQUIRED,
@@ -516,6 +526,19 @@ impl GatewayError {
                     ),
                 ),
                 C::AmbiguousCredentials => ambiguous_credentials(status),
+                C::AmbiguousHeader { name, shadows } => Problem::new(
+                    status,
+                    "ambiguous-header",
+                    "Ambiguous header name",
+                    match shadows {
+                        Some(checked) => format!(
+                            "the header name '{name}' has '_': CGI, WSGI and Rack read '_' and '-' as one, so the application may read it as '{checked}', which the gateway checked for this write (its fencing token, Idempotency-Key, credentials or resource key); nothing was forwarded: send the request without '{name}'"
+                        ),
+                        None => format!(
+                            "the header name '{name}' has '_': CGI, WSGI and Rack read '_' and '-' as one, so the application may read it in place of another header; fenced writes carry no such names, and nothing was forwarded: send the request without '{name}'"
+                        ),
+                    },
+                ),
             },
             GatewayError::Store(crate::store::StoreError::KeyBusy(waited)) => Problem::new(
                 status,

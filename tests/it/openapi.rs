@@ -16,6 +16,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::support::app::{content_type, docs_route, route, TestApp};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::upstream::Upstream;
 use crate::trust::auth_section;
 
@@ -323,6 +324,11 @@ async fn real_answers_match_the_documented_schemas() {
         "ProtectedHeaderProblem",
     )
     .await;
+    let underscored =
+        fenced_put(&app.http, app.url("/docs/report"), "5", "x").header("x_fence_token", "1");
+    let resp = underscored.send().await.expect("an answer");
+    api.proxied(resp, "PUT with X_Fence_Token", "AmbiguousHeaderProblem")
+        .await;
     // A coding the server refuses, on the lock API's path as anywhere.
     let mut raw = tokio::net::TcpStream::connect(app.addr).await.unwrap();
     raw.write_all(
