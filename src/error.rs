@@ -44,8 +44,13 @@ pub enum ClientError {
     /// repeated or ambiguous.
     #[error(transparent)]
     AmbiguousKey(#[from] crate::routing::KeyError),
+    /// `allow`: the route's methods, for the answer's `Allow`.
     #[error("method {method} is not allowed on route {route}")]
-    MethodNotAllowed { method: String, route: String },
+    MethodNotAllowed {
+        method: String,
+        route: String,
+        allow: HeaderValue,
+    },
     #[error("missing X-Fence-Token for {key}")]
     MissingToken { key: String },
     #[error("malformed X-Fence-Token: {0}")]
@@ -379,14 +384,19 @@ impl GatewayError {
                     "Ambiguous resource key",
                     format!("the resource key cannot be built unambiguously: {e}"),
                 ),
-                C::MethodNotAllowed { method, route } => Problem::new(
+                C::MethodNotAllowed {
+                    method,
+                    route,
+                    allow,
+                } => Problem::new(
                     status,
                     "method-not-allowed",
                     "Method not allowed",
                     format!(
                         "{method} is neither a fenced method of route '{route}' nor a safe method (GET, HEAD, OPTIONS); the gateway forwards no unchecked writes"
                     ),
-                ),
+                )
+                .header(header::ALLOW, allow.clone()),
                 C::MissingToken { key } => Problem::new(
                     status,
                     "missing-token",

@@ -496,6 +496,7 @@ fn admit(
             let e = ClientError::MethodNotAllowed {
                 method: req.method().to_string(),
                 route: route.name.clone(),
+                allow: allow(&route),
             };
             return refused(Some(&route), false, e.into());
         }
@@ -1603,6 +1604,20 @@ fn protected<'a>(route: &'a Route, token: &[u8]) -> Option<&'a str> {
         .map(HeaderName::as_str)
         .chain(route.key.header_names().map(HeaderName::as_str))
         .find(|name| name.as_bytes().eq_ignore_ascii_case(token))
+}
+
+/// A 405's `Allow` (RFC 9110 §15.5.6): the safe methods, passed through,
+/// and the route's fenced ones.
+fn allow(route: &Route) -> http::HeaderValue {
+    let mut methods = String::from("GET, HEAD, OPTIONS");
+    for m in &route.fenced_methods {
+        if !is_safe(m) {
+            methods.push_str(", ");
+            methods.push_str(m.as_str());
+        }
+    }
+    http::HeaderValue::try_from(methods)
+        .unwrap_or(http::HeaderValue::from_static("GET, HEAD, OPTIONS"))
 }
 
 fn is_safe(m: &Method) -> bool {

@@ -9,7 +9,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
 use crate::server_limits::app_with;
-use crate::support::app::{config_sections, docs_route, TestApp};
+use crate::support::app::{config_sections, docs_route, problem, route, TestApp};
 use crate::support::db::{Backend, TestStore};
 use crate::support::raw_upstream::RawUpstream;
 use crate::support::wait_for;
@@ -599,6 +599,52 @@ async fn a_bare_lf_in_a_request_head_is_400_and_nothing_is_forwarded() {
     ] {
         refused_with(&app, raw, 400, "bad-request").await;
     }
+    nothing_received(&up).await;
+}
+
+/// Issue 49's D7: every 405 carries `Allow` (RFC 9110 §15.5.6): a
+/// proxied route's (its safe methods and its fenced ones), the lock API's
+/// and the admin API's.
+#[tokio::test]
+async fn every_405_carries_allow() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = RawUpstream::start().await;
+    let routes = route("docs", "/docs/{id}", &up.url(), "doc:{id}")
+        .replace("key = ", "methods = [\"PUT\", \"DELETE\"]\nkey = ");
+    let text = config_sections("", &store.url, "", &format!("{routes}[locks]\n"));
+    let app = TestApp::from_text(&text).await;
+    for method in ["POST", "PATCH", "TRACE"] {
+        let resp = app
+            .http
+            .request(method.parse().unwrap(), app.url("/docs/a"))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 405, "{method}");
+        assert_eq!(
+            resp.headers()["allow"],
+            "GET, HEAD, OPTIONS, PUT, DELETE",
+            "{method}"
+        );
+        problem(resp, 405).await;
+    }
+    let resp = app
+        .http
+        .delete(app.url("/_fencegate/locks/a"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 405);
+    let allow = resp.headers()["allow"].to_str().unwrap().to_string();
+    assert!(allow.contains("POST") && allow.contains("GET"), "{allow}");
+    let resp = app
+        .http
+        .post(app.admin_url("/healthz"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 405);
+    assert!(resp.headers()["allow"].to_str().unwrap().contains("GET"));
     nothing_received(&up).await;
 }
 
