@@ -63,6 +63,10 @@ pub enum WireError {
     BothFramings,
     #[error("the answer's Content-Length is invalid or ambiguous")]
     Length,
+    #[error("the answer is HTTP/1.0 with a Transfer-Encoding, so its framing cannot be trusted")]
+    Http10Coding,
+    #[error("the answer's Transfer-Encoding has an empty element, so its last coding is unclear")]
+    CodingGap,
     #[error("the chunked body is malformed: {0}")]
     Chunk(ChunkError),
 }
@@ -268,7 +272,7 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<AnswerHe
         if framing.names_headers {
             crate::proxy::strip_hop_by_hop(&mut headers);
         }
-        let body = framing.body(method, status)?;
+        let body = framing.body(method, status, version)?;
         let keep_alive =
             version == Version::HTTP_11 && !framing.close && !matches!(body, Decoder::ToClose);
         return Ok(Some(AnswerHead {
@@ -305,15 +309,27 @@ impl Framing {
     }
 
     /// How the answer's body is framed.
-    fn body(&self, method: &Method, status: StatusCode) -> Result<Decoder, WireError> {
+    fn body(
+        &self,
+        method: &Method,
+        status: StatusCode,
+        version: Version,
+    ) -> Result<Decoder, WireError> {
         if method == Method::HEAD
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED
         {
             return Ok(Decoder::Length(0));
         }
+        // RFC 9112 §6.1: HTTP/1.0 has no transfer codings, so such an
+        // answer was likely passed on by something that did not decode
+        // them: its framing is faulty.
+        if version == Version::HTTP_10 && self.body.chunked.is_some() {
+            return Err(WireError::Http10Coding);
+        }
         match (self.body.chunked, self.body.length) {
             (Some(_), Some(_)) => Err(WireError::BothFramings),
+            (Some(_), None) if self.body.codings_gap => Err(WireError::CodingGap),
             (Some(true), None) => Ok(Decoder::Chunked(Chunk::Size)),
             (Some(false), None) | (None, None) => Ok(Decoder::ToClose),
             (None, Some(length)) => length.map(Decoder::Length).ok_or(WireError::Length),
@@ -329,6 +345,9 @@ pub(crate) struct BodyFields {
     /// `Content-Length`: `Some(Some(n))` for one valid length however
     /// often repeated, `Some(None)` for an invalid or ambiguous one.
     pub length: Option<Option<u64>>,
+    /// A `Content-Length` field holds a list (`5, 5`), which a request may
+    /// not (see the server's `wire`).
+    pub length_listed: bool,
     /// `Transfer-Encoding`: whether its last coding, over all its fields,
     /// is chunked.
     pub chunked: Option<bool>,
@@ -336,6 +355,10 @@ pub(crate) struct BodyFields {
     /// (empty list elements aside), up to 255: a request may have only
     /// `chunked`, once.
     pub codings: u8,
+    /// `Transfer-Encoding` has an empty list element (`chunked,`, or an
+    /// empty field): readers disagree on which coding is the last (RFC
+    /// 9110 §5.6.1 has them ignored; hyper takes the empty one).
+    pub codings_gap: bool,
 }
 
 impl BodyFields {
@@ -343,6 +366,7 @@ impl BodyFields {
     pub fn field(&mut self, name: &[u8], value: &[u8]) -> bool {
         match name.len() {
             14 if name.eq_ignore_ascii_case(b"content-length") => {
+                self.length_listed |= value.contains(&b',');
                 for part in tokens(value) {
                     self.length = Some(match (self.length, parse_length(part)) {
                         (Some(None), _) | (_, None) => None,
@@ -355,6 +379,7 @@ impl BodyFields {
             17 if name.eq_ignore_ascii_case(b"transfer-encoding") => {
                 // Present, even empty, is present: never framed by a length.
                 let listed = tokens(value).filter(|c| !c.is_empty()).count();
+                self.codings_gap |= tokens(value).any(<[u8]>::is_empty);
                 self.codings = self.codings.saturating_add(listed.min(255) as u8);
                 match tokens(value).rfind(|c| !c.is_empty()) {
                     Some(last) => self.chunked = Some(last.eq_ignore_ascii_case(b"chunked")),
@@ -557,35 +582,42 @@ fn is_ctl(b: u8) -> bool {
 
 /// The trailer line at the start of `buf`: its length with its CRLF (2:
 /// the empty line that ends the section). `None`: not all of it has
-/// arrived. `room`: what is left of the section's limit.
+/// arrived, and what has is valid so far (a wrong byte is refused as soon
+/// as it is in, as in [`size_line`]). `room`: what is left of the
+/// section's limit.
 ///
 /// A trailer line is a field line as in a head (RFC 9112 §7.1.2, §5): a
 /// token, the colon right after it, a value of field-value bytes (no
 /// controls but HTAB); no obs-fold (a line that begins with whitespace has
 /// no token).
 fn trailer_line(buf: &[u8], room: usize) -> Result<Option<usize>, ChunkError> {
-    let Some(lf) = memchr::memchr(b'\n', &buf[..buf.len().min(room)]) else {
-        if buf.len() >= room {
+    // Still in the name (before the colon).
+    let mut in_name = true;
+    for (i, &b) in buf.iter().enumerate() {
+        if i >= room {
             return Err(ChunkError::TooLong);
         }
-        return Ok(None);
-    };
-    let line = match buf[..lf].split_last() {
-        Some((b'\r', line)) => line,
-        _ => return Err(ChunkError::LineEnd),
-    };
-    if line.is_empty() {
-        return Ok(Some(2));
+        match b {
+            b'\r' => {
+                return match buf.get(i + 1) {
+                    None => Ok(None),
+                    Some(b'\n') if i == 0 => Ok(Some(2)),
+                    Some(b'\n') if in_name => Err(ChunkError::Trailer),
+                    Some(b'\n') => Ok(Some(i + 2)),
+                    Some(_) => Err(ChunkError::LineEnd),
+                };
+            }
+            b'\n' => return Err(ChunkError::LineEnd),
+            b':' if in_name && i > 0 => in_name = false,
+            b if in_name && is_tchar(b) => {}
+            b if !in_name && !is_ctl(b) => {}
+            _ => return Err(ChunkError::Trailer),
+        }
     }
-    let name = line.iter().take_while(|&&b| is_tchar(b)).count();
-    if name == 0 || line.get(name) != Some(&b':') {
-        return Err(ChunkError::Trailer);
+    if buf.len() >= room {
+        return Err(ChunkError::TooLong);
     }
-    if line[name + 1..].iter().any(|&b| is_ctl(b)) {
-        // A CR inside the line is one of them.
-        return Err(ChunkError::Trailer);
-    }
-    Ok(Some(lf + 1))
+    Ok(None)
 }
 
 /// A byte of a token (RFC 9110 §5.6.2).
@@ -724,10 +756,22 @@ mod tests {
         assert_eq!(body_of(raw).unwrap(), Decoder::Chunked(Chunk::Size));
         let raw = "HTTP/1.1 200 OK\r\nTransfer-Encoding:\r\nContent-Length: 3\r\n\r\n";
         assert_eq!(body_of(raw).unwrap_err(), WireError::BothFramings);
-        let raw = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: \r\n\r\n";
-        assert_eq!(body_of(raw).unwrap(), Decoder::Chunked(Chunk::Size));
+        // An empty element: chunked to some readers, not to others.
+        for te in [
+            "chunked\r\nTransfer-Encoding: ",
+            "chunked,",
+            "chunked, ,gzip",
+        ] {
+            let raw = format!("HTTP/1.1 200 OK\r\nTransfer-Encoding: {te}\r\n\r\n");
+            assert_eq!(body_of(&raw).unwrap_err(), WireError::CodingGap, "{te}");
+        }
         let raw = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n";
         assert_eq!(body_of(raw).unwrap(), Decoder::ToClose);
+        // HTTP/1.0 has no codings: such an answer's framing is faulty.
+        for te in ["chunked", "gzip"] {
+            let raw = format!("HTTP/1.0 200 OK\r\nTransfer-Encoding: {te}\r\n\r\n");
+            assert_eq!(body_of(&raw).unwrap_err(), WireError::Http10Coding, "{te}");
+        }
         let h = head("HTTP/1.1 200 OK\r\n\r\n", &Method::GET)
             .unwrap()
             .unwrap();
@@ -935,6 +979,8 @@ mod tests {
                 b"0\r\n\n",
                 b"0\r\nx: 1\n\r\n",
                 b"0\r\nx: 1\r\n\n",
+                b"0\r\nx: a\rb\r\n\r\n",
+                b"0\r\n\rP",
             ],
             ChunkError::LineEnd,
         );
@@ -957,8 +1003,10 @@ mod tests {
                 b"0\r\n\tx: 1\r\n\r\n",
                 b"0\r\nx: a\x00b\r\n\r\n",
                 b"0\r\nx: a\x7f\r\n\r\n",
-                b"0\r\nx: a\rb\r\n\r\n",
                 b"0\r\nx\x80: 1\r\n\r\n",
+                // Refused before the line ends.
+                b"0\r\nGET ",
+                b"0\r\nx: \x00",
             ],
             ChunkError::Trailer,
         );

@@ -163,6 +163,20 @@ async fn refused_heads_get_problems_and_nothing_is_forwarded() {
                 .to_vec(),
             400,
         ),
+        // A list in one field, even of equal lengths (RFC 9110 §8.6 lets a
+        // recipient refuse it, as hyper does).
+        (
+            b"PUT /docs/a HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nContent-Length: 2, 2\r\n\r\nxx"
+                .to_vec(),
+            400,
+        ),
+        // An empty list element: `chunked` is the last coding to some
+        // readers, the empty one to others.
+        (
+            b"PUT /docs/a HTTP/1.1\r\nHost: x\r\nX-Fence-Token: 1\r\nTransfer-Encoding: chunked,\r\n\r\n0\r\n\r\n"
+                .to_vec(),
+            400,
+        ),
     ];
     for (raw, status) in cases {
         let mut c = Raw::connect(&app).await;
