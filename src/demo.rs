@@ -79,6 +79,10 @@ async fn handle(
             map.remove(&path);
             StatusCode::NO_CONTENT.into_response()
         }
-        _ => StatusCode::METHOD_NOT_ALLOWED.into_response(),
+        _ => (
+            StatusCode::METHOD_NOT_ALLOWED,
+            [(http::header::ALLOW, "GET, HEAD, PUT, POST, PATCH, DELETE")],
+        )
+            .into_response(),
     }
 }

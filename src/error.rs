@@ -44,8 +44,13 @@ pub enum ClientError {
     /// repeated or ambiguous.
     #[error(transparent)]
     AmbiguousKey(#[from] crate::routing::KeyError),
+    /// `allow`: the route's methods, for the answer's `Allow`.
     #[error("method {method} is not allowed on route {route}")]
-    MethodNotAllowed { method: String, route: String },
+    MethodNotAllowed {
+        method: String,
+        route: String,
+        allow: HeaderValue,
+    },
     #[error("missing X-Fence-Token for {key}")]
     MissingToken { key: String },
     #[error("malformed X-Fence-Token: {0}")]
@@ -95,6 +100,15 @@ pub enum ClientError {
     /// More than one `Authorization` header: which one counts is not clear.
     #[error("more than one Authorization header")]
     AmbiguousCredentials,
+    /// A fenced write with a header name that has `_`: CGI, WSGI and Rack
+    /// read `_` and `-` as one, so the application may read it in place of
+    /// a header the gateway checked. `shadows`: the header the gateway
+    /// relies on that it would stand in for (a key part, the token...).
+    #[error("the header name {name} has '_'")]
+    AmbiguousHeader {
+        name: String,
+        shadows: Option<String>,
+    },
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -311,12 +325,16 @@ impl GatewayError {
                 | C::AmbiguousPath(_)
                 | C::AmbiguousKey(_)
                 | C::MalformedToken(_)
-                | C::Head(H::Malformed | H::Length | H::Coding)
+                | C::Head(
+                    H::Malformed | H::Length | H::Coding | H::Host | H::BareLf | H::Chunked(_),
+                )
                 | C::BadRequest(_)
                 | C::IdempotencyKey(_)
                 | C::ClientGone
                 | C::ProtectedHeader(_)
-                | C::AmbiguousCredentials => StatusCode::BAD_REQUEST,
+                | C::AmbiguousCredentials
+                | C::AmbiguousHeader { .. } => StatusCode::BAD_REQUEST,
+                C::Head(H::UnsupportedCoding) => StatusCode::NOT_IMPLEMENTED,
                 C::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
                 C::MissingToken { .. } => StatusCode::PRECONDITION_REQUIRED,
                 C::InvalidJwt(_) => StatusCode::UNAUTHORIZED,
@@ -366,14 +384,19 @@ impl GatewayError {
                     "Ambiguous resource key",
                     format!("the resource key cannot be built unambiguously: {e}"),
                 ),
-                C::MethodNotAllowed { method, route } => Problem::new(
+                C::MethodNotAllowed {
+                    method,
+                    route,
+                    allow,
+                } => Problem::new(
                     status,
                     "method-not-allowed",
                     "Method not allowed",
                     format!(
                         "{method} is neither a fenced method of route '{route}' nor a safe method (GET, HEAD, OPTIONS); the gateway forwards no unchecked writes"
                     ),
-                ),
+                )
+                .header(header::ALLOW, allow.clone()),
                 C::MissingToken { key } => Problem::new(
                     status,
                     "missing-token",
@@ -452,7 +475,15 @@ impl GatewayError {
                     let (kind, title) = match e {
                         H::TooLarge => ("head-too-large", "Request head too large"),
                         H::Timeout => ("head-timeout", "Request head too slow"),
-                        H::Malformed | H::Length | H::Coding => ("bad-request", "Bad request"),
+                        H::UnsupportedCoding => {
+                            ("unsupported-coding", "Unsupported transfer coding")
+                        }
+                        H::Malformed
+                        | H::Length
+                        | H::Coding
+                        | H::Host
+                        | H::BareLf
+                        | H::Chunked(_) => ("bad-request", "Bad request"),
                     };
                     Problem::new(status, kind, title, e.to_string())
                 }
@@ -505,6 +536,19 @@ impl GatewayError {
                     ),
                 ),
                 C::AmbiguousCredentials => ambiguous_credentials(status),
+                C::AmbiguousHeader { name, shadows } => Problem::new(
+                    status,
+                    "ambiguous-header",
+                    "Ambiguous header name",
+                    match shadows {
+                        Some(checked) => format!(
+                            "the header name '{name}' has '_': CGI, WSGI and Rack read '_' and '-' as one, so the application may read it as '{checked}', which the gateway checked for this write (its fencing token, Idempotency-Key, credentials or resource key); nothing was forwarded: send the request without '{name}'"
+                        ),
+                        None => format!(
+                            "the header name '{name}' has '_': CGI, WSGI and Rack read '_' and '-' as one, so the application may read it in place of another header; fenced writes carry no such names, and nothing was forwarded: send the request without '{name}'"
+                        ),
+                    },
+                ),
             },
             GatewayError::Store(crate::store::StoreError::KeyBusy(waited)) => Problem::new(
                 status,

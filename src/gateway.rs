@@ -374,9 +374,10 @@ fn refusal_outcome(e: &GatewayError) -> Option<Outcome> {
             C::AmbiguousPath(_) => Outcome::AmbiguousPath,
             C::AmbiguousKey(_) => Outcome::AmbiguousKey,
             C::UnissuedToken { .. } => Outcome::Unissued,
-            C::IdempotencyKey(_) | C::ProtectedHeader(_) | C::AmbiguousCredentials => {
-                Outcome::BadRequest
-            }
+            C::IdempotencyKey(_)
+            | C::ProtectedHeader(_)
+            | C::AmbiguousCredentials
+            | C::AmbiguousHeader { .. } => Outcome::BadRequest,
             C::IdempotencyReused
             | C::IdempotencyInProgress { .. }
             | C::IdempotencyOutcomeUnknown => Outcome::IdempotencyConflict,
@@ -487,7 +488,7 @@ fn admit(
     if let Err(e) = check_framing(&req, state.max_body_bytes) {
         return refused(Some(&route), fenced, e);
     }
-    if let Err(e) = check_headers(&route, req.headers()) {
+    if let Err(e) = check_headers(&route, req.headers(), fenced) {
         return refused(Some(&route), fenced, e.into());
     }
     if !fenced {
@@ -495,6 +496,7 @@ fn admit(
             let e = ClientError::MethodNotAllowed {
                 method: req.method().to_string(),
                 route: route.name.clone(),
+                allow: allow(&route),
             };
             return refused(Some(&route), false, e.into());
         }
@@ -1545,12 +1547,33 @@ fn check_framing(req: &Request<Body>, max_body: u64) -> Result<(), GatewayError>
 ///   by (a key part missing there may default to another resource, a
 ///   token missing there cannot be checked again).
 ///
-/// Both cost next to nothing on the usual request: one lookup for
-/// `Connection`, and the `Authorization` values are counted only when some
-/// header is repeated (see [`crate::auth::two_authorizations`]).
-fn check_headers(route: &Route, headers: &http::HeaderMap) -> Result<(), ClientError> {
+/// * on a fenced write, a header name with `_` is refused (400
+///   `ambiguous-header`): CGI, WSGI and Rack turn `-` into `_`, so
+///   `X_Tenant` reaches such an application as the very variable
+///   `X-Tenant` does, and it may read the one the gateway did not check
+///   (Puma's CVE-2024-45614). A pass-through request's are dropped
+///   instead (`proxy::upstream_request`), as nginx does by default.
+///
+/// All cost next to nothing on the usual request: one lookup for
+/// `Connection`, the `Authorization` values are counted only when some
+/// header is repeated (see [`crate::auth::two_authorizations`]), and a
+/// fenced write's names are looked through once for `_`.
+fn check_headers(
+    route: &Route,
+    headers: &http::HeaderMap,
+    fenced: bool,
+) -> Result<(), ClientError> {
     if crate::auth::two_authorizations(headers) {
         return Err(ClientError::AmbiguousCredentials);
+    }
+    if fenced {
+        if let Some(name) = headers.keys().find(|n| proxy::is_underscored(n)) {
+            let dashed = name.as_str().replace('_', "-");
+            return Err(ClientError::AmbiguousHeader {
+                name: name.to_string(),
+                shadows: protected(route, dashed.as_bytes()).map(str::to_string),
+            });
+        }
     }
     if !headers.contains_key(header::CONNECTION) {
         return Ok(());
@@ -1579,6 +1602,20 @@ fn protected<'a>(route: &'a Route, token: &[u8]) -> Option<&'a str> {
         .map(HeaderName::as_str)
         .chain(route.key.header_names().map(HeaderName::as_str))
         .find(|name| name.as_bytes().eq_ignore_ascii_case(token))
+}
+
+/// A 405's `Allow` (RFC 9110 §15.5.6): the safe methods, passed through,
+/// and the route's fenced ones.
+fn allow(route: &Route) -> http::HeaderValue {
+    let mut methods = String::from("GET, HEAD, OPTIONS");
+    for m in &route.fenced_methods {
+        if !is_safe(m) {
+            methods.push_str(", ");
+            methods.push_str(m.as_str());
+        }
+    }
+    http::HeaderValue::try_from(methods)
+        .unwrap_or(http::HeaderValue::from_static("GET, HEAD, OPTIONS"))
 }
 
 fn is_safe(m: &Method) -> bool {

@@ -79,6 +79,11 @@ pub fn connection_tokens(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
         .filter(|t| !t.is_empty())
 }
 
+/// Whether a header's name has `_` (see [`upstream_request`]).
+pub fn is_underscored(name: &HeaderName) -> bool {
+    name.as_str().as_bytes().contains(&b'_')
+}
+
 /// Removes hop-by-hop headers, including every header `Connection` names.
 ///
 /// On a request, `Connection` never names a header the gateway relies on
@@ -92,10 +97,28 @@ pub fn connection_tokens(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
 /// and doing one per hop-by-hop name cost more than the rest of the header
 /// rewriting together.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    strip(headers, false)
+}
+
+/// [`strip_hop_by_hop`], and with `underscored` the names with `_` too,
+/// found in the same pass.
+fn strip(headers: &mut HeaderMap, underscored: bool) {
     let mut present = 0u16;
+    let mut odd = false;
     for name in headers.keys() {
         if let Some(i) = HOP_BY_HOP.iter().position(|h| h == name) {
             present |= 1 << i;
+        }
+        odd |= underscored && is_underscored(name);
+    }
+    if odd {
+        let names: Vec<HeaderName> = headers
+            .keys()
+            .filter(|n| is_underscored(n))
+            .cloned()
+            .collect();
+        for name in names {
+            headers.remove(name);
         }
     }
     if present == 0 {
@@ -122,6 +145,16 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
 /// (with the upstream's base path), `Host` set to the upstream from config,
 /// `X-Forwarded-*` set. The `X-Fence-Token` header is left exactly as the
 /// client sent it.
+///
+/// - Header names with `_` are dropped (nginx's default): CGI, WSGI and
+///   Rack read `X_Tenant` as `X-Tenant`, so the application could read
+///   one the client slipped past what the gateway saw. A fenced write
+///   that carries one was refused before it got here
+///   (`gateway::check_headers`), so only pass-through requests lose them.
+/// - `X-Forwarded-Host` is the gateway's own: the client's `Host`, which
+///   the server validated (`server::wire`); a client's `X-Forwarded-Host`
+///   is replaced by it, or dropped when there is none (an HTTP/1.0
+///   request without `Host`), never forwarded as sent.
 pub fn upstream_request(
     mut req: Request<Body>,
     upstream: &Upstream,
@@ -140,9 +173,10 @@ pub fn upstream_request(
     *req.uri_mut() = Uri::from_parts(uri)?;
     *req.version_mut() = http::Version::HTTP_11;
     let headers = req.headers_mut();
-    strip_hop_by_hop(headers);
-    if let Some(host) = headers.insert(header::HOST, upstream.host.clone()) {
-        headers.insert(X_FORWARDED_HOST, host);
+    strip(headers, true);
+    match headers.insert(header::HOST, upstream.host.clone()) {
+        Some(host) => _ = headers.insert(X_FORWARDED_HOST, host),
+        None => _ = headers.remove(X_FORWARDED_HOST),
     }
     if let Some(peer) = peer.forwarded_for {
         let prev = headers

@@ -266,6 +266,13 @@ impl KeyTemplate {
                     if let Some(h) = name.strip_prefix("header.") {
                         let header = HeaderName::from_bytes(h.as_bytes())
                             .map_err(|_| format!("'{{{name}}}' names no valid header"))?;
+                        // A fenced write with such a name is refused (see
+                        // `gateway::check_headers`): no write could be keyed.
+                        if h.contains('_') {
+                            return Err(format!(
+                                "'{{{name}}}' names a header with '_', which fenced writes may not carry (CGI, WSGI and Rack read '_' and '-' as one): use '-'"
+                            ));
+                        }
                         parts.push(KeyPart::Header(header));
                         rest = &after[end + 1..];
                         continue;
@@ -614,6 +621,10 @@ mod tests {
         assert_eq!(render(&lower, &caps, None, &[]), Ok("doc:abc".into()));
         assert!(KeyTemplate::parse("{query.}", &p).is_err());
         assert!(KeyTemplate::parse("{header.a b}", &p).is_err());
+        // A fenced write carrying such a name is refused, so no key could
+        // ever be made of one.
+        let e = KeyTemplate::parse("{header.x_tenant}", &p).unwrap_err();
+        assert!(e.contains("'_'"), "{e}");
     }
 
     #[test]

@@ -98,7 +98,10 @@ where
             keep_alive,
         };
         // Phase: hand over body.
-        let (body, mut piping) = conn.hand_over(body, expect_continue);
+        let (body, mut piping) = match conn.hand_over(body, expect_continue) {
+            Ok(handed) => handed,
+            Err(e) => return conn.refuse(e).await,
+        };
         let req = Request::from_parts(request, Body::new(body));
         // Phase: await answer. Pinned here, where it is made: the
         // service's future is large, and every move of it is a copy.
@@ -290,47 +293,31 @@ impl<I: AsyncRead + AsyncWrite + Unpin> Conn<I> {
     }
 
     /// Phase: hand over body. A body that is all in the buffer is handed
-    /// over whole; the rest of one that is not comes through a pipe.
-    fn hand_over(&mut self, mut decoder: Decoder, expect: bool) -> (RequestBody, Option<Piping>) {
+    /// over whole; the rest of one that is not comes through a pipe. A
+    /// chunked body already malformed in the buffer is refused before the
+    /// service sees its request: nothing of it is forwarded.
+    fn hand_over(
+        &mut self,
+        mut decoder: Decoder,
+        expect: bool,
+    ) -> Result<(RequestBody, Option<Piping>), HeadError> {
         if decoder.ended() {
-            return (RequestBody::empty(), None);
+            return Ok((RequestBody::empty(), None));
         }
-        let mut first: Option<Bytes> = None;
-        let mut more: Option<BytesMut> = None;
-        let end = loop {
-            match decoder.decode(&mut self.buf) {
-                Ok(Decoded::Data(piece)) => match (&mut first, &mut more) {
-                    (None, _) => first = Some(piece),
-                    (Some(f), None) => {
-                        let mut joined = BytesMut::from(&f[..]);
-                        joined.extend_from_slice(&piece);
-                        more = Some(joined);
-                    }
-                    (Some(_), Some(joined)) => joined.extend_from_slice(&piece),
-                },
-                Ok(Decoded::End) => break Some(Ok(())),
-                Ok(Decoded::More) => break None,
-                Err(_) => break Some(Err(BodyError::Chunk)),
-            }
-        };
-        let first = more.map(BytesMut::freeze).or(first);
-        match end {
-            Some(Ok(())) => (
+        match wire::gather(&mut decoder, &mut self.buf) {
+            (first, Some(Ok(()))) => Ok((
                 first.map_or_else(RequestBody::empty, RequestBody::full),
                 None,
-            ),
-            end => {
-                self.broken |= end.is_some();
+            )),
+            (_, Some(Err(e))) => Err(HeadError::Chunked(e)),
+            (first, None) => {
                 let pipe = Arc::new(Pipe::new(first, decoder.size_hint()));
-                if let Some(end) = end {
-                    pipe.lock().finish(end);
-                }
                 let piping = Piping {
                     pipe: pipe.clone(),
                     decoder,
                     continue_owed: expect,
                 };
-                (RequestBody::piped(pipe), Some(piping))
+                Ok((RequestBody::piped(pipe), Some(piping)))
             }
         }
     }

@@ -2,17 +2,39 @@
 //! parsed, and the answer head as written.
 //!
 //! A request's framing decides where the next request begins, so every
-//! rule here is the strict one (RFC 9112 §6):
+//! rule here is the strict one (RFC 9112 §6), and a front end that reads
+//! the bytes another way gets a refusal, never a second request:
 //!
-//! - `Transfer-Encoding` wins: its last coding must be `chunked` (anything
-//!   else is 400, and so is any `Transfer-Encoding` in an HTTP/1.0
-//!   request). A `Content-Length` beside it is dropped from the request and
-//!   the connection closes after the answer, so nothing can be smuggled
-//!   behind such a message.
-//! - `Content-Length`: plain digits, repeats only if equal; anything else
-//!   is 400. Neither header: no body.
+//! - Lines end in CRLF. httparse also takes a bare LF for a line end (RFC
+//!   9112 §2.2 lets a recipient), and a front end that does not would see
+//!   one field where the gateway sees two: a bare LF is 400.
+//! - `Transfer-Encoding` wins, and it may only be `chunked`, once (RFC
+//!   9112 §6.1): any other coding, before it or instead of it, is 501
+//!   `unsupported-coding` (the gateway would otherwise forward coded bytes
+//!   framed by a length, or read them by a framing the sender did not
+//!   mean); an empty one, one with an empty list element (`chunked,`:
+//!   some readers take the empty element for the last coding), or one in
+//!   an HTTP/1.0 request, is 400. A
+//!   `Content-Length` beside it is dropped from the request and the
+//!   connection closes after the answer, so nothing can be smuggled behind
+//!   such a message.
+//! - `Content-Length`: plain digits, repeated fields only if equal;
+//!   anything else is 400, a list in one field (`5, 5`) too (RFC 9110
+//!   §8.6 lets a recipient refuse it, and hyper does). Neither header: no
+//!   body.
+//! - `Host` (RFC 9112 §3.2): exactly one, a valid `host[:port]` (RFC 3986:
+//!   a registered name, an IPv4 address or a bracketed IP literal; no
+//!   userinfo, nothing empty); missing, repeated or invalid is 400. An
+//!   HTTP/1.0 request may lack it (HTTP/1.0 has no Host): the gateway
+//!   never routes by it and sets the upstream's `Host` from its config.
+//! - A chunked body is decoded by the strict [`Decoder`] (see
+//!   `upstream::wire`); one malformed before the service sees its request
+//!   is 400 at once, and the connection closes.
 //! - A head is at most [`MAX_HEAD_BYTES`] with at most [`MAX_HEADERS`]
 //!   fields, else 431.
+//!
+//! [`frame_requests`] is this framing over a whole byte stream, as a
+//! connection reads it (the differential tests hold it against hyper's).
 //!
 //! Answers are framed by the gateway's own knowledge of their body: the
 //! `Content-Length` the answer carries (an upstream's), else the body's
@@ -22,11 +44,13 @@
 use std::cell::RefCell;
 use std::time::SystemTime;
 
-use bytes::BytesMut;
+use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode, Uri, Version};
 
-use crate::upstream::wire::{itoa, parse_length, tokens, BodyFields, Chunk, Decoder};
+use crate::upstream::wire::{
+    itoa, parse_length, tokens, BodyFields, Chunk, ChunkError, Decoded, Decoder, WireError,
+};
 
 /// Most header fields a request head may carry.
 pub const MAX_HEADERS: usize = 100;
@@ -44,8 +68,18 @@ pub enum HeadError {
     TooLarge,
     #[error("the request's Content-Length is not one plain number")]
     Length,
-    #[error("the request's Transfer-Encoding does not end in chunked, or is not HTTP/1.1")]
+    #[error("the request's Transfer-Encoding is empty or has an empty element, or the request is HTTP/1.0")]
     Coding,
+    #[error("the request's Transfer-Encoding lists a coding other than one chunked, the only one supported (RFC 9112 §6.1)")]
+    UnsupportedCoding,
+    #[error(
+        "the request's Host header is missing, repeated or not a valid host[:port] (RFC 9112 §3.2)"
+    )]
+    Host,
+    #[error("a line of the request head ends in a bare LF; lines end in CRLF")]
+    BareLf,
+    #[error("the request's chunked body is malformed: {0}")]
+    Chunked(ChunkError),
     #[error("the request head did not arrive within the header-read timeout")]
     Timeout,
 }
@@ -88,6 +122,9 @@ pub fn parse_head(buf: &mut BytesMut) -> Result<Option<RequestHead>, HeadError> 
     if len > MAX_HEAD_BYTES {
         return Err(HeadError::TooLarge);
     }
+    if memchr::memchr_iter(b'\n', &buf[..len]).any(|i| i == 0 || buf[i - 1] != b'\r') {
+        return Err(HeadError::BareLf);
+    }
     let version = match req.version {
         Some(1) => Version::HTTP_11,
         Some(0) => Version::HTTP_10,
@@ -126,15 +163,25 @@ pub fn parse_head(buf: &mut BytesMut) -> Result<Option<RequestHead>, HeadError> 
                 .map_err(|_| HeadError::Malformed)?;
         headers.append(name, value);
     }
+    match framing.hosts {
+        0 if version == Version::HTTP_10 => {}
+        1 if framing.host_valid => {}
+        _ => return Err(HeadError::Host),
+    }
     let body = match (framing.body.chunked, framing.body.length) {
         (Some(_), _) if version == Version::HTTP_10 => return Err(HeadError::Coding),
-        (Some(false), _) => return Err(HeadError::Coding),
+        (Some(_), _) if framing.body.codings == 0 || framing.body.codings_gap => {
+            return Err(HeadError::Coding)
+        }
+        (Some(false), _) => return Err(HeadError::UnsupportedCoding),
+        (Some(true), _) if framing.body.codings > 1 => return Err(HeadError::UnsupportedCoding),
         (Some(true), length) => {
             if length.is_some() {
                 headers.remove(header::CONTENT_LENGTH);
             }
             Decoder::Chunked(Chunk::Size)
         }
+        (None, Some(_)) if framing.body.length_listed => return Err(HeadError::Length),
         (None, Some(None)) => return Err(HeadError::Length),
         (None, Some(Some(n))) => Decoder::Length(n),
         (None, None) => Decoder::Ended,
@@ -165,6 +212,9 @@ struct Framing {
     keep_alive: bool,
     /// `Expect: 100-continue`.
     expect_continue: bool,
+    /// How many `Host` fields, and whether the last was valid.
+    hosts: u8,
+    host_valid: bool,
 }
 
 impl Framing {
@@ -183,9 +233,177 @@ impl Framing {
             6 if name.eq_ignore_ascii_case(b"expect") => {
                 self.expect_continue |= value.trim_ascii().eq_ignore_ascii_case(b"100-continue");
             }
+            4 if name.eq_ignore_ascii_case(b"host") => {
+                self.hosts = self.hosts.saturating_add(1);
+                self.host_valid = valid_host(value);
+            }
             _ => {}
         }
     }
+}
+
+/// Whether a `Host` value is `uri-host [ ":" port ]` (RFC 9110 §7.2, RFC
+/// 3986 §3.2.2-3): a registered name (unreserved characters, sub-delims,
+/// percent-encodings; an IPv4 address is one) or a bracketed IP literal,
+/// then an optional port of digits. No userinfo (`@`), no whitespace, no
+/// path; not empty (an `http` URI has a host, RFC 9110 §4.2.1).
+pub fn valid_host(value: &[u8]) -> bool {
+    let (host, port) = match value {
+        [b'[', rest @ ..] => {
+            let Some(close) = rest.iter().position(|&b| b == b']') else {
+                return false;
+            };
+            if !valid_ip_literal(&rest[..close]) {
+                return false;
+            }
+            (None, &rest[close + 1..])
+        }
+        _ => {
+            let end = value.iter().position(|&b| b == b':').unwrap_or(value.len());
+            (Some(&value[..end]), &value[end..])
+        }
+    };
+    let port_ok = match port {
+        [] => true,
+        [b':', digits @ ..] => digits.iter().all(u8::is_ascii_digit),
+        _ => false,
+    };
+    port_ok && host.is_none_or(valid_reg_name)
+}
+
+/// `reg-name = 1*( unreserved / pct-encoded / sub-delims )` (non-empty:
+/// see [`valid_host`]).
+fn valid_reg_name(name: &[u8]) -> bool {
+    let mut i = 0;
+    while i < name.len() {
+        match name[i] {
+            b'%' if name
+                .get(i + 1..i + 3)
+                .is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit)) =>
+            {
+                i += 3;
+                continue;
+            }
+            b if is_unreserved(b) || is_sub_delim(b) => {}
+            _ => return false,
+        }
+        i += 1;
+    }
+    !name.is_empty()
+}
+
+/// `IP-literal`'s inside: an IPv6 address (RFC 4291's text forms, as the
+/// standard library reads them) or `IPvFuture`.
+fn valid_ip_literal(inside: &[u8]) -> bool {
+    if let [b'v' | b'V', rest @ ..] = inside {
+        let Some(dot) = rest.iter().position(|&b| b == b'.') else {
+            return false;
+        };
+        let (version, tail) = (&rest[..dot], &rest[dot + 1..]);
+        return !version.is_empty()
+            && version.iter().all(u8::is_ascii_hexdigit)
+            && !tail.is_empty()
+            && tail
+                .iter()
+                .all(|&b| is_unreserved(b) || is_sub_delim(b) || b == b':');
+    }
+    std::str::from_utf8(inside).is_ok_and(|s| s.parse::<std::net::Ipv6Addr>().is_ok())
+}
+
+fn is_unreserved(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~')
+}
+
+fn is_sub_delim(b: u8) -> bool {
+    matches!(
+        b,
+        b'!' | b'$' | b'&' | b'\'' | b'(' | b')' | b'*' | b'+' | b',' | b';' | b'='
+    )
+}
+
+/// Takes out of `buf` what it holds of a body being decoded: the data
+/// (`None` if none yet), and how the body stands: `Some(Ok)` ended,
+/// `Some(Err)` malformed, `None` more is to come. The connection hands a
+/// body over with this, and [`frame_requests`] frames a stream with it.
+pub fn gather(
+    decoder: &mut Decoder,
+    buf: &mut BytesMut,
+) -> (Option<Bytes>, Option<Result<(), ChunkError>>) {
+    let mut first: Option<Bytes> = None;
+    let mut more: Option<BytesMut> = None;
+    let end = loop {
+        match decoder.decode(buf) {
+            Ok(Decoded::Data(piece)) => match (&mut first, &mut more) {
+                (None, _) => first = Some(piece),
+                (Some(f), None) => {
+                    let mut joined = BytesMut::from(&f[..]);
+                    joined.extend_from_slice(&piece);
+                    more = Some(joined);
+                }
+                (Some(_), Some(joined)) => joined.extend_from_slice(&piece),
+            },
+            Ok(Decoded::End) => break Some(Ok(())),
+            Ok(Decoded::More) => break None,
+            Err(WireError::Chunk(e)) => break Some(Err(e)),
+            // A request's decoder is by a length or chunked: only chunk
+            // framing can be wrong.
+            Err(_) => break Some(Err(ChunkError::Size)),
+        }
+    };
+    (more.map(BytesMut::freeze).or(first), end)
+}
+
+/// A request framed out of a byte stream: its head, and its whole body.
+#[derive(Debug)]
+pub struct Framed {
+    pub request: http::request::Parts,
+    pub body: Bytes,
+}
+
+/// How [`frame_requests`] ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StreamEnd {
+    /// Every byte was a request's, or a request ended the connection (what
+    /// follows it is never read).
+    Done,
+    /// The bytes ended inside a request's head or body.
+    Incomplete,
+    /// Refused: the server answers with a problem and closes.
+    Refused(HeadError),
+}
+
+/// The requests a connection reads from `stream` when all of it has
+/// arrived, by the connection's own steps: [`parse_head`], then
+/// [`gather`] for the body, until the bytes end, a request is refused, or
+/// one does not keep the connection open.
+pub fn frame_requests(stream: &[u8]) -> (Vec<Framed>, StreamEnd) {
+    let mut buf = BytesMut::from(stream);
+    let mut framed = Vec::new();
+    while !buf.is_empty() {
+        let head = match parse_head(&mut buf) {
+            Ok(Some(head)) => head,
+            Ok(None) => return (framed, StreamEnd::Incomplete),
+            Err(e) => return (framed, StreamEnd::Refused(e)),
+        };
+        let mut decoder = head.body;
+        let body = if decoder.ended() {
+            Bytes::new()
+        } else {
+            match gather(&mut decoder, &mut buf) {
+                (body, Some(Ok(()))) => body.unwrap_or_default(),
+                (_, Some(Err(e))) => return (framed, StreamEnd::Refused(HeadError::Chunked(e))),
+                (_, None) => return (framed, StreamEnd::Incomplete),
+            }
+        };
+        framed.push(Framed {
+            request: head.request,
+            body,
+        });
+        if !head.keep_alive {
+            break;
+        }
+    }
+    (framed, StreamEnd::Done)
 }
 
 /// How an answer's body goes on the wire.
@@ -329,54 +547,214 @@ mod tests {
 
     #[test]
     fn request_framing_is_strict() {
-        let h = head("PUT /a HTTP/1.1\r\nContent-Length: 5\r\n\r\n")
+        let h = head("PUT /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\n")
             .unwrap()
             .unwrap();
         assert_eq!(h.body, Decoder::Length(5));
         assert!(h.keep_alive);
-        let h = head("PUT /a HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\n")
-            .unwrap()
-            .unwrap();
+        let h =
+            head("PUT /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 5\r\n\r\n")
+                .unwrap()
+                .unwrap();
         assert_eq!(h.body, Decoder::Length(5));
         let h = head("GET /a HTTP/1.1\r\nHost: x\r\n\r\n").unwrap().unwrap();
         assert_eq!(h.body, Decoder::Ended);
         // Both framings: chunked wins, the length goes, the connection ends.
-        let h = head("PUT /a HTTP/1.1\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n")
-            .unwrap()
-            .unwrap();
-        assert_eq!(h.body, Decoder::Chunked(Chunk::Size));
-        assert!(!h.keep_alive);
-        assert!(!h.request.headers.contains_key(header::CONTENT_LENGTH));
-        for raw in [
-            "PUT /a HTTP/1.1\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
-            "PUT /a HTTP/1.1\r\nContent-Length: 5, 6\r\n\r\n",
-            "PUT /a HTTP/1.1\r\nContent-Length: -5\r\n\r\n",
-            "PUT /a HTTP/1.1\r\nContent-Length: +5\r\n\r\n",
-            "PUT /a HTTP/1.1\r\nContent-Length: 0x5\r\n\r\n",
-            "PUT /a HTTP/1.1\r\nContent-Length: \r\n\r\n",
-            "PUT /a HTTP/1.1\r\nContent-Length: 99999999999999999999\r\n\r\n",
-        ] {
-            assert_eq!(head(raw).unwrap_err(), HeadError::Length, "{raw}");
-        }
-        for raw in [
-            "PUT /a HTTP/1.1\r\nTransfer-Encoding: gzip\r\n\r\n",
-            "PUT /a HTTP/1.1\r\nTransfer-Encoding: chunked, gzip\r\n\r\n",
-            "PUT /a HTTP/1.1\r\nTransfer-Encoding: \r\n\r\n",
-            "PUT /a HTTP/1.0\r\nTransfer-Encoding: chunked\r\n\r\n",
-        ] {
-            assert_eq!(head(raw).unwrap_err(), HeadError::Coding, "{raw}");
-        }
         let h = head(
-            "PUT /a HTTP/1.1\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: chunked\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
         )
         .unwrap()
         .unwrap();
         assert_eq!(h.body, Decoder::Chunked(Chunk::Size));
+        assert!(!h.keep_alive);
+        assert!(!h.request.headers.contains_key(header::CONTENT_LENGTH));
+        for raw in [
+            "PUT /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5, 6\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5, 5\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5,\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: x\r\nContent-Length: -5\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: x\r\nContent-Length: +5\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: x\r\nContent-Length: 0x5\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: x\r\nContent-Length: \r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: x\r\nContent-Length: 99999999999999999999\r\n\r\n",
+        ] {
+            assert_eq!(head(raw).unwrap_err(), HeadError::Length, "{raw}");
+        }
+        for raw in [
+            "PUT /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: \r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: ,\r\n\r\n",
+            "PUT /a HTTP/1.0\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n",
+            // An empty element: the last coding is chunked to some readers
+            // and the empty one to others.
+            "PUT /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked,\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: , chunked\r\n\r\n",
+            "PUT /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding:\r\n\r\n",
+        ] {
+            assert_eq!(head(raw).unwrap_err(), HeadError::Coding, "{raw}");
+        }
+        // Any coding but one chunked: 501 (RFC 9112 §6.1).
+        for te in [
+            "gzip",
+            "chunked, gzip",
+            "gzip, chunked",
+            "chunked, chunked",
+            "chunked;q=1",
+            "identity",
+            "x-unknown, chunked",
+            "chunked\r\nTransfer-Encoding: chunked",
+            "gzip\r\nTransfer-Encoding: chunked",
+        ] {
+            let raw = format!("PUT /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: {te}\r\n\r\n");
+            assert_eq!(
+                head(&raw).unwrap_err(),
+                HeadError::UnsupportedCoding,
+                "{te}"
+            );
+        }
+        for te in ["chunked", "Chunked", " CHUNKED "] {
+            let raw = format!("PUT /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: {te}\r\n\r\n");
+            let h = head(&raw).unwrap().unwrap();
+            assert_eq!(h.body, Decoder::Chunked(Chunk::Size), "{te}");
+        }
+    }
+
+    #[test]
+    fn host_is_one_valid_authority() {
+        for host in [
+            "a",
+            "example.com",
+            "example.com:8080",
+            "EXAMPLE.com:",
+            "127.0.0.1",
+            "127.0.0.1:80",
+            "[::1]",
+            "[::1]:443",
+            "[2001:db8::7]:1",
+            "[::ffff:192.0.2.1]",
+            "[v1.fe80::a+en1]",
+            "a-b_c~d.e!$&'()*+,;=",
+            "%41%2a",
+            "xn--nxasmq6b",
+        ] {
+            let raw = format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n");
+            assert!(head(&raw).is_ok_and(|h| h.is_some()), "{host:?}");
+        }
+        for host in [
+            "",
+            ":80",
+            "a b",
+            "a b@c",
+            "user@a",
+            "user:pw@a",
+            "a:b",
+            "a:80:80",
+            "a/b",
+            "a?b",
+            "a#b",
+            "%4",
+            "%zz",
+            "[::1",
+            "::1",
+            "[::1]x",
+            "[::1]:x",
+            "[1.2.3.4]",
+            "[::1%25eth0]",
+            "[v.x]",
+            "[v1.]",
+            "\"a\"",
+            "a\\b",
+            "é",
+        ] {
+            let raw = format!("GET / HTTP/1.1\r\nHost: {host}\r\n\r\n");
+            assert_eq!(head(&raw).unwrap_err(), HeadError::Host, "{host:?}");
+        }
+        for raw in [
+            "GET / HTTP/1.1\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nHost: a\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nhost: b\r\n\r\n",
+            "GET / HTTP/1.0\r\nHost: a\r\nHost: a\r\n\r\n",
+            "GET / HTTP/1.0\r\nHost: a b\r\n\r\n",
+        ] {
+            assert_eq!(head(raw).unwrap_err(), HeadError::Host, "{raw:?}");
+        }
+        // HTTP/1.0 has no Host: one without is served.
+        assert!(head("GET / HTTP/1.0\r\n\r\n").unwrap().is_some());
+    }
+
+    #[test]
+    fn a_bare_lf_anywhere_in_a_head_is_refused() {
+        for raw in [
+            "GET / HTTP/1.1\nHost: a\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\nX: b\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\nX: b\n\r\n",
+            "GET / HTTP/1.1\r\nHost: a\r\n\n",
+            "GET / HTTP/1.1\nHost: a\n\n",
+            "\nGET / HTTP/1.1\r\nHost: a\r\n\r\n",
+            "\r\n\nGET / HTTP/1.1\r\nHost: a\r\n\r\n",
+        ] {
+            assert_eq!(head(raw).unwrap_err(), HeadError::BareLf, "{raw:?}");
+        }
+        // An empty line before the request line is skipped (RFC 9112 §2.2).
+        assert!(head("\r\nGET / HTTP/1.1\r\nHost: a\r\n\r\n")
+            .unwrap()
+            .is_some());
+    }
+
+    fn framed(stream: &str) -> (Vec<(String, String)>, StreamEnd) {
+        let (requests, end) = frame_requests(stream.as_bytes());
+        let requests = requests
+            .into_iter()
+            .map(|f| {
+                (
+                    format!("{} {}", f.request.method, f.request.uri),
+                    String::from_utf8_lossy(&f.body).into_owned(),
+                )
+            })
+            .collect();
+        (requests, end)
+    }
+
+    #[test]
+    fn a_stream_is_framed_as_the_connection_reads_it() {
+        let two = "PUT /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n\
+                   3;x=y\r\nabc\r\n0\r\nx-sum: 1\r\n\r\n\
+                   GET /b HTTP/1.1\r\nHost: x\r\n\r\n";
+        let (got, end) = framed(two);
+        assert_eq!(end, StreamEnd::Done);
+        assert_eq!(
+            got,
+            [
+                ("PUT /a".to_string(), "abc".to_string()),
+                ("GET /b".to_string(), String::new())
+            ]
+        );
+        // What follows a request that ends the connection is never read.
+        let (got, end) =
+            framed("GET /a HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\nGARBAGE\r\n\r\n");
+        assert_eq!((got.len(), end), (1, StreamEnd::Done));
+        let (got, end) = framed("GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\n");
+        assert_eq!((got.len(), end), (1, StreamEnd::Incomplete));
+        let (got, end) = framed("PUT /a HTTP/1.1\r\nHost: x\r\nContent-Length: 5\r\n\r\nabc");
+        assert_eq!((got.len(), end), (0, StreamEnd::Incomplete));
+        // D1 of issue 49: the bare LF after `;` is refused, and the GET
+        // inside the body is never a request.
+        let d1 = format!(
+            "PUT /docs/x HTTP/1.1\r\nHost: a\r\nX-Fence-Token: 1\r\nTransfer-Encoding: chunked\r\n\r\n\
+             2;\nxx\r\n50\r\n0\r\n\r\nGET /smuggled HTTP/1.1\r\nHost: a\r\n\r\n{}\r\n0\r\n\r\n",
+            "Z".repeat(40)
+        );
+        let (got, end) = framed(&d1);
+        assert!(got.is_empty(), "{got:?}");
+        assert_eq!(
+            end,
+            StreamEnd::Refused(HeadError::Chunked(ChunkError::LineEnd))
+        );
     }
 
     #[test]
     fn connection_and_expect_are_read() {
-        let h = head("GET / HTTP/1.1\r\nConnection: close\r\n\r\n")
+        let h = head("GET / HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
             .unwrap()
             .unwrap();
         assert!(!h.keep_alive);
@@ -386,9 +764,10 @@ mod tests {
             .unwrap()
             .unwrap();
         assert!(h.keep_alive);
-        let h = head("PUT / HTTP/1.1\r\nExpect: 100-Continue\r\nContent-Length: 1\r\n\r\n")
-            .unwrap()
-            .unwrap();
+        let h =
+            head("PUT / HTTP/1.1\r\nHost: x\r\nExpect: 100-Continue\r\nContent-Length: 1\r\n\r\n")
+                .unwrap()
+                .unwrap();
         assert!(h.expect_continue);
         let h = head("PUT / HTTP/1.0\r\nExpect: 100-continue\r\nContent-Length: 1\r\n\r\n")
             .unwrap()
@@ -412,7 +791,7 @@ mod tests {
         for raw in [
             "GARBAGE\r\n\r\n",
             "GET / HTTP/2.0\r\n\r\n",
-            "GET / HTTP/1.1\r\nBad Name: x\r\n\r\n",
+            "GET / HTTP/1.1\r\nHost: x\r\nBad Name: x\r\n\r\n",
             "GET / HTTP/1.1\r\nX: a\rb\r\n\r\n",
             "GET /\x01 HTTP/1.1\r\n\r\n",
         ] {

@@ -53,7 +53,7 @@ mod conn;
 mod cutoff;
 mod flight;
 mod tcp;
-pub(crate) mod wire;
+pub mod wire;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};

@@ -18,6 +18,18 @@
 //! - **Hop-by-hop fields** of an answer (those of `proxy`'s list, and any a
 //!   `Connection` names) belong to this connection and are consumed here:
 //!   the answer's head comes out without them.
+//! - **Chunked bodies** (answers here, and requests: the server decodes
+//!   them with the same [`Decoder`]) are read by RFC 9112 §7.1's grammar,
+//!   not by a lenient one: a chunk-size line has at least one hex digit,
+//!   then optional whitespace, then extensions after `;` holding no control
+//!   character; every line of the framing ends in CRLF (a bare CR or LF
+//!   anywhere is refused); the trailer section is field lines under the
+//!   head's rules (a token name right before its colon, field-value bytes)
+//!   and limits, and is dropped. Whatever one reader takes for a line end,
+//!   a chunk boundary or the body's end, another may not: that gap is
+//!   request smuggling (Go's CVE-2025-22871 is a bare LF after `;`), so
+//!   anything off the grammar is refused ([`ChunkError`]) rather than read
+//!   one way.
 //! - **Limits**: a head of at most [`MAX_HEAD_BYTES`] and [`MAX_HEADERS`]
 //!   fields, chunk-size lines and trailers bounded: an upstream cannot make
 //!   the gateway buffer without end.
@@ -33,8 +45,10 @@ const MAX_HEADERS: usize = 100;
 const MAX_HEAD_BYTES: usize = u16::MAX as usize;
 /// Longest chunk-size line, with its extensions.
 const MAX_CHUNK_LINE: usize = 4096;
-/// Longest trailer section of a chunked answer (trailers are dropped).
+/// Longest trailer section of a chunked body (trailers are dropped), and
+/// most field lines in it: a head's limits.
 const MAX_TRAILERS: usize = 64 * 1024;
+const MAX_TRAILER_FIELDS: usize = MAX_HEADERS;
 
 /// What is wrong with an upstream's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -49,8 +63,35 @@ pub enum WireError {
     BothFramings,
     #[error("the answer's Content-Length is invalid or ambiguous")]
     Length,
-    #[error("the answer's chunked body is malformed")]
-    Chunk,
+    #[error("the answer is HTTP/1.0 with a Transfer-Encoding, so its framing cannot be trusted")]
+    Http10Coding,
+    #[error("the answer's Transfer-Encoding has an empty element, so its last coding is unclear")]
+    CodingGap,
+    #[error("the chunked body is malformed: {0}")]
+    Chunk(ChunkError),
+}
+
+/// What is wrong with a chunked body's framing (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum ChunkError {
+    #[error("a chunk-size line has no hex digit, a byte that is neither one nor an extension, or a size beyond 64 bits")]
+    Size,
+    #[error("a chunk extension holds a control character")]
+    Extension,
+    #[error("a line of the chunk framing ends in a bare CR or LF")]
+    LineEnd,
+    #[error("a chunk's data is not followed by CRLF")]
+    DataEnd,
+    #[error("a trailer line is not a valid field line")]
+    Trailer,
+    #[error("a chunk-size line or the trailer section is longer than its limit")]
+    TooLong,
+}
+
+impl From<ChunkError> for WireError {
+    fn from(e: ChunkError) -> Self {
+        WireError::Chunk(e)
+    }
 }
 
 /// How the request's body goes on the wire.
@@ -231,7 +272,7 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<AnswerHe
         if framing.names_headers {
             crate::proxy::strip_hop_by_hop(&mut headers);
         }
-        let body = framing.body(method, status)?;
+        let body = framing.body(method, status, version)?;
         let keep_alive =
             version == Version::HTTP_11 && !framing.close && !matches!(body, Decoder::ToClose);
         return Ok(Some(AnswerHead {
@@ -268,15 +309,27 @@ impl Framing {
     }
 
     /// How the answer's body is framed.
-    fn body(&self, method: &Method, status: StatusCode) -> Result<Decoder, WireError> {
+    fn body(
+        &self,
+        method: &Method,
+        status: StatusCode,
+        version: Version,
+    ) -> Result<Decoder, WireError> {
         if method == Method::HEAD
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED
         {
             return Ok(Decoder::Length(0));
         }
+        // RFC 9112 §6.1: HTTP/1.0 has no transfer codings, so such an
+        // answer was likely passed on by something that did not decode
+        // them: its framing is faulty.
+        if version == Version::HTTP_10 && self.body.chunked.is_some() {
+            return Err(WireError::Http10Coding);
+        }
         match (self.body.chunked, self.body.length) {
             (Some(_), Some(_)) => Err(WireError::BothFramings),
+            (Some(_), None) if self.body.codings_gap => Err(WireError::CodingGap),
             (Some(true), None) => Ok(Decoder::Chunked(Chunk::Size)),
             (Some(false), None) | (None, None) => Ok(Decoder::ToClose),
             (None, Some(length)) => length.map(Decoder::Length).ok_or(WireError::Length),
@@ -292,9 +345,20 @@ pub(crate) struct BodyFields {
     /// `Content-Length`: `Some(Some(n))` for one valid length however
     /// often repeated, `Some(None)` for an invalid or ambiguous one.
     pub length: Option<Option<u64>>,
+    /// A `Content-Length` field holds a list (`5, 5`), which a request may
+    /// not (see the server's `wire`).
+    pub length_listed: bool,
     /// `Transfer-Encoding`: whether its last coding, over all its fields,
     /// is chunked.
     pub chunked: Option<bool>,
+    /// How many codings `Transfer-Encoding` lists over all its fields
+    /// (empty list elements aside), up to 255: a request may have only
+    /// `chunked`, once.
+    pub codings: u8,
+    /// `Transfer-Encoding` has an empty list element (`chunked,`, or an
+    /// empty field): readers disagree on which coding is the last (RFC
+    /// 9110 §5.6.1 has them ignored; hyper takes the empty one).
+    pub codings_gap: bool,
 }
 
 impl BodyFields {
@@ -302,6 +366,7 @@ impl BodyFields {
     pub fn field(&mut self, name: &[u8], value: &[u8]) -> bool {
         match name.len() {
             14 if name.eq_ignore_ascii_case(b"content-length") => {
+                self.length_listed |= value.contains(&b',');
                 for part in tokens(value) {
                     self.length = Some(match (self.length, parse_length(part)) {
                         (Some(None), _) | (_, None) => None,
@@ -313,6 +378,9 @@ impl BodyFields {
             }
             17 if name.eq_ignore_ascii_case(b"transfer-encoding") => {
                 // Present, even empty, is present: never framed by a length.
+                let listed = tokens(value).filter(|c| !c.is_empty()).count();
+                self.codings_gap |= tokens(value).any(<[u8]>::is_empty);
+                self.codings = self.codings.saturating_add(listed.min(255) as u8);
                 match tokens(value).rfind(|c| !c.is_empty()) {
                     Some(last) => self.chunked = Some(last.eq_ignore_ascii_case(b"chunked")),
                     None => _ = self.chunked.get_or_insert(false),
@@ -364,8 +432,9 @@ pub enum Chunk {
     Data(u64),
     /// After a chunk's data, before its CRLF.
     DataEnd,
-    /// After the last chunk: trailer lines (dropped), this many bytes so far.
-    Trailers(usize),
+    /// After the last chunk: trailer lines (dropped), this many bytes and
+    /// field lines so far.
+    Trailers { bytes: usize, fields: usize },
 }
 
 /// What [`Decoder::decode`] found in the buffer.
@@ -390,20 +459,19 @@ impl Decoder {
                 Decoder::Length(left) => return Ok(take(buf, left)),
                 Decoder::ToClose if buf.is_empty() => return Ok(Decoded::More),
                 Decoder::ToClose => return Ok(Decoded::Data(buf.split().freeze())),
-                Decoder::Chunked(Chunk::Size) => match httparse::parse_chunk_size(buf) {
-                    Ok(httparse::Status::Complete((used, size))) => {
-                        buf.advance(used);
-                        *self = Decoder::Chunked(match size {
-                            0 => Chunk::Trailers(0),
-                            n => Chunk::Data(n),
-                        });
-                    }
-                    Ok(httparse::Status::Partial) if buf.len() > MAX_CHUNK_LINE => {
-                        return Err(WireError::Chunk)
-                    }
-                    Ok(httparse::Status::Partial) => return Ok(Decoded::More),
-                    Err(_) => return Err(WireError::Chunk),
-                },
+                Decoder::Chunked(Chunk::Size) => {
+                    let Some((used, size)) = size_line(buf)? else {
+                        return Ok(Decoded::More);
+                    };
+                    buf.advance(used);
+                    *self = Decoder::Chunked(match size {
+                        0 => Chunk::Trailers {
+                            bytes: 0,
+                            fields: 0,
+                        },
+                        n => Chunk::Data(n),
+                    });
+                }
                 Decoder::Chunked(Chunk::Data(left)) => {
                     let piece = take(buf, left);
                     if *left == 0 {
@@ -412,30 +480,28 @@ impl Decoder {
                     return Ok(piece);
                 }
                 Decoder::Chunked(Chunk::DataEnd) => {
-                    if buf.len() < 2 {
-                        return Ok(Decoded::More);
-                    }
-                    if &buf[..2] != b"\r\n" {
-                        return Err(WireError::Chunk);
+                    match (buf.first(), buf.get(1)) {
+                        (None, _) | (Some(b'\r'), None) => return Ok(Decoded::More),
+                        (Some(b'\r'), Some(b'\n')) => {}
+                        (Some(b'\n' | b'\r'), _) => return Err(ChunkError::LineEnd.into()),
+                        _ => return Err(ChunkError::DataEnd.into()),
                     }
                     buf.advance(2);
                     *self = Decoder::Chunked(Chunk::Size);
                 }
-                Decoder::Chunked(Chunk::Trailers(seen)) => {
-                    let Some(eol) = buf.windows(2).position(|w| w == b"\r\n") else {
-                        if *seen + buf.len() > MAX_TRAILERS {
-                            return Err(WireError::Chunk);
-                        }
+                Decoder::Chunked(Chunk::Trailers { bytes, fields }) => {
+                    let Some(line) = trailer_line(buf, MAX_TRAILERS - *bytes)? else {
                         return Ok(Decoded::More);
                     };
-                    buf.advance(eol + 2);
-                    if eol == 0 {
+                    buf.advance(line);
+                    if line == 2 {
                         *self = Decoder::Ended;
                         return Ok(Decoded::End);
                     }
-                    *seen += eol + 2;
-                    if *seen > MAX_TRAILERS {
-                        return Err(WireError::Chunk);
+                    *bytes += line;
+                    *fields += 1;
+                    if *fields > MAX_TRAILER_FIELDS {
+                        return Err(ChunkError::TooLong.into());
                     }
                 }
             }
@@ -455,6 +521,108 @@ impl Decoder {
             _ => http_body::SizeHint::default(),
         }
     }
+}
+
+/// The chunk-size line at the start of `buf`: its length with its CRLF,
+/// and the size. `None`: the line has not all arrived, and what has is
+/// valid so far (a wrong byte is refused as soon as it is in).
+///
+/// `chunk = chunk-size [ chunk-ext ] CRLF` (RFC 9112 §7.1): at least one
+/// hex digit, then whitespace only before a `;`, then extensions of any
+/// bytes but controls (HTAB aside). The extensions are ignored, so their
+/// inner grammar is not checked; a control character, a bare CR or LF
+/// among them is what readers disagree about.
+fn size_line(buf: &[u8]) -> Result<Option<(usize, u64)>, ChunkError> {
+    let mut size: u64 = 0;
+    let mut digits = 0;
+    // 0: digits, 1: whitespace after them, 2: extensions.
+    let mut part = 0;
+    for (i, &b) in buf.iter().enumerate() {
+        if i >= MAX_CHUNK_LINE {
+            return Err(ChunkError::TooLong);
+        }
+        match (part, b) {
+            (_, b'\r') => {
+                if digits == 0 {
+                    return Err(ChunkError::Size);
+                }
+                return match buf.get(i + 1) {
+                    None => Ok(None),
+                    Some(b'\n') => Ok(Some((i + 2, size))),
+                    Some(_) => Err(ChunkError::LineEnd),
+                };
+            }
+            (_, b'\n') => return Err(ChunkError::LineEnd),
+            (0, b) if b.is_ascii_hexdigit() => {
+                let digit = (b as char).to_digit(16).unwrap_or(0);
+                size = size
+                    .checked_mul(16)
+                    .and_then(|s| s.checked_add(u64::from(digit)))
+                    .ok_or(ChunkError::Size)?;
+                digits += 1;
+            }
+            (0 | 1, b' ' | b'\t') if digits > 0 => part = 1,
+            (0 | 1, b';') if digits > 0 => part = 2,
+            (0 | 1, _) => return Err(ChunkError::Size),
+            (_, b) if is_ctl(b) => return Err(ChunkError::Extension),
+            _ => {}
+        }
+    }
+    if buf.len() > MAX_CHUNK_LINE {
+        return Err(ChunkError::TooLong);
+    }
+    Ok(None)
+}
+
+/// A control character as a field value or chunk extension must not hold
+/// one: below 0x20 but HTAB, and DEL.
+fn is_ctl(b: u8) -> bool {
+    (b < 0x20 && b != b'\t') || b == 0x7f
+}
+
+/// The trailer line at the start of `buf`: its length with its CRLF (2:
+/// the empty line that ends the section). `None`: not all of it has
+/// arrived, and what has is valid so far (a wrong byte is refused as soon
+/// as it is in, as in [`size_line`]). `room`: what is left of the
+/// section's limit.
+///
+/// A trailer line is a field line as in a head (RFC 9112 §7.1.2, §5): a
+/// token, the colon right after it, a value of field-value bytes (no
+/// controls but HTAB); no obs-fold (a line that begins with whitespace has
+/// no token).
+fn trailer_line(buf: &[u8], room: usize) -> Result<Option<usize>, ChunkError> {
+    // Still in the name (before the colon).
+    let mut in_name = true;
+    for (i, &b) in buf.iter().enumerate() {
+        if i >= room {
+            return Err(ChunkError::TooLong);
+        }
+        match b {
+            b'\r' => {
+                return match buf.get(i + 1) {
+                    None => Ok(None),
+                    Some(b'\n') if i == 0 => Ok(Some(2)),
+                    Some(b'\n') if in_name => Err(ChunkError::Trailer),
+                    Some(b'\n') => Ok(Some(i + 2)),
+                    Some(_) => Err(ChunkError::LineEnd),
+                };
+            }
+            b'\n' => return Err(ChunkError::LineEnd),
+            b':' if in_name && i > 0 => in_name = false,
+            b if in_name && is_tchar(b) => {}
+            b if !in_name && !is_ctl(b) => {}
+            _ => return Err(ChunkError::Trailer),
+        }
+    }
+    if buf.len() >= room {
+        return Err(ChunkError::TooLong);
+    }
+    Ok(None)
+}
+
+/// A byte of a token (RFC 9110 §5.6.2).
+pub(crate) fn is_tchar(b: u8) -> bool {
+    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
 }
 
 /// Up to `left` bytes from `buf`, counted off `left`.
@@ -588,10 +756,22 @@ mod tests {
         assert_eq!(body_of(raw).unwrap(), Decoder::Chunked(Chunk::Size));
         let raw = "HTTP/1.1 200 OK\r\nTransfer-Encoding:\r\nContent-Length: 3\r\n\r\n";
         assert_eq!(body_of(raw).unwrap_err(), WireError::BothFramings);
-        let raw = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTransfer-Encoding: \r\n\r\n";
-        assert_eq!(body_of(raw).unwrap(), Decoder::Chunked(Chunk::Size));
+        // An empty element: chunked to some readers, not to others.
+        for te in [
+            "chunked\r\nTransfer-Encoding: ",
+            "chunked,",
+            "chunked, ,gzip",
+        ] {
+            let raw = format!("HTTP/1.1 200 OK\r\nTransfer-Encoding: {te}\r\n\r\n");
+            assert_eq!(body_of(&raw).unwrap_err(), WireError::CodingGap, "{te}");
+        }
         let raw = "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n";
         assert_eq!(body_of(raw).unwrap(), Decoder::ToClose);
+        // HTTP/1.0 has no codings: such an answer's framing is faulty.
+        for te in ["chunked", "gzip"] {
+            let raw = format!("HTTP/1.0 200 OK\r\nTransfer-Encoding: {te}\r\n\r\n");
+            assert_eq!(body_of(&raw).unwrap_err(), WireError::Http10Coding, "{te}");
+        }
         let h = head("HTTP/1.1 200 OK\r\n\r\n", &Method::GET)
             .unwrap()
             .unwrap();
@@ -675,24 +855,160 @@ mod tests {
 
     #[test]
     fn malformed_or_endless_chunks_are_refused() {
-        for bad in [&b"5\r\nhelloXX"[..], b"zz\r\n", b"fffffffffffffffff\r\n"] {
+        for (bad, why) in [
+            (&b"5\r\nhelloXX"[..], ChunkError::DataEnd),
+            (b"zz\r\n", ChunkError::Size),
+            (b"fffffffffffffffff\r\n", ChunkError::Size),
+        ] {
             let d = Decoder::Chunked(Chunk::Size);
             assert_eq!(
                 decode_all(d, bad, 100).unwrap_err(),
-                WireError::Chunk,
+                WireError::Chunk(why),
                 "{bad:?}"
             );
         }
         let mut input = b"1;".to_vec();
         input.extend(std::iter::repeat_n(b'a', MAX_CHUNK_LINE + 1));
         let d = Decoder::Chunked(Chunk::Size);
-        assert_eq!(decode_all(d, &input, 512).unwrap_err(), WireError::Chunk);
-        let mut trailers = b"0\r\n".to_vec();
+        assert_eq!(
+            decode_all(d, &input, 512).unwrap_err(),
+            WireError::Chunk(ChunkError::TooLong)
+        );
+        let mut trailers = b"0\r\nx: ".to_vec();
         trailers.extend(std::iter::repeat_n(b'a', MAX_TRAILERS + 1));
         let d = Decoder::Chunked(Chunk::Size);
         assert_eq!(
             decode_all(d, &trailers, 4096).unwrap_err(),
-            WireError::Chunk
+            WireError::Chunk(ChunkError::TooLong)
+        );
+        let mut many = b"0\r\n".to_vec();
+        for i in 0..=MAX_TRAILER_FIELDS {
+            many.extend_from_slice(format!("x-{i}: 1\r\n").as_bytes());
+        }
+        many.extend_from_slice(b"\r\n");
+        let d = Decoder::Chunked(Chunk::Size);
+        assert_eq!(
+            decode_all(d, &many, 4096).unwrap_err(),
+            WireError::Chunk(ChunkError::TooLong)
+        );
+    }
+
+    /// A chunked body decoded whole and byte by byte: what each way gives
+    /// must be the same, data and ending or error.
+    fn chunked(input: &[u8]) -> Result<(Vec<u8>, bool), WireError> {
+        let whole = decode_all(Decoder::Chunked(Chunk::Size), input, input.len().max(1));
+        let bytewise = decode_all(Decoder::Chunked(Chunk::Size), input, 1);
+        assert_eq!(whole, bytewise, "{:?}", String::from_utf8_lossy(input));
+        whole
+    }
+
+    /// Each of `inputs` is refused, for `why`.
+    fn all_refused(inputs: &[&[u8]], why: ChunkError) {
+        for input in inputs {
+            let shown = String::from_utf8_lossy(input);
+            match chunked(input) {
+                Err(WireError::Chunk(e)) => assert_eq!(e, why, "{shown:?}"),
+                other => panic!("{shown:?}: {other:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn a_chunk_size_line_has_a_hex_digit_and_nothing_but_whitespace_before_extensions() {
+        for ok in [
+            &b"5\r\nhello\r\n0\r\n\r\n"[..],
+            b"005\r\nhello\r\n000\r\n\r\n",
+            b"5 \t\r\nhello\r\n0\r\n\r\n",
+            b"5 ; a=b\r\nhello\r\n0;last\r\n\r\n",
+            b"5;a=\"q \\\" \xff\"\r\nhello\r\n0\r\n\r\n",
+            b"5;\tx\r\nhello\r\n0\r\n\r\n",
+            b"ffffffffffffffff\r\n",
+        ] {
+            assert!(chunked(ok).is_ok(), "{:?}", String::from_utf8_lossy(ok));
+        }
+        // D2: an empty size line is not the last chunk.
+        all_refused(&[b"5\r\nhello\r\n\r\n\r\n"], ChunkError::Size);
+        all_refused(
+            &[
+                &b"\r\n"[..],
+                b";ext\r\n",
+                b" 5\r\n",
+                b"5 5\r\n",
+                b"0x5\r\n",
+                b"+5\r\n",
+                b"-5\r\n",
+                b"5_\r\n",
+                b"10000000000000000\r\n",
+            ],
+            ChunkError::Size,
+        );
+    }
+
+    #[test]
+    fn chunk_extensions_hold_no_control_characters() {
+        all_refused(
+            &[
+                &b"5;a\x00\r\nhello\r\n0\r\n\r\n"[..],
+                b"5;a\x1b[31m\r\nhello\r\n0\r\n\r\n",
+                b"5;a\x7f\r\nhello\r\n0\r\n\r\n",
+                b"5;\x0b\r\nhello\r\n0\r\n\r\n",
+                b"0;\x0c\r\n\r\n",
+            ],
+            ChunkError::Extension,
+        );
+    }
+
+    #[test]
+    fn bare_cr_or_lf_is_refused_everywhere_in_the_framing() {
+        all_refused(
+            &[
+                // D1: a bare LF ends the size line for some readers, not others.
+                &b"2;\nxx\r\n50\r\n0\r\n\r\n"[..],
+                b"2\nxx\r\n0\r\n\r\n",
+                b"2;a\rb\r\nxx\r\n0\r\n\r\n",
+                b"2\rxx\r\n0\r\n\r\n",
+                // After a chunk's data.
+                b"2\r\nxx\n0\r\n\r\n",
+                b"2\r\nxx\r0\r\n\r\n",
+                b"2\r\nxx\n\r\n0\r\n\r\n",
+                // The last chunk's line.
+                b"0\n\r\n",
+                b"0\r\r\n\r\n",
+                // D3: the trailer section's end, and its lines.
+                b"5\r\nhello\r\n0\r\n\nGET /smuggled HTTP/1.1\r\nHost: a\r\n\r\n",
+                b"0\r\n\n",
+                b"0\r\nx: 1\n\r\n",
+                b"0\r\nx: 1\r\n\n",
+                b"0\r\nx: a\rb\r\n\r\n",
+                b"0\r\n\rP",
+            ],
+            ChunkError::LineEnd,
+        );
+    }
+
+    #[test]
+    fn trailers_are_field_lines_under_the_heads_rules_and_dropped() {
+        let (body, ended) =
+            chunked(b"2\r\nok\r\n0\r\nx-sum: abc\r\nEmpty:\r\nx-t:\t a b \xff\t\r\n\r\nNEXT")
+                .unwrap();
+        assert_eq!((body.as_slice(), ended), (&b"ok"[..], true));
+        all_refused(
+            &[
+                &b"0\r\nx y: 1\r\n\r\n"[..],
+                b"0\r\nx : 1\r\n\r\n",
+                b"0\r\n: 1\r\n\r\n",
+                b"0\r\nx\r\n\r\n",
+                b"0\r\nGET /smuggled HTTP/1.1\r\n\r\n",
+                b"0\r\nx: 1\r\n folded\r\n\r\n",
+                b"0\r\n\tx: 1\r\n\r\n",
+                b"0\r\nx: a\x00b\r\n\r\n",
+                b"0\r\nx: a\x7f\r\n\r\n",
+                b"0\r\nx\x80: 1\r\n\r\n",
+                // Refused before the line ends.
+                b"0\r\nGET ",
+                b"0\r\nx: \x00",
+            ],
+            ChunkError::Trailer,
         );
     }
 }

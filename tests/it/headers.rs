@@ -389,3 +389,98 @@ async fn two_authorization_headers_on_a_proxied_request_are_refused() {
         ["Bearer admin-key"]
     );
 }
+
+/// Issue 49's D4: CGI, WSGI and Rack read `X_Region` and `X-Region` as one
+/// variable, so a write fenced under the `X-Region` the gateway read could
+/// be applied under the `X_Region` the application read (Puma's
+/// CVE-2024-45614). A fenced write with a `_` in any header name is 400
+/// `ambiguous-header` (naming the key header it shadows, when it does),
+/// nothing forwarded; a pass-through request's are dropped, the rest kept.
+#[tokio::test]
+async fn header_names_with_underscores_are_refused_on_writes_and_dropped_from_reads() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = Upstream::start().await;
+    let routes = format!("{}{}", tenants_route(&up.url()), docs_route(&up.url()));
+    let app = TestApp::spawn(&store.url, &routes).await;
+    let put = |path: &str, extra: &str| {
+        format!(
+            "PUT {path} HTTP/1.1\r\nHost: x\r\nX-Region: eu\r\nX-Fence-Token: 5\r\n\
+             Idempotency-Key: \"k-1\"\r\n{extra}Content-Length: 2\r\n\r\nok"
+        )
+    };
+    for (path, extra, shadows) in [
+        ("/t/7?tenant=a", "X_Region: us\r\n", Some("x-region")),
+        ("/t/7?tenant=a", "x_REGION: us\r\n", Some("x-region")),
+        (
+            "/t/7?tenant=a",
+            "X_Fence_Token: 1\r\n",
+            Some("x-fence-token"),
+        ),
+        (
+            "/t/7?tenant=a",
+            "Idempotency_Key: \"k-2\"\r\n",
+            Some("idempotency-key"),
+        ),
+        ("/t/7?tenant=a", "X_Custom: 1\r\n", None),
+        // On the docs route, X-Region is no key part.
+        ("/docs/a", "X_Region: us\r\n", None),
+    ] {
+        let (status, body) = raw_answer(&app, &put(path, extra)).await;
+        assert_eq!(status, 400, "{extra:?}: {body}");
+        let body: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            body["type"], "urn:fencegate:problem:ambiguous-header",
+            "{extra:?}"
+        );
+        let detail = body["detail"].as_str().unwrap();
+        match shadows {
+            Some(name) => assert!(detail.contains(&format!("'{name}'")), "{extra:?}: {detail}"),
+            None => assert!(!detail.contains("which the gateway checked"), "{detail}"),
+        }
+        assert!(up.requests().is_empty(), "{extra:?} was forwarded");
+    }
+    // A read: forwarded without them, everything else as sent.
+    let get = "GET /t/7?tenant=a HTTP/1.1\r\nHost: x\r\nX-Region: eu\r\nX_Region: us\r\n\
+               x_other: 1\r\nX-Kept: 1\r\n\r\n";
+    let (status, body) = raw_answer(&app, get).await;
+    assert_eq!(status, 404, "the upstream's: nothing there yet: {body}");
+    let reqs = up.requests();
+    assert_eq!(reqs.len(), 1);
+    let names: Vec<&str> = reqs[0].headers.keys().map(|n| n.as_str()).collect();
+    assert!(names.iter().all(|n| !n.contains('_')), "{names:?}");
+    assert_eq!(reqs[0].header("x-region"), Some("eu"));
+    assert_eq!(reqs[0].header("x-kept"), Some("1"));
+    // And the write without one goes through.
+    let (status, body) = raw_answer(&app, &put("/t/7?tenant=a", "")).await;
+    assert_eq!(status, 200, "{body}");
+}
+
+/// `X-Forwarded-Host` is the gateway's: the client's validated `Host`, or
+/// none (an HTTP/1.0 request without `Host`); a client's own never passes
+/// (`X-Forwarded-Host: a b@c` used to reach the upstream as sent).
+#[tokio::test]
+async fn x_forwarded_host_is_the_validated_host_or_nothing() {
+    let (_s, up, app) = setup().await;
+    let (status, _) = raw_answer(
+        &app,
+        "GET /docs/a HTTP/1.1\r\nHost: client.example:8080\r\nX-Forwarded-Host: a b@c\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status, 404, "the upstream's");
+    let (status, _) = raw_answer(
+        &app,
+        "GET /docs/b HTTP/1.0\r\nX-Forwarded-Host: a b@c\r\nX-Forwarded-Host: evil\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status, 404, "the upstream's");
+    let reqs = up.requests();
+    assert_eq!(reqs.len(), 2);
+    assert_eq!(
+        reqs[0].header_all("x-forwarded-host"),
+        ["client.example:8080"]
+    );
+    assert!(
+        reqs[1].header_all("x-forwarded-host").is_empty(),
+        "{reqs:?}"
+    );
+}

@@ -9,6 +9,7 @@ mod client;
 mod config_errors;
 mod dashboard;
 mod deploy;
+mod differential;
 mod durability;
 mod exchange_lifetime;
 mod failover_pg;

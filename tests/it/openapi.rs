@@ -12,9 +12,11 @@ use std::collections::BTreeSet;
 use std::path::Path;
 
 use serde_json::{json, Value};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 use crate::support::app::{content_type, docs_route, route, TestApp};
 use crate::support::db::{Backend, TestStore};
+use crate::support::fenced_put;
 use crate::support::upstream::Upstream;
 use crate::trust::auth_section;
 
@@ -322,6 +324,30 @@ async fn real_answers_match_the_documented_schemas() {
         "ProtectedHeaderProblem",
     )
     .await;
+    let underscored =
+        fenced_put(&app.http, app.url("/docs/report"), "5", "x").header("x_fence_token", "1");
+    let resp = underscored.send().await.expect("an answer");
+    api.proxied(resp, "PUT with X_Fence_Token", "AmbiguousHeaderProblem")
+        .await;
+    // A coding the server refuses, on the lock API's path as anywhere.
+    let mut raw = tokio::net::TcpStream::connect(app.addr).await.unwrap();
+    raw.write_all(
+        b"POST /_fencegate/locks/a HTTP/1.1\r\nHost: x\r\n\
+          Transfer-Encoding: gzip, chunked\r\n\r\n0\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let mut text = String::new();
+    raw.read_to_string(&mut text).await.unwrap();
+    let (head, body) = text.split_once("\r\n\r\n").expect("an answer");
+    assert!(head.starts_with("HTTP/1.1 501 "), "{head}");
+    let body: Value = serde_json::from_str(body).expect("a problem document");
+    conforms(
+        &api.doc,
+        &json!({"$ref": "#/components/schemas/UnsupportedCodingProblem"}),
+        &body,
+        "POST with gzip, chunked → 501",
+    );
     // Two keys on a lock API call: a bad lock request, named as such.
     let (s, p) = api
         .call_with_keys(acquire, a, &["key-billing", "key-ops"], Some(&ttl))

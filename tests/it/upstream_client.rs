@@ -416,6 +416,22 @@ fn scripted_answer(path: &str) -> (Vec<u8>, bool) {
         "bad-chunk" => {
             b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\nxx\r\n0\r\n\r\n"
         }
+        // Issue 49's D1-D3 in answers: framings a lenient decoder read as
+        // a whole body (`ok`, `hello`) and a strict one as something else.
+        "lf-in-extension" => {
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n2;\nab\r\nok\r\n0\r\n\r\n"
+        }
+        "empty-size-line" => {
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n\r\n\r\n"
+        }
+        "lf-trailer" => {
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\n\
+            HTTP/1.1 200 OK\r\n\r\n"
+        }
+        "bad-trailer" => {
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\
+            HTTP/1.1 200 OK\r\n\r\n"
+        }
         "interim" => {
             b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </a>\r\n\r\n\
             HTTP/1.1 201 Created\r\ncontent-length: 7\r\n\r\ninterim"
@@ -515,7 +531,14 @@ async fn hostile_answers_are_refused_and_never_answer_another_request() {
     // chunks are malformed, breaks off for the client.
     let resp = get("to-close").await.unwrap();
     assert_eq!(resp.text().await.unwrap(), "read until the close");
-    for path in ["cut-short", "bad-chunk"] {
+    for path in [
+        "cut-short",
+        "bad-chunk",
+        "lf-in-extension",
+        "empty-size-line",
+        "lf-trailer",
+        "bad-trailer",
+    ] {
         // The head was sound and is passed on, but the server may not have
         // flushed it when the body broke: then the whole answer breaks off.
         if let Ok(resp) = get(path).await {

@@ -56,6 +56,11 @@
 //! `break-after-head` waits [`BREAK_PAUSE`] after the chunk before the reset
 //! so the proxy sees the head first.
 //!
+//! Every byte each connection received is kept, in the order the
+//! connections were accepted ([`RawUpstream::received`]): what a proxy
+//! sent, whatever the upstream made of it (a smuggled request shows there
+//! as its own head, whether or not it parsed).
+//!
 //! The module also has small client-side helpers for tests that talk raw
 //! HTTP/1.1 themselves: [`read_response_head`], [`read_response`],
 //! [`chunk`].
@@ -266,6 +271,21 @@ impl RawUpstream {
         found.remove(0)
     }
 
+    /// The bytes each connection received so far, in the order the
+    /// connections were accepted.
+    pub fn received(&self) -> Vec<Vec<u8>> {
+        self.shared.state().received.clone()
+    }
+
+    /// [`received`](Self::received), each connection's bytes as text (for
+    /// assertions and their messages).
+    pub fn received_text(&self) -> Vec<String> {
+        self.received()
+            .iter()
+            .map(|b| String::from_utf8_lossy(b).into_owned())
+            .collect()
+    }
+
     /// Breaches of the fencing guarantees seen so far; empty means they held.
     pub fn violations(&self) -> Vec<String> {
         self.shared.state().breaches.seen.clone()
@@ -384,6 +404,8 @@ struct State {
     /// Ids of applied writes, in order of application.
     applied: Vec<usize>,
     breaches: Breaches,
+    /// The bytes each connection received, by connection.
+    received: Vec<Vec<u8>>,
 }
 
 impl Shared {
@@ -391,6 +413,17 @@ impl Shared {
         // A panic while holding the lock cannot leave a record half-updated
         // in a way that matters to tests.
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A new connection's place in `received`.
+    fn connected(&self) -> usize {
+        let mut st = self.state();
+        st.received.push(Vec::new());
+        st.received.len() - 1
+    }
+
+    fn receive(&self, conn: usize, bytes: &[u8]) {
+        self.state().received[conn].extend_from_slice(bytes);
     }
 
     fn track(&self, handle: AbortHandle) {
@@ -513,6 +546,31 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
 struct Conn {
     stream: TcpStream,
     buf: BytesMut,
+    /// Its place in `received`, and where its bytes are kept.
+    id: usize,
+    shared: Arc<Shared>,
+}
+
+/// A connection's socket as its bodies are read: what it reads is kept.
+struct Tap<'a> {
+    stream: &'a mut TcpStream,
+    id: usize,
+    shared: &'a Shared,
+}
+
+impl AsyncRead for Tap<'_> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = std::pin::Pin::new(&mut *self.stream).poll_read(cx, buf);
+        if let std::task::Poll::Ready(Ok(())) = polled {
+            self.shared.receive(self.id, &buf.filled()[before..]);
+        }
+        polled
+    }
 }
 
 /// A parsed request head.
@@ -591,9 +649,10 @@ async fn read_head(conn: &mut Conn) -> HeadRead {
                 Err(_) => return HeadRead::Bad("malformed request head"),
             }
         }
+        let before = conn.buf.len();
         match conn.stream.read_buf(&mut conn.buf).await {
             Ok(0) | Err(_) => return HeadRead::Closed,
-            Ok(_) => {}
+            Ok(_) => conn.shared.receive(conn.id, &conn.buf[before..]),
         }
     }
 }
@@ -769,6 +828,8 @@ async fn serve_connection(shared: Arc<Shared>, stream: TcpStream) {
     let mut conn = Conn {
         stream,
         buf: BytesMut::with_capacity(8192),
+        id: shared.connected(),
+        shared: shared.clone(),
     };
     loop {
         let head = match read_head(&mut conn).await {
@@ -832,8 +893,18 @@ async fn work(ms: u64) {
 /// Serves one request; returns the connection if it may carry another.
 async fn serve_request(shared: &Arc<Shared>, mut conn: Conn, head: Head) -> Option<Conn> {
     if matches!(head.method.as_str(), "GET" | "HEAD" | "OPTIONS") {
-        let Conn { stream, buf } = &mut conn;
-        read_body(stream, buf, head.framing, |_| {}).await.ok()?;
+        let Conn {
+            stream,
+            buf,
+            id,
+            shared,
+        } = &mut conn;
+        let mut tap = Tap {
+            stream,
+            id: *id,
+            shared,
+        };
+        read_body(&mut tap, buf, head.framing, |_| {}).await.ok()?;
         conn.stream
             .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
             .await
@@ -888,8 +959,18 @@ async fn serve_request(shared: &Arc<Shared>, mut conn: Conn, head: Head) -> Opti
 
     // The request body, for every behaviour; a cut body aborts the write.
     let read = {
-        let Conn { stream, buf } = &mut conn;
-        read_body(stream, buf, head.framing, |d| shared.body_data(id, d)).await
+        let Conn {
+            stream,
+            buf,
+            id: conn_id,
+            shared: conn_shared,
+        } = &mut conn;
+        let mut tap = Tap {
+            stream,
+            id: *conn_id,
+            shared: conn_shared,
+        };
+        read_body(&mut tap, buf, head.framing, |d| shared.body_data(id, d)).await
     };
     if read.is_err() {
         shared.abort(id);
