@@ -14,10 +14,9 @@
 //!   framed by a length, or read them by a framing the sender did not
 //!   mean); an empty one, one with an empty list element (`chunked,`:
 //!   some readers take the empty element for the last coding), or one in
-//!   an HTTP/1.0 request, is 400. A
-//!   `Content-Length` beside it is dropped from the request and the
-//!   connection closes after the answer, so nothing can be smuggled behind
-//!   such a message.
+//!   an HTTP/1.0 request, is 400. A `Content-Length` beside it is dropped
+//!   from the request and the connection closes after the answer, so
+//!   nothing can be smuggled behind such a message.
 //! - `Content-Length`: plain digits, repeated fields only if equal;
 //!   anything else is 400, a list in one field (`5, 5`) too (RFC 9110
 //!   §8.6 lets a recipient refuse it, and hyper does). Neither header: no
@@ -49,7 +48,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode, Uri, Version};
 
 use crate::upstream::wire::{
-    itoa, parse_length, tokens, BodyFields, Chunk, ChunkError, Decoded, Decoder, WireError,
+    itoa, parse_length, tokens, BodyFields, ChunkError, Decoded, Decoder, WireError,
 };
 
 /// Most header fields a request head may carry.
@@ -179,7 +178,7 @@ pub fn parse_head(buf: &mut BytesMut) -> Result<Option<RequestHead>, HeadError> 
             if length.is_some() {
                 headers.remove(header::CONTENT_LENGTH);
             }
-            Decoder::Chunked(Chunk::Size)
+            Decoder::chunked()
         }
         (None, Some(_)) if framing.body.length_listed => return Err(HeadError::Length),
         (None, Some(None)) => return Err(HeadError::Length),
@@ -247,7 +246,7 @@ impl Framing {
 /// percent-encodings; an IPv4 address is one) or a bracketed IP literal,
 /// then an optional port of digits. No userinfo (`@`), no whitespace, no
 /// path; not empty (an `http` URI has a host, RFC 9110 §4.2.1).
-pub fn valid_host(value: &[u8]) -> bool {
+fn valid_host(value: &[u8]) -> bool {
     let (host, port) = match value {
         [b'[', rest @ ..] => {
             let Some(close) = rest.iter().position(|&b| b == b']') else {
@@ -565,7 +564,7 @@ mod tests {
         )
         .unwrap()
         .unwrap();
-        assert_eq!(h.body, Decoder::Chunked(Chunk::Size));
+        assert_eq!(h.body, Decoder::chunked());
         assert!(!h.keep_alive);
         assert!(!h.request.headers.contains_key(header::CONTENT_LENGTH));
         for raw in [
@@ -615,7 +614,7 @@ mod tests {
         for te in ["chunked", "Chunked", " CHUNKED "] {
             let raw = format!("PUT /a HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: {te}\r\n\r\n");
             let h = head(&raw).unwrap().unwrap();
-            assert_eq!(h.body, Decoder::Chunked(Chunk::Size), "{te}");
+            assert_eq!(h.body, Decoder::chunked(), "{te}");
         }
     }
 

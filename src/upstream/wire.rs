@@ -27,9 +27,9 @@
 //!   head's rules (a token name right before its colon, field-value bytes)
 //!   and limits, and is dropped. Whatever one reader takes for a line end,
 //!   a chunk boundary or the body's end, another may not: that gap is
-//!   request smuggling (Go's CVE-2025-22871 is a bare LF after `;`), so
-//!   anything off the grammar is refused ([`ChunkError`]) rather than read
-//!   one way.
+//!   request smuggling (Go's CVE-2025-22871 is of this class: a bare LF in
+//!   the chunk framing), so anything off the grammar is refused
+//!   ([`ChunkError`]) rather than read one way.
 //! - **Limits**: a head of at most [`MAX_HEAD_BYTES`] and [`MAX_HEADERS`]
 //!   fields, chunk-size lines and trailers bounded: an upstream cannot make
 //!   the gateway buffer without end.
@@ -330,7 +330,7 @@ impl Framing {
         match (self.body.chunked, self.body.length) {
             (Some(_), Some(_)) => Err(WireError::BothFramings),
             (Some(_), None) if self.body.codings_gap => Err(WireError::CodingGap),
-            (Some(true), None) => Ok(Decoder::Chunked(Chunk::Size)),
+            (Some(true), None) => Ok(Decoder::chunked()),
             (Some(false), None) | (None, None) => Ok(Decoder::ToClose),
             (None, Some(length)) => length.map(Decoder::Length).ok_or(WireError::Length),
         }
@@ -426,15 +426,49 @@ pub enum Decoder {
 /// Where a chunked body is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Chunk {
-    /// Before a chunk-size line.
-    Size,
+    /// Before a chunk-size line, or inside one (what of it is checked).
+    Size(SizeLine),
     /// Inside a chunk's data: this many bytes are still to come.
     Data(u64),
     /// After a chunk's data, before its CRLF.
     DataEnd,
-    /// After the last chunk: trailer lines (dropped), this many bytes and
-    /// field lines so far.
-    Trailers { bytes: usize, fields: usize },
+    /// After the last chunk: trailer lines (dropped).
+    Trailers(TrailerLines),
+}
+
+/// What of a chunk-size line that has not all arrived is checked, so that
+/// a line coming a byte at a time is not read again from its start each
+/// time (a client could make that cost a thousandfold its bytes).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SizeLine {
+    /// Bytes of the line checked.
+    checked: usize,
+    size: u64,
+    /// 0: in the digits, 1: in whitespace after them, 2: in the
+    /// extensions.
+    part: u8,
+    /// A hex digit has come.
+    digits: bool,
+}
+
+impl SizeLine {
+    const START: SizeLine = SizeLine {
+        checked: 0,
+        size: 0,
+        part: 0,
+        digits: false,
+    };
+}
+
+/// The trailer section so far: its bytes and field lines, and what of a
+/// line that has not all arrived is checked (as [`SizeLine`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TrailerLines {
+    bytes: usize,
+    fields: usize,
+    checked: usize,
+    /// The line's colon has not come yet.
+    in_name: bool,
 }
 
 /// What [`Decoder::decode`] found in the buffer.
@@ -448,6 +482,11 @@ pub enum Decoded {
 }
 
 impl Decoder {
+    /// A chunked body, from its start.
+    pub const fn chunked() -> Decoder {
+        Decoder::Chunked(Chunk::Size(SizeLine::START))
+    }
+
     /// Takes the next piece of the body out of `buf`.
     pub fn decode(&mut self, buf: &mut BytesMut) -> Result<Decoded, WireError> {
         loop {
@@ -459,16 +498,18 @@ impl Decoder {
                 Decoder::Length(left) => return Ok(take(buf, left)),
                 Decoder::ToClose if buf.is_empty() => return Ok(Decoded::More),
                 Decoder::ToClose => return Ok(Decoded::Data(buf.split().freeze())),
-                Decoder::Chunked(Chunk::Size) => {
-                    let Some((used, size)) = size_line(buf)? else {
+                Decoder::Chunked(Chunk::Size(line)) => {
+                    let Some((used, size)) = size_line(buf, line)? else {
                         return Ok(Decoded::More);
                     };
                     buf.advance(used);
                     *self = Decoder::Chunked(match size {
-                        0 => Chunk::Trailers {
+                        0 => Chunk::Trailers(TrailerLines {
                             bytes: 0,
                             fields: 0,
-                        },
+                            checked: 0,
+                            in_name: true,
+                        }),
                         n => Chunk::Data(n),
                     });
                 }
@@ -487,10 +528,10 @@ impl Decoder {
                         _ => return Err(ChunkError::DataEnd.into()),
                     }
                     buf.advance(2);
-                    *self = Decoder::Chunked(Chunk::Size);
+                    *self = Decoder::chunked();
                 }
-                Decoder::Chunked(Chunk::Trailers { bytes, fields }) => {
-                    let Some(line) = trailer_line(buf, MAX_TRAILERS - *bytes)? else {
+                Decoder::Chunked(Chunk::Trailers(section)) => {
+                    let Some(line) = trailer_line(buf, section)? else {
                         return Ok(Decoded::More);
                     };
                     buf.advance(line);
@@ -498,9 +539,11 @@ impl Decoder {
                         *self = Decoder::Ended;
                         return Ok(Decoded::End);
                     }
-                    *bytes += line;
-                    *fields += 1;
-                    if *fields > MAX_TRAILER_FIELDS {
+                    section.bytes += line;
+                    section.fields += 1;
+                    section.checked = 0;
+                    section.in_name = true;
+                    if section.fields > MAX_TRAILER_FIELDS {
                         return Err(ChunkError::TooLong.into());
                     }
                 }
@@ -531,43 +574,45 @@ impl Decoder {
 /// hex digit, then whitespace only before a `;`, then extensions of any
 /// bytes but controls (HTAB aside). The extensions are ignored, so their
 /// inner grammar is not checked; a control character, a bare CR or LF
-/// among them is what readers disagree about.
-fn size_line(buf: &[u8]) -> Result<Option<(usize, u64)>, ChunkError> {
-    let mut size: u64 = 0;
-    let mut digits = 0;
-    // 0: digits, 1: whitespace after them, 2: extensions.
-    let mut part = 0;
-    for (i, &b) in buf.iter().enumerate() {
+/// among them is what readers disagree about. `line` is what an earlier
+/// call checked of it, and is kept up to date.
+fn size_line(buf: &[u8], line: &mut SizeLine) -> Result<Option<(usize, u64)>, ChunkError> {
+    for (i, &b) in buf.iter().enumerate().skip(line.checked) {
         if i >= MAX_CHUNK_LINE {
             return Err(ChunkError::TooLong);
         }
-        match (part, b) {
+        match (line.part, b) {
             (_, b'\r') => {
-                if digits == 0 {
+                if !line.digits {
                     return Err(ChunkError::Size);
                 }
+                // Checked up to the CR: it is looked at again with the
+                // byte after it.
+                line.checked = i;
                 return match buf.get(i + 1) {
                     None => Ok(None),
-                    Some(b'\n') => Ok(Some((i + 2, size))),
+                    Some(b'\n') => Ok(Some((i + 2, line.size))),
                     Some(_) => Err(ChunkError::LineEnd),
                 };
             }
             (_, b'\n') => return Err(ChunkError::LineEnd),
             (0, b) if b.is_ascii_hexdigit() => {
                 let digit = (b as char).to_digit(16).unwrap_or(0);
-                size = size
+                line.size = line
+                    .size
                     .checked_mul(16)
                     .and_then(|s| s.checked_add(u64::from(digit)))
                     .ok_or(ChunkError::Size)?;
-                digits += 1;
+                line.digits = true;
             }
-            (0 | 1, b' ' | b'\t') if digits > 0 => part = 1,
-            (0 | 1, b';') if digits > 0 => part = 2,
+            (0 | 1, b' ' | b'\t') if line.digits => line.part = 1,
+            (0 | 1, b';') if line.digits => line.part = 2,
             (0 | 1, _) => return Err(ChunkError::Size),
             (_, b) if is_ctl(b) => return Err(ChunkError::Extension),
             _ => {}
         }
     }
+    line.checked = buf.len();
     if buf.len() > MAX_CHUNK_LINE {
         return Err(ChunkError::TooLong);
     }
@@ -583,37 +628,39 @@ fn is_ctl(b: u8) -> bool {
 /// The trailer line at the start of `buf`: its length with its CRLF (2:
 /// the empty line that ends the section). `None`: not all of it has
 /// arrived, and what has is valid so far (a wrong byte is refused as soon
-/// as it is in, as in [`size_line`]). `room`: what is left of the
-/// section's limit.
+/// as it is in, as in [`size_line`]).
 ///
 /// A trailer line is a field line as in a head (RFC 9112 §7.1.2, §5): a
 /// token, the colon right after it, a value of field-value bytes (no
 /// controls but HTAB); no obs-fold (a line that begins with whitespace has
 /// no token).
-fn trailer_line(buf: &[u8], room: usize) -> Result<Option<usize>, ChunkError> {
-    // Still in the name (before the colon).
-    let mut in_name = true;
-    for (i, &b) in buf.iter().enumerate() {
+fn trailer_line(buf: &[u8], section: &mut TrailerLines) -> Result<Option<usize>, ChunkError> {
+    // A line may end one byte past the limit (its LF).
+    let room = MAX_TRAILERS.saturating_sub(section.bytes);
+    for (i, &b) in buf.iter().enumerate().skip(section.checked) {
         if i >= room {
             return Err(ChunkError::TooLong);
         }
         match b {
             b'\r' => {
+                // Checked up to the CR, as in `size_line`.
+                section.checked = i;
                 return match buf.get(i + 1) {
                     None => Ok(None),
                     Some(b'\n') if i == 0 => Ok(Some(2)),
-                    Some(b'\n') if in_name => Err(ChunkError::Trailer),
+                    Some(b'\n') if section.in_name => Err(ChunkError::Trailer),
                     Some(b'\n') => Ok(Some(i + 2)),
                     Some(_) => Err(ChunkError::LineEnd),
                 };
             }
             b'\n' => return Err(ChunkError::LineEnd),
-            b':' if in_name && i > 0 => in_name = false,
-            b if in_name && is_tchar(b) => {}
-            b if !in_name && !is_ctl(b) => {}
+            b':' if section.in_name && i > 0 => section.in_name = false,
+            b if section.in_name && is_tchar(b) => {}
+            b if !section.in_name && !is_ctl(b) => {}
             _ => return Err(ChunkError::Trailer),
         }
     }
+    section.checked = buf.len();
     if buf.len() >= room {
         return Err(ChunkError::TooLong);
     }
@@ -753,7 +800,7 @@ mod tests {
         let raw = "HTTP/1.1 200 OK\r\nContent-Length: 3, 3\r\nContent-Length: 3\r\n\r\n";
         assert_eq!(body_of(raw).unwrap(), Decoder::Length(3));
         let raw = "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip, chunked\r\n\r\n";
-        assert_eq!(body_of(raw).unwrap(), Decoder::Chunked(Chunk::Size));
+        assert_eq!(body_of(raw).unwrap(), Decoder::chunked());
         let raw = "HTTP/1.1 200 OK\r\nTransfer-Encoding:\r\nContent-Length: 3\r\n\r\n";
         assert_eq!(body_of(raw).unwrap_err(), WireError::BothFramings);
         // An empty element: chunked to some readers, not to others.
@@ -835,7 +882,7 @@ mod tests {
     fn bodies_decode_in_any_pieces() {
         let chunked = b"5;ext=1\r\nhello\r\n7\r\n, world\r\n0\r\nx-trailer: 1\r\n\r\n";
         for step in [1, 2, 3, 7, 100] {
-            let d = Decoder::Chunked(Chunk::Size);
+            let d = Decoder::chunked();
             assert_eq!(
                 decode_all(d, chunked, step).unwrap(),
                 (b"hello, world".to_vec(), true),
@@ -848,7 +895,7 @@ mod tests {
         assert_eq!((got.as_slice(), ended), (&b"all of it"[..], false));
         // What follows a body is left for whoever reads next.
         let mut buf = BytesMut::from(&b"0\r\n\r\nHTTP/1.1"[..]);
-        let mut d = Decoder::Chunked(Chunk::Size);
+        let mut d = Decoder::chunked();
         assert_eq!(d.decode(&mut buf).unwrap(), Decoded::End);
         assert_eq!(&buf[..], b"HTTP/1.1");
     }
@@ -860,7 +907,7 @@ mod tests {
             (b"zz\r\n", ChunkError::Size),
             (b"fffffffffffffffff\r\n", ChunkError::Size),
         ] {
-            let d = Decoder::Chunked(Chunk::Size);
+            let d = Decoder::chunked();
             assert_eq!(
                 decode_all(d, bad, 100).unwrap_err(),
                 WireError::Chunk(why),
@@ -869,24 +916,37 @@ mod tests {
         }
         let mut input = b"1;".to_vec();
         input.extend(std::iter::repeat_n(b'a', MAX_CHUNK_LINE + 1));
-        let d = Decoder::Chunked(Chunk::Size);
+        let d = Decoder::chunked();
         assert_eq!(
             decode_all(d, &input, 512).unwrap_err(),
             WireError::Chunk(ChunkError::TooLong)
         );
         let mut trailers = b"0\r\nx: ".to_vec();
         trailers.extend(std::iter::repeat_n(b'a', MAX_TRAILERS + 1));
-        let d = Decoder::Chunked(Chunk::Size);
+        let d = Decoder::chunked();
         assert_eq!(
             decode_all(d, &trailers, 4096).unwrap_err(),
             WireError::Chunk(ChunkError::TooLong)
         );
+        // Lines that end right at the limit, then more: refused, not a
+        // count past it.
+        let mut full = b"0\r\n".to_vec();
+        let line = format!("x: {}\r\n", "a".repeat(MAX_TRAILERS - 6));
+        full.extend_from_slice(line.as_bytes());
+        full.extend_from_slice(b"y: 1\r\n\r\n");
+        for step in [1, 4096, full.len()] {
+            let d = Decoder::chunked();
+            assert_eq!(
+                decode_all(d, &full, step).unwrap_err(),
+                WireError::Chunk(ChunkError::TooLong)
+            );
+        }
         let mut many = b"0\r\n".to_vec();
         for i in 0..=MAX_TRAILER_FIELDS {
             many.extend_from_slice(format!("x-{i}: 1\r\n").as_bytes());
         }
         many.extend_from_slice(b"\r\n");
-        let d = Decoder::Chunked(Chunk::Size);
+        let d = Decoder::chunked();
         assert_eq!(
             decode_all(d, &many, 4096).unwrap_err(),
             WireError::Chunk(ChunkError::TooLong)
@@ -896,8 +956,8 @@ mod tests {
     /// A chunked body decoded whole and byte by byte: what each way gives
     /// must be the same, data and ending or error.
     fn chunked(input: &[u8]) -> Result<(Vec<u8>, bool), WireError> {
-        let whole = decode_all(Decoder::Chunked(Chunk::Size), input, input.len().max(1));
-        let bytewise = decode_all(Decoder::Chunked(Chunk::Size), input, 1);
+        let whole = decode_all(Decoder::chunked(), input, input.len().max(1));
+        let bytewise = decode_all(Decoder::chunked(), input, 1);
         assert_eq!(whole, bytewise, "{:?}", String::from_utf8_lossy(input));
         whole
     }
