@@ -222,39 +222,15 @@ async fn raw_write(
     s
 }
 
-/// The upstream's side after token 1's exchange ended abnormally and token
-/// 2 followed: no breach, 1 applied before 2, token 2 arrived only after the
-/// upstream was done with token 1, and not before `timeout_ms` since token
-/// 1 was sent.
-async fn assert_key_held_until_timeout(rig: &Rig, path: &str, sent1: Instant) {
-    let timeline = settled_without_breach(rig, path, sent1).await;
-    assert_eq!(
-        rig.up.applied_tokens(path),
-        vec![1, 2],
-        "apply order\n{timeline}"
-    );
-    let (w1, w2) = (rig.up.write(path, 1), rig.up.write(path, 2));
-    let ended1 = w1.ended.expect("the upstream is done with token 1");
-    assert!(
-        w2.started >= ended1,
-        "token 2 reached the upstream {:?} before it was done with token 1",
-        ended1.saturating_duration_since(w2.started)
-    );
-    let after = w2.started.saturating_duration_since(sent1);
-    assert!(
-        after >= TIMEOUT,
-        "token 2 reached the upstream {after:?} after token 1 was sent: after an \
-         exchange that did not end normally the key must stay closed until timeout_ms \
-         ({TIMEOUT:?}) since token 1's forward began"
-    );
-}
-
-/// The upstream's side after token 1's client left and the upstream's
-/// answer to it ended normally, with token 2 sent meanwhile: no breach, 1
-/// applied before 2, token 2 arrived only after the upstream was done with
-/// token 1, and before `timeout_ms` since token 1 was sent (the key opened
-/// when the answer ended, not at the deadline).
-async fn assert_key_opened_when_the_answer_ended(rig: &Rig, path: &str, sent1: Instant) {
+/// The upstream's side once token 2 followed token 1 on `path`: no
+/// breach, 1 applied before 2, and token 2 arrived only after the upstream
+/// was done with token 1. Answers when token 2 arrived, after token 1 was
+/// sent and after the upstream was done with it, and the timeline.
+async fn token_2_after_token_1(
+    rig: &Rig,
+    path: &str,
+    sent1: Instant,
+) -> (Duration, Duration, String) {
     let timeline = settled_without_breach(rig, path, sent1).await;
     assert_eq!(
         rig.up.applied_tokens(path),
@@ -268,14 +244,38 @@ async fn assert_key_opened_when_the_answer_ended(rig: &Rig, path: &str, sent1: I
         "token 2 reached the upstream {:?} before it was done with token 1\n{timeline}",
         ended1.saturating_duration_since(w2.started)
     );
-    let after = w2.started.saturating_duration_since(sent1);
+    (
+        w2.started.saturating_duration_since(sent1),
+        w2.started.saturating_duration_since(ended1),
+        timeline,
+    )
+}
+
+/// After token 1's exchange ended abnormally: token 2 came after it (see
+/// [`token_2_after_token_1`]), and not before `timeout_ms` since token 1
+/// was sent.
+async fn assert_key_held_until_timeout(rig: &Rig, path: &str, sent1: Instant) {
+    let (after, _, _) = token_2_after_token_1(rig, path, sent1).await;
+    assert!(
+        after >= TIMEOUT,
+        "token 2 reached the upstream {after:?} after token 1 was sent: after an \
+         exchange that did not end normally the key must stay closed until timeout_ms \
+         ({TIMEOUT:?}) since token 1's forward began"
+    );
+}
+
+/// After token 1's client left and the upstream's answer to it ended
+/// normally, with token 2 sent meanwhile: token 2 came after it (see
+/// [`token_2_after_token_1`]), and before `timeout_ms` since token 1 was
+/// sent (the key opened when the answer ended, not at the deadline).
+async fn assert_key_opened_when_the_answer_ended(rig: &Rig, path: &str, sent1: Instant) {
+    let (after, since_end, timeline) = token_2_after_token_1(rig, path, sent1).await;
     assert!(
         after < TIMEOUT,
-        "token 2 reached the upstream {after:?} after token 1 was sent, {:?} after the \
+        "token 2 reached the upstream {after:?} after token 1 was sent, {since_end:?} after the \
          upstream's answer to token 1 ended: a client that left must not keep the key \
          closed once that answer ended normally; the key must open then, not at \
-         timeout_ms ({TIMEOUT:?})\n{timeline}",
-        w2.started.saturating_duration_since(ended1)
+         timeout_ms ({TIMEOUT:?})\n{timeline}"
     );
 }
 
