@@ -374,7 +374,13 @@ impl Drop for RelayBody {
         let deadline = self.deadline.at;
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             drop(rt.spawn(async move {
-                let drained = ended || drain(&mut inner, deadline).await;
+                // Only a fenced write's answer is drained, and it has a
+                // deadline; without one nothing is drained (the safe side).
+                let drained = ended
+                    || match deadline {
+                        Some(at) => drain(&mut inner, at).await,
+                        None => false,
+                    };
                 let normal = drained && std::future::poll_fn(|cx| inner.poll_finish(cx)).await;
                 finished(exchange, normal);
             }));
@@ -385,7 +391,7 @@ impl Drop for RelayBody {
 /// Reads an answer nobody will see to its end, discarding it: within
 /// `deadline`, and at most [`DRAIN_LIMIT`] bytes. Answers whether it ended
 /// normally.
-async fn drain(body: &mut UpstreamBody, deadline: Option<Instant>) -> bool {
+async fn drain(body: &mut UpstreamBody, deadline: Instant) -> bool {
     let read = async {
         let mut left = DRAIN_LIMIT;
         loop {
@@ -404,12 +410,9 @@ async fn drain(body: &mut UpstreamBody, deadline: Option<Instant>) -> bool {
             }
         }
     };
-    match deadline {
-        Some(at) => tokio::time::timeout_at(at.into(), read)
-            .await
-            .unwrap_or(false),
-        None => read.await,
-    }
+    tokio::time::timeout_at(deadline.into(), read)
+        .await
+        .unwrap_or(false)
 }
 
 /// The exchange is over in both directions: `normal`, the upstream is done
