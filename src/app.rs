@@ -12,6 +12,7 @@ use crate::admin::{self, AdminState};
 use crate::config::{Config, LockBackendConfig};
 use crate::fence::Fence;
 use crate::gateway::GatewayState;
+use crate::http1::server::{self, Limits};
 use crate::locks::api::LockApiState;
 use crate::locks::notify::Notifier;
 use crate::locks::redlock::Redlock;
@@ -19,7 +20,6 @@ use crate::locks::single_redis::RedisLocks;
 use crate::locks::table::TableLocks;
 use crate::locks::{Backend, LockLimits, LockService};
 use crate::metrics::Metrics;
-use crate::server::{self, Limits};
 use crate::store::{FenceStore, StoreError};
 use crate::traffic::{OnRuntime, Traffic};
 
@@ -135,7 +135,7 @@ impl Application {
             live: crate::reload::WorkerLive::new(live.clone()),
             refusals: refusals.clone(),
             fence: fence.clone(),
-            client: crate::upstream::UpstreamClient::new(),
+            client: crate::http1::client::UpstreamClient::new(),
             store_runtime: Arc::new(tokio::runtime::Handle::current()),
             metrics: metrics.clone(),
             max_body_bytes: config.server.max_body_bytes,
@@ -236,7 +236,10 @@ impl Application {
         };
         let admin = tokio::spawn(server::serve(
             listeners.admin,
-            server::RouterService(admin::router(core.admin_state.clone())),
+            server::RouterService {
+                router: admin::router(core.admin_state.clone()),
+                refuse: crate::error::refused_head,
+            },
             core.limits,
             stop.stopped(),
         ));
@@ -286,7 +289,7 @@ impl Core {
         server::Workers::start(
             listener,
             services,
-            self.tls.clone(),
+            self.tls.as_ref().map(|t| t.serving()),
             self.limits,
             stop.stopped(),
             move || settled(gate.clone()),

@@ -18,6 +18,7 @@ use std::time::Duration;
 use http::Method;
 use serde::Deserialize;
 
+pub use crate::http1::client::Upstream;
 use crate::routing::{KeyTemplate, PathPattern};
 
 /// Prefix of environment variables that override config keys.
@@ -238,45 +239,6 @@ pub struct Route {
     /// pass-through requests; the whole exchange, both bodies included, for
     /// fenced writes (see `exchange`).
     pub timeout: Duration,
-}
-
-/// Where a route forwards to.
-#[derive(Debug, Clone)]
-pub struct Upstream {
-    /// `http` or `https`; other schemes are refused at load time.
-    pub scheme: http::uri::Scheme,
-    /// Host and port, from config only, never from the client's `Host`.
-    pub authority: http::uri::Authority,
-    /// A path prefix prepended to the request path ("" for none).
-    pub base_path: String,
-    /// `authority` as the `Host` header sent upstream, built once.
-    pub host: http::HeaderValue,
-    /// `host:port` to connect to (the scheme's port when none is given).
-    pub connect_to: String,
-    /// Which pooled connections can serve this upstream: same scheme,
-    /// authority and trust.
-    pub pool_key: std::sync::Arc<str>,
-    /// `https`: how the upstream's certificate is verified.
-    pub tls: Option<crate::upstream::UpstreamTls>,
-}
-
-impl Upstream {
-    /// A copy for one traffic worker: its own pool key and `Host` value,
-    /// which every request clones (see `reload::WorkerLive`).
-    pub fn worker_copy(&self) -> Upstream {
-        Upstream {
-            pool_key: std::sync::Arc::from(&*self.pool_key),
-            // A new buffer: a clone would share the count of this one's.
-            host: http::HeaderValue::from_bytes(self.host.as_bytes())
-                .unwrap_or_else(|_| self.host.clone()),
-            ..self.clone()
-        }
-    }
-
-    /// Where to connect.
-    pub fn address(&self) -> &str {
-        &self.connect_to
-    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -1535,7 +1497,7 @@ impl Validator<'_> {
                     self.problem(at("upstream"), "missing: every route needs an upstream URL");
                     None
                 }
-                Some(u) => match parse_upstream(u, ca.as_deref()) {
+                Some(u) => match Upstream::parse(u, ca.as_deref()) {
                     Ok(up) => Some(up),
                     Err(why) => {
                         self.problem(at("upstream"), format!("'{u}' {why}"));
@@ -1625,59 +1587,6 @@ fn relative_to(base: &Path, p: &str) -> PathBuf {
     } else {
         base.join(p)
     }
-}
-
-fn parse_upstream(raw: &str, ca_file: Option<&Path>) -> Result<Upstream, String> {
-    let uri: http::Uri = raw
-        .parse()
-        .map_err(|_| "is not a URL like http://127.0.0.1:9000".to_string())?;
-    let scheme = uri
-        .scheme()
-        .cloned()
-        .ok_or("has no scheme: write it like http://127.0.0.1:9000")?;
-    let https = scheme == http::uri::Scheme::HTTPS;
-    if scheme != http::uri::Scheme::HTTP && !https {
-        return Err(format!("uses scheme '{scheme}'; use http:// or https://"));
-    }
-    if ca_file.is_some() && !https {
-        return Err("has upstream_ca_file but is not https://".into());
-    }
-    let authority = uri.authority().cloned().ok_or("has no host")?;
-    if authority.as_str().contains('@') {
-        return Err("must not carry credentials".into());
-    }
-    if authority.host().is_empty() {
-        return Err("has no host".into());
-    }
-    if uri.query().is_some() {
-        return Err("must not have a query string".into());
-    }
-    let base_path = uri.path().trim_end_matches('/').to_string();
-    let host = http::HeaderValue::from_str(authority.as_str())
-        .map_err(|_| "has a host that cannot be sent as a Host header".to_string())?;
-    let port = authority.port_u16().unwrap_or(if https { 443 } else { 80 });
-    let host_name = authority.host();
-    let connect_to = format!("{host_name}:{port}");
-    let tls = if https {
-        Some(crate::upstream::UpstreamTls::new(host_name, ca_file)?)
-    } else {
-        None
-    };
-    let pool_key = format!(
-        "{scheme}://{connect_to}{}",
-        ca_file
-            .map(|p| format!(" ca={}", p.display()))
-            .unwrap_or_default()
-    );
-    Ok(Upstream {
-        scheme,
-        authority,
-        base_path,
-        host,
-        connect_to,
-        pool_key: pool_key.into(),
-        tls,
-    })
 }
 
 /// Hides a password in a database URL before it goes into a message.

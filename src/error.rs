@@ -36,7 +36,7 @@ pub enum ClientError {
     BadPath(&'static str),
     /// A request head the server refused before any route saw it.
     #[error(transparent)]
-    Head(#[from] crate::server::wire::HeadError),
+    Head(#[from] crate::http1::server::HeadError),
     /// A fenced write whose path back ends may resolve differently.
     #[error("the path {0}")]
     AmbiguousPath(&'static str),
@@ -291,6 +291,13 @@ fn ambiguous_credentials(status: StatusCode) -> Problem {
     )
 }
 
+/// The answer to a request the server refused before any service saw it.
+pub fn refused_head(e: crate::http1::server::HeadError) -> Response {
+    GatewayError::from(ClientError::Head(e))
+        .to_problem(Duration::from_secs(1))
+        .into_response()
+}
+
 /// The problem document for a refused credential or permission: 401 with
 /// `WWW-Authenticate: Bearer`, 403, or 400 for more than one credential.
 pub fn auth_problem(e: &crate::auth::AuthError) -> Problem {
@@ -316,7 +323,7 @@ impl GatewayError {
     /// logged and noted by its status, and writing a second document for
     /// that was 1,650 of a stale write's 23,100 user-space instructions.
     pub fn status(&self) -> StatusCode {
-        use crate::server::wire::HeadError as H;
+        use crate::http1::server::HeadError as H;
         use ClientError as C;
         match self {
             GatewayError::Client(c) => match c {
@@ -471,7 +478,7 @@ impl GatewayError {
                     format!("the request body exceeds the limit of {limit} bytes"),
                 ),
                 C::Head(e) => {
-                    use crate::server::wire::HeadError as H;
+                    use crate::http1::server::HeadError as H;
                     let (kind, title) = match e {
                         H::TooLarge => ("head-too-large", "Request head too large"),
                         H::Timeout => ("head-timeout", "Request head too slow"),

@@ -39,8 +39,8 @@ use std::time::Instant;
 
 use crate::fence::Admission;
 use crate::gateway::GatedRoute;
+use crate::http1::client::Witness;
 use crate::metrics::HoldReason;
-use crate::upstream::Witness;
 
 /// The state of one fenced exchange; shared by the forward and both body
 /// wrappers through an `Arc`.

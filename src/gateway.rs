@@ -33,6 +33,8 @@ use crate::exchange::Exchange;
 use crate::fence::Keyed;
 use crate::fence::{Admission, Fence};
 use crate::gate::Arrival;
+use crate::http1::client::UpstreamClient;
+use crate::http1::codec;
 use crate::idempotency::{self, Cached};
 use crate::jwt::JwtRejection;
 use crate::metrics::IdempotencyOutcome;
@@ -42,7 +44,6 @@ use crate::reload::Live;
 use crate::routing::{self, PathError};
 use crate::store::{Begin, Found, RecordId, StoreError, StoredAnswer};
 use crate::token::{self, TokenError};
-use crate::upstream::UpstreamClient;
 
 /// A configured route with its metric handles.
 pub struct GatedRoute {
@@ -1411,9 +1412,12 @@ async fn forward(
         state.client.send(
             &route.upstream,
             upstream_req,
-            exchange
-                .as_ref()
-                .map(|x| (x.deadline(), x.clone() as Arc<dyn crate::upstream::Witness>)),
+            exchange.as_ref().map(|x| {
+                (
+                    x.deadline(),
+                    x.clone() as Arc<dyn crate::http1::client::Witness>,
+                )
+            }),
         ),
     )
     .await;
@@ -1567,7 +1571,7 @@ fn check_headers(
         return Err(ClientError::AmbiguousCredentials);
     }
     if fenced {
-        if let Some(name) = headers.keys().find(|n| proxy::is_underscored(n)) {
+        if let Some(name) = headers.keys().find(|n| codec::is_underscored(n)) {
             let dashed = name.as_str().replace('_', "-");
             return Err(ClientError::AmbiguousHeader {
                 name: name.to_string(),
@@ -1578,7 +1582,7 @@ fn check_headers(
     if !headers.contains_key(header::CONNECTION) {
         return Ok(());
     }
-    for token in proxy::connection_tokens(headers) {
+    for token in codec::connection_tokens(headers) {
         if let Some(name) = protected(route, token) {
             return Err(ClientError::ProtectedHeader(name.to_string()));
         }

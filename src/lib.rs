@@ -80,6 +80,7 @@ pub mod exchange;
 pub mod fence;
 pub mod gate;
 pub mod gateway;
+pub mod http1;
 pub mod idempotency;
 pub mod jwt;
 pub mod locks;
@@ -90,9 +91,8 @@ pub mod proxy;
 pub mod refusals;
 pub mod reload;
 pub mod routing;
-pub mod server;
+
 pub mod store;
 pub mod tls;
 pub mod token;
 pub mod traffic;
-pub mod upstream;

@@ -11,135 +11,19 @@ use std::time::Instant;
 
 use axum::body::Body;
 use bytes::Bytes;
-use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::header::{self, HeaderName, HeaderValue};
 use http::{Request, Uri};
 use http_body::{Frame, SizeHint};
 use tokio::time::Sleep;
 
-use crate::config::Upstream;
 use crate::exchange::Exchange;
-use crate::upstream::{ExchangeError, UpstreamBody};
-
-/// Hop-by-hop headers (RFC 9110 §7.6.1) plus `Proxy-Connection`, which old
-/// clients still send. `Expect` is answered by our own server side. Typed
-/// names: a `&str` name would be parsed again on every lookup.
-const HOP_BY_HOP: [HeaderName; HOP_BY_HOP_NAMES] = [
-    header::CONNECTION,
-    HeaderName::from_static("keep-alive"),
-    HeaderName::from_static("proxy-connection"),
-    header::TE,
-    header::TRAILER,
-    header::TRANSFER_ENCODING,
-    header::UPGRADE,
-    header::PROXY_AUTHENTICATE,
-    header::PROXY_AUTHORIZATION,
-    header::EXPECT,
-];
-
-/// How many names [`HOP_BY_HOP`] holds: `strip_hop_by_hop` marks those it
-/// finds in a message as bits of a u16.
-const HOP_BY_HOP_NAMES: usize = 10;
-const _: () = assert!(HOP_BY_HOP_NAMES <= 16);
+use crate::http1::client::Upstream;
+use crate::http1::client::{ExchangeError, UpstreamBody};
+use crate::http1::codec::strip_hop_by_hop_and_underscored;
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
-
-/// Whether a header of this name (as sent, in any case) is hop-by-hop
-/// itself (not counting those a `Connection` header names).
-pub fn is_hop_by_hop(name: &[u8]) -> bool {
-    HOP_BY_HOP
-        .iter()
-        .any(|h| h.as_str().as_bytes().eq_ignore_ascii_case(name))
-}
-
-/// Whether a `Connection` header's value names any header besides the
-/// usual `keep-alive` and `close` (which name none that is not hop-by-hop
-/// already).
-pub fn names_headers(connection: &[u8]) -> bool {
-    connection
-        .split(|&b| b == b',')
-        .map(<[u8]>::trim_ascii)
-        .any(|t| {
-            !t.is_empty()
-                && !t.eq_ignore_ascii_case(b"keep-alive")
-                && !t.eq_ignore_ascii_case(b"close")
-        })
-}
-
-/// The tokens of every `Connection` header of a message, in order, trimmed,
-/// empty ones skipped (`Connection: a,,b` and two `Connection` headers are
-/// one list, RFC 9110 §5.3).
-pub fn connection_tokens(headers: &HeaderMap) -> impl Iterator<Item = &[u8]> {
-    headers
-        .get_all(header::CONNECTION)
-        .iter()
-        .flat_map(|v| v.as_bytes().split(|&b| b == b','))
-        .map(<[u8]>::trim_ascii)
-        .filter(|t| !t.is_empty())
-}
-
-/// Whether a header's name has `_` (see [`upstream_request`]).
-pub fn is_underscored(name: &HeaderName) -> bool {
-    name.as_str().as_bytes().contains(&b'_')
-}
-
-/// Removes hop-by-hop headers, including every header `Connection` names.
-///
-/// On a request, `Connection` never names a header the gateway relies on
-/// (the token, the idempotency key, the credentials, a key part): such a
-/// request was refused before it got here (`gateway::check_headers`), so
-/// what is forwarded is what was checked.
-///
-/// One pass over the message's few names finds which hop-by-hop ones it
-/// carries (usually none in a request, and only `Connection: keep-alive`
-/// in an answer), and only those are removed: a removal is a hashed lookup,
-/// and doing one per hop-by-hop name cost more than the rest of the header
-/// rewriting together.
-pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
-    strip(headers, false)
-}
-
-/// [`strip_hop_by_hop`], and with `underscored` the names with `_` too,
-/// found in the same pass.
-fn strip(headers: &mut HeaderMap, underscored: bool) {
-    let mut present = 0u16;
-    let mut odd = false;
-    for name in headers.keys() {
-        if let Some(i) = HOP_BY_HOP.iter().position(|h| h == name) {
-            present |= 1 << i;
-        }
-        odd |= underscored && is_underscored(name);
-    }
-    if odd {
-        let names: Vec<HeaderName> = headers
-            .keys()
-            .filter(|n| is_underscored(n))
-            .cloned()
-            .collect();
-        for name in names {
-            headers.remove(name);
-        }
-    }
-    if present == 0 {
-        return;
-    }
-    // Headers named by `Connection` (present only with it: it is one of
-    // them). Its usual tokens need no lookup: `close` names no header, and
-    // `keep-alive`'s header is one of them already.
-    let named: Vec<HeaderName> = connection_tokens(headers)
-        .filter(|t| !t.eq_ignore_ascii_case(b"keep-alive") && !t.eq_ignore_ascii_case(b"close"))
-        .filter_map(|t| HeaderName::from_bytes(t).ok())
-        .collect();
-    for name in named {
-        headers.remove(name);
-    }
-    for (i, name) in HOP_BY_HOP.iter().enumerate() {
-        if present & (1 << i) != 0 {
-            headers.remove(name);
-        }
-    }
-}
 
 /// Rewrites a client request into the upstream request: origin-form URI
 /// (with the upstream's base path), `Host` set to the upstream from config,
@@ -173,7 +57,7 @@ pub fn upstream_request(
     *req.uri_mut() = Uri::from_parts(uri)?;
     *req.version_mut() = http::Version::HTTP_11;
     let headers = req.headers_mut();
-    strip(headers, true);
+    strip_hop_by_hop_and_underscored(headers);
     match headers.insert(header::HOST, upstream.host.clone()) {
         Some(host) => _ = headers.insert(X_FORWARDED_HOST, host),
         None => _ = headers.remove(X_FORWARDED_HOST),
@@ -525,56 +409,5 @@ impl Deadline {
             .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(at.into())))
             .as_mut()
             .poll(cx)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn strips_connection_named_headers() {
-        let mut h = HeaderMap::new();
-        h.insert(header::CONNECTION, "close, x-secret".parse().unwrap());
-        h.insert("x-secret", "1".parse().unwrap());
-        h.insert("keep-alive", "timeout=5".parse().unwrap());
-        h.insert("te", "trailers".parse().unwrap());
-        h.insert("x-fence-token", "7".parse().unwrap());
-        strip_hop_by_hop(&mut h);
-        assert_eq!(h.len(), 1);
-        assert_eq!(h["x-fence-token"], "7");
-    }
-
-    /// Every hop-by-hop header goes, whichever of them a message carries
-    /// and in whatever case it was sent; a message without one is left as
-    /// it is.
-    #[test]
-    fn strips_each_hop_by_hop_header_alone_and_all_together() {
-        for name in &HOP_BY_HOP {
-            let mut h = HeaderMap::new();
-            h.insert(name.clone(), "x".parse().unwrap());
-            h.insert("x-fence-token", "7".parse().unwrap());
-            strip_hop_by_hop(&mut h);
-            assert_eq!(h.len(), 1, "{name} stayed");
-        }
-        let mut h = HeaderMap::new();
-        for name in &HOP_BY_HOP {
-            h.append(name.clone(), "x".parse().unwrap());
-            h.append(name.clone(), "y".parse().unwrap());
-        }
-        h.insert(
-            header::CONNECTION,
-            "Keep-Alive, Upgrade, X-Named".parse().unwrap(),
-        );
-        h.insert("x-named", "1".parse().unwrap());
-        h.insert("x-fence-token", "7".parse().unwrap());
-        strip_hop_by_hop(&mut h);
-        assert_eq!(h.keys().collect::<Vec<_>>(), ["x-fence-token"]);
-        let mut h = HeaderMap::new();
-        h.insert("x-fence-token", "7".parse().unwrap());
-        h.insert(header::CONTENT_TYPE, "text/plain".parse().unwrap());
-        let before = h.clone();
-        strip_hop_by_hop(&mut h);
-        assert_eq!(h, before);
     }
 }

@@ -11,10 +11,6 @@
 //! load leave the current config in place, so a half-written certificate
 //! never takes the listener down.
 //!
-//! The other direction, HTTPS out of this process (to an upstream, or from
-//! `fencegate lock` to a gateway), takes its trust roots and client config
-//! from the client crate, re-exported here: [`pem_roots`],
-//! [`platform_roots`], [`client_config`].
 
 use std::path::Path;
 use std::sync::{Arc, RwLock};
@@ -24,21 +20,15 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer};
 use rustls::server::WebPkiClientVerifier;
 use rustls::{RootCertStore, ServerConfig};
 
+use crate::http1::server::tls::ServerTls;
+
 use crate::config::{ClientAuth, TlsConfig};
 
-/// The traffic listener's TLS state: the files it comes from and the config
-/// new connections get.
+/// The traffic listener's TLS: the files it comes from, and the config
+/// the listener gives new connections.
 pub struct Tls {
     files: RwLock<TlsConfig>,
-    current: RwLock<Arc<ServerConfig>>,
-}
-
-/// What a TLS connection tells the requests on it.
-#[derive(Debug, Clone, Default)]
-pub struct TlsPeer {
-    /// The common name of the client certificate, when one was presented and
-    /// verified against `client_ca_file`.
-    pub client_cn: Option<String>,
+    serving: Arc<ServerTls>,
 }
 
 impl std::fmt::Debug for Tls {
@@ -53,7 +43,7 @@ impl Tls {
         let config = build(files)?;
         Ok(Self {
             files: RwLock::new(files.clone()),
-            current: RwLock::new(config),
+            serving: Arc::new(ServerTls::new(config)),
         })
     }
 
@@ -62,51 +52,24 @@ impl Tls {
         self.files.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// What the listener accepts connections with.
+    pub fn serving(&self) -> Arc<ServerTls> {
+        self.serving.clone()
+    }
+
     /// Re-reads the files for new connections; on failure the current ones
     /// stay and the error says why.
     pub fn reload(&self) -> Result<(), String> {
-        let config = build(&self.files())?;
-        *self.current.write().unwrap_or_else(|e| e.into_inner()) = config;
+        self.serving.replace(build(&self.files())?);
         Ok(())
     }
 
     /// Takes over another (freshly loaded) config's files and certificate,
     /// for new connections: a config reload.
     pub fn adopt(&self, other: &Tls) {
-        let config = other
-            .current
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
         *self.files.write().unwrap_or_else(|e| e.into_inner()) = other.files();
-        *self.current.write().unwrap_or_else(|e| e.into_inner()) = config;
+        self.serving.replace(other.serving.current());
     }
-
-    /// The acceptor for a new connection.
-    pub fn acceptor(&self) -> tokio_rustls::TlsAcceptor {
-        let config = self
-            .current
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone();
-        tokio_rustls::TlsAcceptor::from(config)
-    }
-}
-
-/// Reads a finished handshake's client identity.
-pub fn peer_of(conn: &rustls::ServerConnection) -> TlsPeer {
-    let client_cn = conn
-        .peer_certificates()
-        .and_then(|chain| chain.first())
-        .and_then(|cert| common_name(cert));
-    TlsPeer { client_cn }
-}
-
-/// The subject's first common name, if it is valid UTF-8.
-fn common_name(cert: &CertificateDer<'_>) -> Option<String> {
-    let (_, parsed) = x509_parser::parse_x509_certificate(cert.as_ref()).ok()?;
-    let cn = parsed.subject().iter_common_name().next()?;
-    cn.as_str().ok().map(str::to_string)
 }
 
 fn build(files: &TlsConfig) -> Result<Arc<ServerConfig>, String> {
@@ -158,7 +121,3 @@ fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, String> {
     }
     Ok(certs)
 }
-
-/// HTTPS out of this process uses the lock client's trust roots and client
-/// config: one TLS client setup for the upstreams and `fencegate lock`.
-pub use fencegate_client::tls::{client_config, pem_roots, platform_roots};

@@ -21,7 +21,7 @@ use tower::ServiceExt;
 use crate::config::is_reserved;
 use crate::error::GatewayError;
 use crate::gateway::{self, Downstream, GatewayState};
-use crate::server::{ConnInfo, MakeService, Service};
+use crate::http1::server::{ConnInfo, HeadError, MakeService, Service};
 
 /// One worker's traffic service.
 #[derive(Clone)]
@@ -63,6 +63,10 @@ impl Service for Connection {
         }
         let (gateway, downstream) = (self.traffic.gateway.clone(), self.downstream.clone());
         Either::Right(gateway::respond(gateway, req, downstream))
+    }
+
+    fn refuse(&self, why: HeadError) -> Response {
+        crate::error::refused_head(why)
     }
 }
 

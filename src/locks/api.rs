@@ -27,7 +27,7 @@ use serde_json::Value;
 use super::{LockError, LockService};
 use crate::auth::{AuthError, Client, Clients, Credentials};
 use crate::error::Problem;
-use crate::server::ConnInfo;
+use crate::http1::server::ConnInfo;
 
 /// Largest lock-API request body; they are a few dozen bytes.
 const MAX_BODY: usize = 16 * 1024;

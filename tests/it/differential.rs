@@ -36,8 +36,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
-use fencegate::server::wire::{frame_requests, HeadError, StreamEnd};
-use fencegate::upstream::wire::{parse_head, ChunkError, Decoded, Decoder, WireError};
+use fencegate::http1::client::answer::{parse_head, WireError};
+use fencegate::http1::codec::{ChunkError, Decoded, Decoder};
+use fencegate::http1::server::request::{frame_requests, HeadError, StreamEnd};
 use http::{Method, Request, Response};
 use http_body_util::{BodyExt, Empty};
 use hyper::body::Incoming;
@@ -801,7 +802,7 @@ fn gateway_answer(bytes: &[u8], asked: &Method) -> Answered {
     let mut decoder = head.body;
     let mut body = Vec::new();
     loop {
-        match decoder.decode(&mut buf).map_err(Some)? {
+        match decoder.decode(&mut buf).map_err(|e| Some(e.into()))? {
             Decoded::Data(d) => body.extend_from_slice(&d),
             Decoded::End => break,
             Decoded::More if decoder == Decoder::ToClose => break,

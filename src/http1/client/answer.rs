@@ -15,40 +15,22 @@
 //!   close; one valid `Content-Length` (equal repeats allowed); both headers
 //!   together, or lengths that disagree, are refused. Informational answers
 //!   (1xx) are skipped, except 101: no upgrade is ever asked for.
-//! - **Hop-by-hop fields** of an answer (those of `proxy`'s list, and any a
+//! - **Hop-by-hop fields** of an answer (the codec's list, and any a
 //!   `Connection` names) belong to this connection and are consumed here:
 //!   the answer's head comes out without them.
-//! - **Chunked bodies** (answers here, and requests: the server decodes
-//!   them with the same [`Decoder`]) are read by RFC 9112 §7.1's grammar,
-//!   not by a lenient one: a chunk-size line has at least one hex digit,
-//!   then optional whitespace, then extensions after `;` holding no control
-//!   character; every line of the framing ends in CRLF (a bare CR or LF
-//!   anywhere is refused); the trailer section is field lines under the
-//!   head's rules (a token name right before its colon, field-value bytes)
-//!   and limits, and is dropped. Whatever one reader takes for a line end,
-//!   a chunk boundary or the body's end, another may not: that gap is
-//!   request smuggling (Go's CVE-2025-22871 is of this class: a bare LF in
-//!   the chunk framing), so anything off the grammar is refused
-//!   ([`ChunkError`]) rather than read one way.
-//! - **Limits**: a head of at most [`MAX_HEAD_BYTES`] and [`MAX_HEADERS`]
-//!   fields, chunk-size lines and trailers bounded: an upstream cannot make
-//!   the gateway buffer without end.
+//! - **Chunked bodies** are decoded by [`codec`](super::super::codec)'s
+//!   strict grammar.
+//! - **Limits**: those of [`codec`](super::super::codec): an upstream cannot
+//!   make the gateway buffer without end.
 
-use bytes::{Buf, Bytes, BytesMut};
+use bytes::{Buf, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode, Version};
 
-/// Most header fields an answer head may carry (hyper's limit too).
-const MAX_HEADERS: usize = 100;
-/// Longest answer head accepted. Within `u16`: a field's place in the
-/// head is kept as two of them while the head is parsed.
-const MAX_HEAD_BYTES: usize = u16::MAX as usize;
-/// Longest chunk-size line, with its extensions.
-const MAX_CHUNK_LINE: usize = 4096;
-/// Longest trailer section of a chunked body (trailers are dropped), and
-/// most field lines in it: a head's limits.
-const MAX_TRAILERS: usize = 64 * 1024;
-const MAX_TRAILER_FIELDS: usize = MAX_HEADERS;
+use crate::http1::codec::{
+    self, is_hop_by_hop, names_headers, strip_hop_by_hop, tokens, BodyFields, ChunkError, Decoder,
+    MAX_HEADERS, MAX_HEAD_BYTES,
+};
 
 /// What is wrong with an upstream's answer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -69,23 +51,6 @@ pub enum WireError {
     CodingGap,
     #[error("the chunked body is malformed: {0}")]
     Chunk(ChunkError),
-}
-
-/// What is wrong with a chunked body's framing (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum ChunkError {
-    #[error("a chunk-size line has no hex digit, a byte that is neither one nor an extension, or a size beyond 64 bits")]
-    Size,
-    #[error("a chunk extension holds a control character")]
-    Extension,
-    #[error("a line of the chunk framing ends in a bare CR or LF")]
-    LineEnd,
-    #[error("a chunk's data is not followed by CRLF")]
-    DataEnd,
-    #[error("a trailer line is not a valid field line")]
-    Trailer,
-    #[error("a chunk-size line or the trailer section is longer than its limit")]
-    TooLong,
 }
 
 impl From<ChunkError> for WireError {
@@ -148,39 +113,13 @@ pub fn encode_head(parts: &http::request::Parts, framing: RequestFraming, out: &
         RequestFraming::Empty => {}
         RequestFraming::Length(n) => {
             out.extend_from_slice(b"content-length: ");
-            out.extend_from_slice(itoa(n, &mut [0; 20]));
+            out.extend_from_slice(codec::itoa(n, &mut [0; 20]));
             out.extend_from_slice(b"\r\n");
         }
         RequestFraming::Chunked => out.extend_from_slice(b"transfer-encoding: chunked\r\n"),
     }
     out.extend_from_slice(b"\r\n");
 }
-
-/// `n` in decimal, written into the end of `buf`.
-pub(crate) fn itoa(mut n: u64, buf: &mut [u8; 20]) -> &[u8] {
-    let mut i = buf.len();
-    loop {
-        i -= 1;
-        buf[i] = b'0' + (n % 10) as u8;
-        n /= 10;
-        if n == 0 {
-            return &buf[i..];
-        }
-    }
-}
-
-/// Appends one chunk of a chunked body (`data` must not be empty: an empty
-/// chunk ends the body).
-pub fn encode_chunk(data: &[u8], out: &mut Vec<u8>) {
-    use std::io::Write;
-    // Writing to a Vec cannot fail.
-    let _ = write!(out, "{:X}\r\n", data.len());
-    out.extend_from_slice(data);
-    out.extend_from_slice(b"\r\n");
-}
-
-/// The end of a chunked body, without trailers.
-pub const LAST_CHUNK: &[u8] = b"0\r\n\r\n";
 
 /// A final answer's head.
 #[derive(Debug)]
@@ -261,7 +200,7 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<AnswerHe
             // This connection's own fields end here, unless a `Connection`
             // names others (rare): then the gateway's general rule takes
             // them all out below.
-            if !framing.names_headers && crate::proxy::is_hop_by_hop(name) {
+            if !framing.names_headers && is_hop_by_hop(name) {
                 continue;
             }
             let name = HeaderName::from_bytes(name).map_err(|_| WireError::Head)?;
@@ -270,7 +209,7 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<AnswerHe
             headers.append(name, value);
         }
         if framing.names_headers {
-            crate::proxy::strip_hop_by_hop(&mut headers);
+            strip_hop_by_hop(&mut headers);
         }
         let body = framing.body(method, status, version)?;
         let keep_alive =
@@ -304,7 +243,7 @@ impl Framing {
         }
         if name.len() == 10 && name.eq_ignore_ascii_case(b"connection") {
             self.close |= tokens(value).any(|t| t.eq_ignore_ascii_case(b"close"));
-            self.names_headers |= crate::proxy::names_headers(value);
+            self.names_headers |= names_headers(value);
         }
     }
 
@@ -337,354 +276,10 @@ impl Framing {
     }
 }
 
-/// The fields that frame a message's body, read from a head's bytes as
-/// they pass, by one rule for answers (here) and requests (the server's
-/// `wire`): asking a header map for them afterwards costs more.
-#[derive(Debug, Default, Clone, Copy)]
-pub(crate) struct BodyFields {
-    /// `Content-Length`: `Some(Some(n))` for one valid length however
-    /// often repeated, `Some(None)` for an invalid or ambiguous one.
-    pub length: Option<Option<u64>>,
-    /// A `Content-Length` field holds a list (`5, 5`), which a request may
-    /// not (see the server's `wire`).
-    pub length_listed: bool,
-    /// `Transfer-Encoding`: whether its last coding, over all its fields,
-    /// is chunked.
-    pub chunked: Option<bool>,
-    /// How many codings `Transfer-Encoding` lists over all its fields
-    /// (empty list elements aside), up to 255: a request may have only
-    /// `chunked`, once.
-    pub codings: u8,
-    /// `Transfer-Encoding` has an empty list element (`chunked,`, or an
-    /// empty field): readers disagree on which coding is the last (RFC
-    /// 9110 §5.6.1 has them ignored; hyper takes the empty one).
-    pub codings_gap: bool,
-}
-
-impl BodyFields {
-    /// Takes in one field of a head; false if it is not a framing field.
-    pub fn field(&mut self, name: &[u8], value: &[u8]) -> bool {
-        match name.len() {
-            14 if name.eq_ignore_ascii_case(b"content-length") => {
-                self.length_listed |= value.contains(&b',');
-                for part in tokens(value) {
-                    self.length = Some(match (self.length, parse_length(part)) {
-                        (Some(None), _) | (_, None) => None,
-                        (Some(Some(l)), Some(n)) if l != n => None,
-                        (_, Some(n)) => Some(n),
-                    });
-                }
-                true
-            }
-            17 if name.eq_ignore_ascii_case(b"transfer-encoding") => {
-                // Present, even empty, is present: never framed by a length.
-                let listed = tokens(value).filter(|c| !c.is_empty()).count();
-                self.codings_gap |= tokens(value).any(<[u8]>::is_empty);
-                self.codings = self.codings.saturating_add(listed.min(255) as u8);
-                match tokens(value).rfind(|c| !c.is_empty()) {
-                    Some(last) => self.chunked = Some(last.eq_ignore_ascii_case(b"chunked")),
-                    None => _ = self.chunked.get_or_insert(false),
-                }
-                true
-            }
-            _ => false,
-        }
-    }
-}
-
-/// A field value's comma-separated tokens, trimmed.
-pub(crate) fn tokens(value: &[u8]) -> impl DoubleEndedIterator<Item = &[u8]> {
-    value.split(|&b| b == b',').map(<[u8]>::trim_ascii)
-}
-
-/// One `Content-Length` value: digits only (no sign, no spaces inside), at
-/// most 19 of them.
-pub(crate) fn parse_length(digits: &[u8]) -> Option<u64> {
-    if digits.is_empty() || digits.len() > 19 || !digits.iter().all(u8::is_ascii_digit) {
-        return None;
-    }
-    Some(
-        digits
-            .iter()
-            .fold(0u64, |n, d| n * 10 + u64::from(d - b'0')),
-    )
-}
-
-/// Where the reading of an answer's body is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Decoder {
-    /// This many bytes are still to come.
-    Length(u64),
-    Chunked(Chunk),
-    /// Everything until the upstream closes the connection.
-    ToClose,
-    /// The body has ended.
-    #[default]
-    Ended,
-}
-
-/// Where a chunked body is.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Chunk {
-    /// Before a chunk-size line, or inside one (what of it is checked).
-    Size(SizeLine),
-    /// Inside a chunk's data: this many bytes are still to come.
-    Data(u64),
-    /// After a chunk's data, before its CRLF.
-    DataEnd,
-    /// After the last chunk: trailer lines (dropped).
-    Trailers(TrailerLines),
-}
-
-/// What of a chunk-size line that has not all arrived is checked, so that
-/// a line coming a byte at a time is not read again from its start each
-/// time (a client could make that cost a thousandfold its bytes).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SizeLine {
-    /// Bytes of the line checked.
-    checked: usize,
-    size: u64,
-    /// 0: in the digits, 1: in whitespace after them, 2: in the
-    /// extensions.
-    part: u8,
-    /// A hex digit has come.
-    digits: bool,
-}
-
-impl SizeLine {
-    const START: SizeLine = SizeLine {
-        checked: 0,
-        size: 0,
-        part: 0,
-        digits: false,
-    };
-}
-
-/// The trailer section so far: its bytes and field lines, and what of a
-/// line that has not all arrived is checked (as [`SizeLine`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TrailerLines {
-    bytes: usize,
-    fields: usize,
-    checked: usize,
-    /// The line's colon has not come yet.
-    in_name: bool,
-}
-
-/// What [`Decoder::decode`] found in the buffer.
-#[derive(Debug, PartialEq, Eq)]
-pub enum Decoded {
-    Data(Bytes),
-    /// More bytes must be read first.
-    More,
-    /// The body has ended.
-    End,
-}
-
-impl Decoder {
-    /// A chunked body, from its start.
-    pub const fn chunked() -> Decoder {
-        Decoder::Chunked(Chunk::Size(SizeLine::START))
-    }
-
-    /// Takes the next piece of the body out of `buf`.
-    pub fn decode(&mut self, buf: &mut BytesMut) -> Result<Decoded, WireError> {
-        loop {
-            match self {
-                Decoder::Ended | Decoder::Length(0) => {
-                    *self = Decoder::Ended;
-                    return Ok(Decoded::End);
-                }
-                Decoder::Length(left) => return Ok(take(buf, left)),
-                Decoder::ToClose if buf.is_empty() => return Ok(Decoded::More),
-                Decoder::ToClose => return Ok(Decoded::Data(buf.split().freeze())),
-                Decoder::Chunked(Chunk::Size(line)) => {
-                    let Some((used, size)) = size_line(buf, line)? else {
-                        return Ok(Decoded::More);
-                    };
-                    buf.advance(used);
-                    *self = Decoder::Chunked(match size {
-                        0 => Chunk::Trailers(TrailerLines {
-                            bytes: 0,
-                            fields: 0,
-                            checked: 0,
-                            in_name: true,
-                        }),
-                        n => Chunk::Data(n),
-                    });
-                }
-                Decoder::Chunked(Chunk::Data(left)) => {
-                    let piece = take(buf, left);
-                    if *left == 0 {
-                        *self = Decoder::Chunked(Chunk::DataEnd);
-                    }
-                    return Ok(piece);
-                }
-                Decoder::Chunked(Chunk::DataEnd) => {
-                    match (buf.first(), buf.get(1)) {
-                        (None, _) | (Some(b'\r'), None) => return Ok(Decoded::More),
-                        (Some(b'\r'), Some(b'\n')) => {}
-                        (Some(b'\n' | b'\r'), _) => return Err(ChunkError::LineEnd.into()),
-                        _ => return Err(ChunkError::DataEnd.into()),
-                    }
-                    buf.advance(2);
-                    *self = Decoder::chunked();
-                }
-                Decoder::Chunked(Chunk::Trailers(section)) => {
-                    let Some(line) = trailer_line(buf, section)? else {
-                        return Ok(Decoded::More);
-                    };
-                    buf.advance(line);
-                    if line == 2 {
-                        *self = Decoder::Ended;
-                        return Ok(Decoded::End);
-                    }
-                    section.bytes += line;
-                    section.fields += 1;
-                    section.checked = 0;
-                    section.in_name = true;
-                    if section.fields > MAX_TRAILER_FIELDS {
-                        return Err(ChunkError::TooLong.into());
-                    }
-                }
-            }
-        }
-    }
-
-    /// Whether the body has been read to its end.
-    pub fn ended(&self) -> bool {
-        matches!(self, Decoder::Ended | Decoder::Length(0))
-    }
-
-    /// What is known of the rest of the body's length.
-    pub fn size_hint(&self) -> http_body::SizeHint {
-        match self {
-            Decoder::Length(n) => http_body::SizeHint::with_exact(*n),
-            Decoder::Ended => http_body::SizeHint::with_exact(0),
-            _ => http_body::SizeHint::default(),
-        }
-    }
-}
-
-/// The chunk-size line at the start of `buf`: its length with its CRLF,
-/// and the size. `None`: the line has not all arrived, and what has is
-/// valid so far (a wrong byte is refused as soon as it is in).
-///
-/// `chunk = chunk-size [ chunk-ext ] CRLF` (RFC 9112 §7.1): at least one
-/// hex digit, then whitespace only before a `;`, then extensions of any
-/// bytes but controls (HTAB aside). The extensions are ignored, so their
-/// inner grammar is not checked; a control character, a bare CR or LF
-/// among them is what readers disagree about. `line` is what an earlier
-/// call checked of it, and is kept up to date.
-fn size_line(buf: &[u8], line: &mut SizeLine) -> Result<Option<(usize, u64)>, ChunkError> {
-    for (i, &b) in buf.iter().enumerate().skip(line.checked) {
-        if i >= MAX_CHUNK_LINE {
-            return Err(ChunkError::TooLong);
-        }
-        match (line.part, b) {
-            (_, b'\r') => {
-                if !line.digits {
-                    return Err(ChunkError::Size);
-                }
-                // Checked up to the CR: it is looked at again with the
-                // byte after it.
-                line.checked = i;
-                return match buf.get(i + 1) {
-                    None => Ok(None),
-                    Some(b'\n') => Ok(Some((i + 2, line.size))),
-                    Some(_) => Err(ChunkError::LineEnd),
-                };
-            }
-            (_, b'\n') => return Err(ChunkError::LineEnd),
-            (0, b) if b.is_ascii_hexdigit() => {
-                let digit = (b as char).to_digit(16).unwrap_or(0);
-                line.size = line
-                    .size
-                    .checked_mul(16)
-                    .and_then(|s| s.checked_add(u64::from(digit)))
-                    .ok_or(ChunkError::Size)?;
-                line.digits = true;
-            }
-            (0 | 1, b' ' | b'\t') if line.digits => line.part = 1,
-            (0 | 1, b';') if line.digits => line.part = 2,
-            (0 | 1, _) => return Err(ChunkError::Size),
-            (_, b) if is_ctl(b) => return Err(ChunkError::Extension),
-            _ => {}
-        }
-    }
-    line.checked = buf.len();
-    if buf.len() > MAX_CHUNK_LINE {
-        return Err(ChunkError::TooLong);
-    }
-    Ok(None)
-}
-
-/// A control character as a field value or chunk extension must not hold
-/// one: below 0x20 but HTAB, and DEL.
-fn is_ctl(b: u8) -> bool {
-    (b < 0x20 && b != b'\t') || b == 0x7f
-}
-
-/// The trailer line at the start of `buf`: its length with its CRLF (2:
-/// the empty line that ends the section). `None`: not all of it has
-/// arrived, and what has is valid so far (a wrong byte is refused as soon
-/// as it is in, as in [`size_line`]).
-///
-/// A trailer line is a field line as in a head (RFC 9112 §7.1.2, §5): a
-/// token, the colon right after it, a value of field-value bytes (no
-/// controls but HTAB); no obs-fold (a line that begins with whitespace has
-/// no token).
-fn trailer_line(buf: &[u8], section: &mut TrailerLines) -> Result<Option<usize>, ChunkError> {
-    // A line may end one byte past the limit (its LF).
-    let room = MAX_TRAILERS.saturating_sub(section.bytes);
-    for (i, &b) in buf.iter().enumerate().skip(section.checked) {
-        if i >= room {
-            return Err(ChunkError::TooLong);
-        }
-        match b {
-            b'\r' => {
-                // Checked up to the CR, as in `size_line`.
-                section.checked = i;
-                return match buf.get(i + 1) {
-                    None => Ok(None),
-                    Some(b'\n') if i == 0 => Ok(Some(2)),
-                    Some(b'\n') if section.in_name => Err(ChunkError::Trailer),
-                    Some(b'\n') => Ok(Some(i + 2)),
-                    Some(_) => Err(ChunkError::LineEnd),
-                };
-            }
-            b'\n' => return Err(ChunkError::LineEnd),
-            b':' if section.in_name && i > 0 => section.in_name = false,
-            b if section.in_name && is_tchar(b) => {}
-            b if !section.in_name && !is_ctl(b) => {}
-            _ => return Err(ChunkError::Trailer),
-        }
-    }
-    section.checked = buf.len();
-    if buf.len() >= room {
-        return Err(ChunkError::TooLong);
-    }
-    Ok(None)
-}
-
-/// A byte of a token (RFC 9110 §5.6.2).
-pub(crate) fn is_tchar(b: u8) -> bool {
-    b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b)
-}
-
-/// Up to `left` bytes from `buf`, counted off `left`.
-fn take(buf: &mut BytesMut, left: &mut u64) -> Decoded {
-    if buf.is_empty() {
-        return Decoded::More;
-    }
-    let n = usize::try_from(*left).map_or(buf.len(), |l| l.min(buf.len()));
-    *left -= n as u64;
-    Decoded::Data(buf.split_to(n).freeze())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::http1::codec::*;
 
     fn head(raw: &str, method: &Method) -> Result<Option<AnswerHead>, WireError> {
         parse_head(&mut BytesMut::from(raw), method)

@@ -47,15 +47,8 @@ use bytes::{Bytes, BytesMut};
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 use http::{Method, StatusCode, Uri, Version};
 
-use crate::upstream::wire::{
-    itoa, parse_length, tokens, BodyFields, ChunkError, Decoded, Decoder, WireError,
-};
-
-/// Most header fields a request head may carry.
-pub const MAX_HEADERS: usize = 100;
-/// Longest request head accepted. Within `u16`: a field's place in the
-/// head is kept as two of them while the head is parsed.
-pub const MAX_HEAD_BYTES: usize = u16::MAX as usize;
+use crate::http1::codec::{itoa, parse_length, tokens, BodyFields, ChunkError, Decoded, Decoder};
+pub use crate::http1::codec::{MAX_HEADERS, MAX_HEAD_BYTES};
 
 /// Why a request head is refused; answered by the server itself (see
 /// `error`), and the connection closes.
@@ -343,10 +336,7 @@ pub fn gather(
             },
             Ok(Decoded::End) => break Some(Ok(())),
             Ok(Decoded::More) => break None,
-            Err(WireError::Chunk(e)) => break Some(Err(e)),
-            // A request's decoder is by a length or chunked: only chunk
-            // framing can be wrong.
-            Err(_) => break Some(Err(ChunkError::Size)),
+            Err(e) => break Some(Err(e)),
         }
     };
     (more.map(BytesMut::freeze).or(first), end)

@@ -41,9 +41,10 @@ use bytes::Bytes;
 use http::Method;
 use http_body::{Body as _, Frame, SizeHint};
 
-use super::conn::Conn;
-use super::wire::{self, Decoded, Decoder, RequestFraming};
+use super::answer::{self, RequestFraming};
+use super::connection::Conn;
 use super::{ExchangeError, UpstreamClient, Witness};
+use crate::http1::codec::{self, Decoded, Decoder};
 
 /// How much of a request body is gathered before it is written: the head
 /// and a small body go out in one write.
@@ -87,7 +88,7 @@ impl RequestWriter {
         let hint = http_body::Body::size_hint(&body);
         let framing = RequestFraming::of(http_body::Body::is_end_stream(&body), hint.exact());
         let mut out = Vec::with_capacity(512);
-        wire::encode_head(parts, framing, &mut out);
+        answer::encode_head(parts, framing, &mut out);
         let owed = match framing {
             RequestFraming::Length(n) => n,
             _ => 0,
@@ -218,7 +219,7 @@ impl RequestWriter {
             }
             // An empty piece would be read as the last chunk.
             RequestFraming::Chunked if !data.is_empty() => {
-                wire::encode_chunk(&data, &mut self.out);
+                codec::encode_chunk(&data, &mut self.out);
             }
             RequestFraming::Chunked | RequestFraming::Empty => {}
         }
@@ -230,7 +231,7 @@ impl RequestWriter {
         match self.framing {
             RequestFraming::Length(_) if self.owed != 0 => Err(ExchangeError::BodyLength),
             RequestFraming::Chunked => {
-                self.out.extend_from_slice(wire::LAST_CHUNK);
+                self.out.extend_from_slice(codec::LAST_CHUNK);
                 Ok(())
             }
             _ => Ok(()),
@@ -258,12 +259,12 @@ impl Flight {
         &mut self,
         cx: &mut Context<'_>,
         method: &Method,
-    ) -> Poll<Result<wire::AnswerHead, ExchangeError>> {
+    ) -> Poll<Result<answer::AnswerHead, ExchangeError>> {
         loop {
             if let Poll::Ready(Err(e)) = self.request.poll_send(&mut self.conn, cx) {
                 return Poll::Ready(Err(e));
             }
-            if let Some(head) = wire::parse_head(&mut self.conn.read, method)? {
+            if let Some(head) = answer::parse_head(&mut self.conn.read, method)? {
                 return Poll::Ready(Ok(head));
             }
             match std::task::ready!(self.poll_fill(cx)) {
@@ -376,7 +377,7 @@ impl http_body::Body for UpstreamBody {
                 Ok(Decoded::More) => {}
                 Err(e) => {
                     this.flight = None;
-                    return Poll::Ready(Some(Err(ExchangeError::Wire(e))));
+                    return Poll::Ready(Some(Err(ExchangeError::Wire(e.into()))));
                 }
             }
             match std::task::ready!(flight.poll_fill(cx)) {

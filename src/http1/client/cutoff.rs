@@ -1,11 +1,11 @@
 //! The deadline a connection enforces itself, whoever stalls.
 //!
-//! A fenced write's exchange must be over by its deadline in both
-//! directions (see `exchange`). The exchange's own futures and bodies cut
-//! it there, but only when they are polled, and nobody polls them when the
+//! An exchange sent with a deadline (the gateway sends every fenced write
+//! with one) must be over by it in both directions. The exchange's own
+//! futures and bodies cut it there, but only when they are polled, and nobody polls them when the
 //! client stops reading the answer (the gateway's socket to it is full) or
-//! the upstream stops reading the request. So a connection that carries a
-//! fenced write has a watchdog task: when the deadline passes with the
+//! the upstream stops reading the request. So a connection that carries an
+//! exchange with a deadline has a watchdog task: when the deadline passes with the
 //! exchange not over, it resets the connection (after that no byte moves
 //! either way) and only then tells the exchange.
 //!
@@ -24,8 +24,9 @@
 //! not said it is closing, which it says under the same lock before its
 //! socket is closed (see `Conn`'s drop).
 //!
-//! The watchdog is spawned with a connection's first fenced write and lives
-//! as long as the connection; pass-through traffic never starts one.
+//! The watchdog is spawned with a connection's first exchange that has a
+//! deadline and lives as long as the connection; exchanges without one
+//! never start it.
 
 use std::future::Future;
 use std::os::fd::{BorrowedFd, RawFd};

@@ -1,5 +1,7 @@
 //! The HTTP/1.1 server of both listeners: the accept loop, connections
-//! served by an HTTP/1.1 of our own (`conn`, `body`, `wire`), and the
+//! served by an HTTP/1.1 of our own ([`session`]: a connection's phases;
+//! [`request`]: request heads read and answer heads written; [`body`]: a
+//! request's body as the service reads it; [`tls`]: handshakes), and the
 //! traffic listener's worker threads.
 //!
 //! Three protections are the accept loop's and the connection's: a
@@ -39,11 +41,13 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, oneshot, Notify, OwnedSemaphorePermit, Semaphore};
 use tower::ServiceExt;
 
-mod body;
-mod conn;
-pub mod wire;
+pub mod body;
+pub mod request;
+pub mod session;
+pub mod tls;
 
 pub use body::RequestBody;
+pub use request::HeadError;
 
 /// Limits applied to every connection of one listener.
 #[derive(Debug, Clone, Copy)]
@@ -58,7 +62,7 @@ pub struct Limits {
 pub struct ConnInfo {
     pub peer: SocketAddr,
     /// Set on a TLS connection, after the handshake.
-    pub tls: Option<crate::tls::TlsPeer>,
+    pub tls: Option<tls::TlsPeer>,
 }
 
 /// What answers one connection's requests, one at a time. Its future runs
@@ -68,6 +72,12 @@ pub trait Service: Send + 'static {
     /// Unboxed: the traffic listener's answer is made with no allocation
     /// and no copy of its (large) future.
     fn call(&self, req: Request<Body>) -> impl Future<Output = Response> + Send + 'static;
+
+    /// The answer to a request the server refused before the service saw
+    /// it (a malformed head or body framing); the connection then closes.
+    /// The service says how a refusal looks (a problem document), the
+    /// server which one it is.
+    fn refuse(&self, why: HeadError) -> Response;
 }
 
 /// A service for one accepted connection.
@@ -80,15 +90,20 @@ pub trait MakeService: Clone + Send + 'static {
 /// An axum router as a [`MakeService`]; handlers see the peer as
 /// `ConnectInfo<SocketAddr>`.
 #[derive(Clone)]
-pub struct RouterService(pub Router);
+pub struct RouterService {
+    pub router: Router,
+    /// The answer to a refused request (see [`Service::refuse`]).
+    pub refuse: fn(HeadError) -> Response,
+}
 
 impl MakeService for RouterService {
     type Service = RouterConnection;
 
     fn make(&self, conn: ConnInfo) -> RouterConnection {
         RouterConnection {
-            router: self.0.clone(),
+            router: self.router.clone(),
             peer: conn.peer,
+            refuse: self.refuse,
         }
     }
 }
@@ -97,6 +112,7 @@ impl MakeService for RouterService {
 pub struct RouterConnection {
     router: Router,
     peer: SocketAddr,
+    refuse: fn(HeadError) -> Response,
 }
 
 impl Service for RouterConnection {
@@ -110,6 +126,10 @@ impl Service for RouterConnection {
                 Err(never) => match never {},
             }
         }
+    }
+
+    fn refuse(&self, why: HeadError) -> Response {
+        (self.refuse)(why)
     }
 }
 
@@ -178,13 +198,13 @@ fn connection(
     limits: Limits,
     drain: &Arc<Drain>,
     permit: OwnedSemaphorePermit,
-    tls: Option<&Arc<crate::tls::Tls>>,
+    tls: Option<&Arc<tls::ServerTls>>,
 ) {
     let drain = drain.clone();
     let Some(tls) = tls else {
         let service = service.make(ConnInfo { peer, tls: None });
         tokio::spawn(async move {
-            conn::serve(stream, service, limits, drain).await;
+            session::serve(stream, service, limits, drain).await;
             drop(permit);
         });
         return;
@@ -209,9 +229,9 @@ fn connection(
         };
         let info = ConnInfo {
             peer,
-            tls: Some(crate::tls::peer_of(stream.get_ref().1)),
+            tls: Some(tls::peer_of(stream.get_ref().1)),
         };
-        conn::serve(stream, make.make(info), limits, drain).await;
+        session::serve(stream, make.make(info), limits, drain).await;
         drop(permit);
     });
 }
@@ -342,7 +362,7 @@ impl Workers {
     pub fn start<M: MakeService, D>(
         listener: TcpListener,
         services: Vec<M>,
-        tls: Option<Arc<crate::tls::Tls>>,
+        tls: Option<Arc<tls::ServerTls>>,
         limits: Limits,
         shutdown: impl Future<Output = ()> + Send + 'static,
         settled: impl Fn() -> D,

@@ -19,8 +19,8 @@ use tokio::net::TcpStream;
 use tokio_rustls::client::TlsStream;
 
 use super::cutoff::{self, Cutoff};
+use super::Upstream;
 use super::{tcp, SendError, Witness};
-use crate::config::Upstream;
 
 /// Longest a TCP connect (and TLS handshake) to an upstream may take: a
 /// refused or unroutable upstream must fail fast as 502.

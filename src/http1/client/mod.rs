@@ -11,7 +11,7 @@
 //! head in its own future, and the answer's body reads itself from the
 //! connection and hands it back when the exchange is over ([`flight`]).
 //! Heads are parsed with `httparse` once, headers written as the bytes they
-//! are, head and body sent in one write ([`wire`]).
+//! are, head and body sent in one write ([`answer`]).
 //!
 //! **Retries.** A request is sent again, once and on a new connection
 //! (the pool's others may be as dead), only when not one byte of it was
@@ -43,17 +43,22 @@
 //!
 //! # Layout
 //!
-//! * [`wire`]: the bytes: request heads, answer heads, body framing.
-//! * [`conn`]: one connection: its socket, reads and writes.
+//! * [`upstream`]: an upstream as the client reaches it: address, `Host`,
+//!   TLS.
+//! * [`answer`]: the bytes: request heads written, answer heads read, how
+//!   each body is framed.
+//! * [`connection`]: one connection: its socket, reads and writes.
+//! * [`tcp`]: what the socket's TCP can tell and do: queued bytes, resets.
 //! * [`flight`]: one exchange on a connection, and the answer's body.
-//! * [`cutoff`]: a fenced exchange's deadline, and the watchdog that cuts
-//!   the connection at it.
+//! * [`cutoff`]: an exchange's deadline, and the watchdog that cuts the
+//!   connection at it.
 
-mod conn;
+pub mod answer;
+mod connection;
 mod cutoff;
 mod flight;
 mod tcp;
-pub mod wire;
+mod upstream;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -62,62 +67,17 @@ use std::time::{Duration, Instant};
 use axum::body::Body;
 use http::{Request, Response};
 
-use crate::config::Upstream;
-use conn::Conn;
+pub use answer::WireError;
+use connection::Conn;
 pub use flight::UpstreamBody;
 use flight::{Flight, RequestWriter};
-pub use wire::WireError;
+pub use upstream::{Upstream, UpstreamTls};
 
 /// Idle connections kept per upstream and worker.
 const MAX_IDLE: usize = 256;
 /// An idle connection older than this is closed rather than reused: the
 /// upstream has likely closed it already, or soon will.
 const IDLE_TIMEOUT: Duration = Duration::from_secs(60);
-
-/// TLS to an `https://` upstream, built when the config is loaded.
-#[derive(Clone)]
-pub struct UpstreamTls {
-    /// Trust roots (the platform's, or `upstream_ca_file`), ALPN http/1.1.
-    pub config: Arc<rustls::ClientConfig>,
-    /// Sent as SNI and checked against the certificate.
-    pub server_name: rustls::pki_types::ServerName<'static>,
-}
-
-impl std::fmt::Debug for UpstreamTls {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("UpstreamTls")
-            .field("server_name", &self.server_name)
-            .finish_non_exhaustive()
-    }
-}
-
-impl UpstreamTls {
-    /// TLS for the upstream host `host`, trusting `ca_file` (PEM) or, without
-    /// one, the platform's roots. The error says what is wrong.
-    pub fn new(host: &str, ca_file: Option<&std::path::Path>) -> Result<Self, String> {
-        let roots = match ca_file {
-            None => {
-                crate::tls::platform_roots().map_err(|e| format!("{e}; set upstream_ca_file"))?
-            }
-            Some(path) => {
-                let pem = std::fs::read(path)
-                    .map_err(|e| format!("upstream_ca_file {}: {e}", path.display()))?;
-                let roots = crate::tls::pem_roots(&pem)
-                    .map_err(|e| format!("upstream_ca_file {}: {e}", path.display()))?;
-                Arc::new(roots)
-            }
-        };
-        // An IP literal in brackets (`[::1]`) is named without them.
-        let name = host.trim_start_matches('[').trim_end_matches(']');
-        let server_name = rustls::pki_types::ServerName::try_from(name.to_string())
-            .map_err(|_| format!("'{host}' is not a name a certificate can be checked against"))?;
-        let config = crate::tls::client_config(roots)?;
-        Ok(Self {
-            config: Arc::new(config),
-            server_name,
-        })
-    }
-}
 
 /// One worker's connections; cheap to clone (clones share them).
 #[derive(Clone, Default)]

@@ -33,7 +33,7 @@ use std::task::{ready, Context, Poll};
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::response::{IntoResponse, Response};
+use axum::response::Response;
 use bytes::{Bytes, BytesMut};
 use http::{Method, Request, Version};
 use http_body::Body as _;
@@ -41,10 +41,9 @@ use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::{Instant, Sleep};
 
 use super::body::{BodyError, Pipe, RequestBody};
-use super::wire::{self, AnswerFraming, Asked, HeadError, RequestHead, MAX_HEAD_BYTES};
+use super::request::{self, AnswerFraming, Asked, HeadError, RequestHead};
 use super::{Drain, Limits, Service};
-use crate::error::{ClientError, GatewayError};
-use crate::upstream::wire::{encode_chunk, Decoded, Decoder, LAST_CHUNK};
+use crate::http1::codec::{encode_chunk, Decoded, Decoder, LAST_CHUNK, MAX_HEAD_BYTES};
 
 /// Room made in the read buffer before a read.
 const READ_ROOM: usize = 8 * 1024;
@@ -84,7 +83,7 @@ where
         let head = match conn.read_head(&mut timer, deadline, &drain).await {
             Ok(Some(head)) => head,
             Ok(None) => return,
-            Err(e) => return conn.refuse(e).await,
+            Err(e) => return conn.refuse(service.refuse(e)).await,
         };
         let RequestHead {
             request,
@@ -100,7 +99,7 @@ where
         // Phase: hand over body.
         let (body, mut piping) = match conn.hand_over(body, expect_continue) {
             Ok(handed) => handed,
-            Err(e) => return conn.refuse(e).await,
+            Err(e) => return conn.refuse(service.refuse(e)).await,
         };
         let req = Request::from_parts(request, Body::new(body));
         // Phase: await answer. Pinned here, where it is made: the
@@ -242,7 +241,7 @@ impl<I: AsyncRead + AsyncWrite + Unpin> Conn<I> {
     ) -> Result<Option<RequestHead>, HeadError> {
         loop {
             if !self.buf.is_empty() {
-                if let Some(head) = wire::parse_head(&mut self.buf)? {
+                if let Some(head) = request::parse_head(&mut self.buf)? {
                     return Ok(Some(head));
                 }
             }
@@ -275,11 +274,8 @@ impl<I: AsyncRead + AsyncWrite + Unpin> Conn<I> {
         }
     }
 
-    /// Answers a refused head with its problem document, and closes.
-    async fn refuse(mut self, e: HeadError) {
-        let problem = GatewayError::from(ClientError::Head(e))
-            .to_problem(Duration::from_secs(1))
-            .into_response();
+    /// Answers a refused head with the service's answer to it, and closes.
+    async fn refuse(mut self, problem: Response) {
         let asked = Asked {
             head: false,
             http10: false,
@@ -304,7 +300,7 @@ impl<I: AsyncRead + AsyncWrite + Unpin> Conn<I> {
         if decoder.ended() {
             return Ok((RequestBody::empty(), None));
         }
-        match wire::gather(&mut decoder, &mut self.buf) {
+        match request::gather(&mut decoder, &mut self.buf) {
             (first, Some(Ok(()))) => Ok((
                 first.map_or_else(RequestBody::empty, RequestBody::full),
                 None,
@@ -422,7 +418,7 @@ impl<I: AsyncRead + AsyncWrite + Unpin> Conn<I> {
     ) -> io::Result<bool> {
         let (parts, mut body) = answer.into_parts();
         let (mut framing, keep) =
-            wire::encode_head(&parts, body.size_hint().exact(), asked, &mut self.out);
+            request::encode_head(&parts, body.size_hint().exact(), asked, &mut self.out);
         drop(parts);
         let mut ended = framing == AnswerFraming::Empty;
         poll_fn(|cx| loop {
@@ -586,6 +582,10 @@ mod tests {
     {
         fn call(&self, req: Request<Body>) -> impl Future<Output = Response> + Send + 'static {
             (self.0)(req)
+        }
+
+        fn refuse(&self, _: HeadError) -> Response {
+            axum::response::IntoResponse::into_response(http::StatusCode::BAD_REQUEST)
         }
     }
 
