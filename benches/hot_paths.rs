@@ -8,8 +8,8 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
-use fencegate::jwt::{JwtKeys, KeySettings, TokensSettings};
-use fencegate::routing::{KeyError, KeySource, KeyTemplate, PathPattern};
+use fencegate::fencing::jwt::{JwtKeys, KeySettings, TokensSettings};
+use fencegate::fencing::routing::{KeyError, KeySource, KeyTemplate, PathPattern};
 
 fn fixture(name: &str) -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -20,13 +20,13 @@ fn fixture(name: &str) -> std::path::PathBuf {
 fn token_parsing(c: &mut Criterion) {
     let mut g = c.benchmark_group("token");
     g.bench_function("parse 2 digits", |b| {
-        b.iter(|| fencegate::token::parse_integer(black_box(b"34")))
+        b.iter(|| fencegate::fencing::token::parse_integer(black_box(b"34")))
     });
     g.bench_function("parse 19 digits", |b| {
-        b.iter(|| fencegate::token::parse_integer(black_box(b"9223372036854775807")))
+        b.iter(|| fencegate::fencing::token::parse_integer(black_box(b"9223372036854775807")))
     });
     g.bench_function("reject malformed", |b| {
-        b.iter(|| fencegate::token::parse_integer(black_box(b"12a4")))
+        b.iter(|| fencegate::fencing::token::parse_integer(black_box(b"12a4")))
     });
     g.finish();
 }
@@ -128,7 +128,7 @@ fn ready<T>(f: impl std::future::Future<Output = T>) -> T {
 }
 
 fn gate(c: &mut Criterion) {
-    use fencegate::gate::{Arrival, Gate};
+    use fencegate::fencing::gate::{Arrival, Gate};
     let mut g = c.benchmark_group("gate");
     let unsettled = Duration::from_secs(10);
     // One write's passes through the gate: arrive, (settle,) admit, release.

@@ -18,8 +18,8 @@ use std::time::Duration;
 use http::Method;
 use serde::Deserialize;
 
+use crate::fencing::routing::{KeyTemplate, PathPattern};
 pub use crate::http1::client::Upstream;
-use crate::routing::{KeyTemplate, PathPattern};
 
 /// Prefix of environment variables that override config keys.
 pub const ENV_PREFIX: &str = "FENCEGATE__";
@@ -43,7 +43,7 @@ pub struct Config {
     pub routes: Vec<Route>,
     pub locks: LocksConfig,
     /// Keys for JWT fence tokens, when `[tokens]` is configured.
-    pub tokens: Option<std::sync::Arc<crate::jwt::JwtKeys>>,
+    pub tokens: Option<std::sync::Arc<crate::fencing::jwt::JwtKeys>>,
     /// A built-in demo backend to start next to the gateway, if any.
     pub demo: Option<DemoConfig>,
     /// `[[auth.clients]]`: who may use the lock API and admin actions.
@@ -123,7 +123,7 @@ pub struct ServerConfig {
     pub shutdown_grace: Duration,
     /// `[server.tls]`: the traffic listener speaks only HTTPS. Loaded (and
     /// checked) with the config; SIGHUP reloads its files.
-    pub tls: Option<std::sync::Arc<crate::tls::Tls>>,
+    pub tls: Option<std::sync::Arc<crate::boot::tls::Tls>>,
     /// Threads serving the traffic listener, each with its own runtime and
     /// upstream pool, taking accepted connections in turn from one acceptor,
     /// so a request's client and upstream connections are driven by one
@@ -503,9 +503,9 @@ struct RawTokens {
 impl Default for RawTokens {
     fn default() -> Self {
         Self {
-            issuer: crate::jwt::DEFAULT_ISSUER.into(),
+            issuer: crate::fencing::jwt::DEFAULT_ISSUER.into(),
             signing_kid: None,
-            leeway_s: crate::jwt::DEFAULT_LEEWAY.as_secs(),
+            leeway_s: crate::fencing::jwt::DEFAULT_LEEWAY.as_secs(),
             keys: Vec::new(),
         }
     }
@@ -1179,17 +1179,17 @@ impl Validator<'_> {
         &mut self,
         file: &str,
         raw: RawTokens,
-    ) -> Option<std::sync::Arc<crate::jwt::JwtKeys>> {
+    ) -> Option<std::sync::Arc<crate::fencing::jwt::JwtKeys>> {
         let base = config_dir(file);
         let resolve = |p: Option<String>| p.map(|p| relative_to(&base, &p));
-        let settings = crate::jwt::TokensSettings {
+        let settings = crate::fencing::jwt::TokensSettings {
             issuer: raw.issuer,
             signing_kid: raw.signing_kid,
             leeway: Duration::from_secs(raw.leeway_s.min(3600)),
             keys: raw
                 .keys
                 .into_iter()
-                .map(|k| crate::jwt::KeySettings {
+                .map(|k| crate::fencing::jwt::KeySettings {
                     kid: k.kid,
                     algorithm: k.algorithm,
                     private_key_file: resolve(k.private_key_file),
@@ -1207,7 +1207,7 @@ impl Validator<'_> {
         }
         let env = self.env;
         let lookup = |name: &str| env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
-        match crate::jwt::JwtKeys::load(&settings, &lookup) {
+        match crate::fencing::jwt::JwtKeys::load(&settings, &lookup) {
             Ok(k) => Some(std::sync::Arc::new(k)),
             Err(problems) => {
                 for (key, why) in problems {
@@ -1280,7 +1280,7 @@ impl Validator<'_> {
         crate::auth::Clients::new(clients)
     }
 
-    fn tls(&mut self, file: &str, raw: RawTls) -> Option<std::sync::Arc<crate::tls::Tls>> {
+    fn tls(&mut self, file: &str, raw: RawTls) -> Option<std::sync::Arc<crate::boot::tls::Tls>> {
         let base = config_dir(file);
         let cert = raw.cert_file.map(|p| relative_to(&base, &p));
         let key = raw.key_file.map(|p| relative_to(&base, &p));
@@ -1321,7 +1321,7 @@ impl Validator<'_> {
             client_ca_file,
             client_auth,
         };
-        match crate::tls::Tls::load(&files) {
+        match crate::boot::tls::Tls::load(&files) {
             Ok(t) => Some(std::sync::Arc::new(t)),
             Err(why) => {
                 self.problem("server.tls", why);

@@ -69,30 +69,14 @@
 //! kinds), and [`tls`] takes its HTTPS client setup from it.
 
 pub mod admin;
-pub mod app;
 pub mod auth;
-pub mod cli;
+pub mod boot;
 pub mod config;
-pub mod dashboard;
 pub mod demo;
-pub mod error;
-pub mod exchange;
-pub mod fence;
-pub mod gate;
+pub mod fencing;
 pub mod gateway;
 pub mod http1;
 pub mod idempotency;
-pub mod jwt;
 pub mod locks;
-pub mod logging;
 pub mod metrics;
-pub mod openapi;
-pub mod proxy;
-pub mod refusals;
-pub mod reload;
-pub mod routing;
-
 pub mod store;
-pub mod tls;
-pub mod token;
-pub mod traffic;

@@ -12,5 +12,5 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[tokio::main]
 async fn main() -> ExitCode {
     // Logging starts in `cli::run`: `serve` logs in its config's format.
-    fencegate::cli::run(fencegate::cli::Cli::parse()).await
+    fencegate::boot::cli::run(fencegate::boot::cli::Cli::parse()).await
 }

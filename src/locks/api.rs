@@ -26,7 +26,7 @@ use serde_json::Value;
 
 use super::{LockError, LockService};
 use crate::auth::{AuthError, Client, Clients, Credentials};
-use crate::error::Problem;
+use crate::gateway::error::Problem;
 use crate::http1::server::ConnInfo;
 
 /// Largest lock-API request body; they are a few dozen bytes.
@@ -40,7 +40,7 @@ pub struct LockApiState {
     pub retry_after: Duration,
     /// Who may call (`auth`; open when no clients are configured), as the
     /// current config says: a reload swaps it.
-    pub live: crate::reload::Shared,
+    pub live: crate::gateway::live::Shared,
 }
 
 /// The caller's credentials: its `Authorization` header and, on a TLS
@@ -262,7 +262,9 @@ impl From<BadBody> for Refused {
 
 impl From<AuthError> for Refused {
     fn from(e: AuthError) -> Self {
-        Self(Box::new(crate::error::auth_problem(&e).into_response()))
+        Self(Box::new(
+            crate::gateway::error::auth_problem(&e).into_response(),
+        ))
     }
 }
 

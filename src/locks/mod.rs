@@ -120,7 +120,7 @@ struct Inner {
     notifier: Arc<Notifier>,
     /// Signs grant tokens when `[tokens]` names a signing key. A reload
     /// swaps it.
-    jwt: arc_swap::ArcSwapOption<crate::jwt::JwtKeys>,
+    jwt: arc_swap::ArcSwapOption<crate::fencing::jwt::JwtKeys>,
     limits: LockLimits,
     metrics: Metrics,
 }
@@ -133,7 +133,7 @@ impl LockService {
     pub fn new(
         backend: Backend,
         notifier: Arc<Notifier>,
-        jwt: Option<Arc<crate::jwt::JwtKeys>>,
+        jwt: Option<Arc<crate::fencing::jwt::JwtKeys>>,
         limits: LockLimits,
         metrics: Metrics,
     ) -> Self {
@@ -149,7 +149,7 @@ impl LockService {
     }
 
     /// New keys to sign grant tokens with (a config reload).
-    pub fn set_signing_keys(&self, jwt: Option<Arc<crate::jwt::JwtKeys>>) {
+    pub fn set_signing_keys(&self, jwt: Option<Arc<crate::fencing::jwt::JwtKeys>>) {
         self.inner.jwt.store(jwt.filter(|k| k.can_sign()));
     }
 

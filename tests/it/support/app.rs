@@ -3,7 +3,7 @@
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
-use fencegate::app::{Application, StartError};
+use fencegate::boot::app::{Application, StartError};
 use fencegate::config::Config;
 use tokio::sync::oneshot;
 use tokio::task::JoinHandle;

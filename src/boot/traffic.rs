@@ -19,8 +19,9 @@ use http::Request;
 use tower::ServiceExt;
 
 use crate::config::is_reserved;
-use crate::error::GatewayError;
-use crate::gateway::{self, Downstream, GatewayState};
+use crate::gateway::error::GatewayError;
+use crate::gateway::proxy::Downstream;
+use crate::gateway::{self, GatewayState};
 use crate::http1::server::{ConnInfo, HeadError, MakeService, Service};
 
 /// One worker's traffic service.
@@ -66,7 +67,7 @@ impl Service for Connection {
     }
 
     fn refuse(&self, why: HeadError) -> Response {
-        crate::error::refused_head(why)
+        crate::gateway::error::refused_head(why)
     }
 }
 
@@ -82,7 +83,7 @@ pub fn reserved_router(locks: Option<crate::locks::api::LockApiState>) -> Router
 }
 
 async fn no_route(uri: http::Uri) -> Response {
-    let e = GatewayError::from(crate::error::ClientError::NoRoute {
+    let e = GatewayError::from(crate::gateway::error::ClientError::NoRoute {
         path: uri.path().to_string(),
     });
     e.to_problem(Duration::from_secs(1)).into_response()

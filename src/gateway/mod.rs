@@ -13,8 +13,14 @@
 //! ([`ToTheEnd`]); where it must run on the store's runtime, it is spawned
 //! there.
 
+pub mod error;
+pub mod exchange;
+pub mod fence;
+pub mod live;
+pub mod proxy;
+pub mod refusals;
+
 use std::future::Future;
-use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -28,57 +34,23 @@ use http::{header, Method, Request};
 use tokio::sync::oneshot;
 
 use crate::config::{PathsMode, Route, TokenKind};
-use crate::error::{ClientError, GatewayError, UpstreamError};
-use crate::exchange::Exchange;
-use crate::fence::Keyed;
-use crate::fence::{Admission, Fence};
-use crate::gate::Arrival;
+use crate::fencing::gate::Arrival;
+use crate::fencing::jwt::JwtRejection;
+use crate::fencing::routing::{self, PathError};
+use crate::fencing::token::{self, TokenError};
+use crate::gateway::error::{ClientError, GatewayError, UpstreamError};
+use crate::gateway::exchange::Exchange;
+use crate::gateway::fence::Keyed;
+use crate::gateway::fence::{Admission, Fence};
 use crate::http1::client::UpstreamClient;
 use crate::http1::codec;
 use crate::idempotency::{self, Cached};
-use crate::jwt::JwtRejection;
 use crate::metrics::IdempotencyOutcome;
-use crate::metrics::{Metrics, Outcome, RouteMetrics, StoreOp, UpstreamFailure};
-use crate::proxy::{self, BodyOutcome, LimitedBody, RelayBody};
-use crate::reload::Live;
-use crate::routing::{self, PathError};
+use crate::metrics::{Metrics, Outcome, StoreOp, UpstreamFailure};
 use crate::store::{Begin, Found, RecordId, StoreError, StoredAnswer};
-use crate::token::{self, TokenError};
-
-/// A configured route with its metric handles.
-pub struct GatedRoute {
-    pub route: Route,
-    pub metrics: RouteMetrics,
-}
-
-impl GatedRoute {
-    pub fn new(route: Route, metrics: &Metrics) -> Self {
-        Self {
-            metrics: metrics.for_route(&route.name),
-            route,
-        }
-    }
-
-    /// A copy for one traffic worker, with its own upstream pool key and
-    /// `Host` value (see `reload::WorkerLive`); the same metrics.
-    pub fn worker_copy(&self) -> Self {
-        Self {
-            route: Route {
-                upstream: self.route.upstream.worker_copy(),
-                ..self.route.clone()
-            },
-            metrics: self.metrics.clone(),
-        }
-    }
-}
-
-impl std::ops::Deref for GatedRoute {
-    type Target = Route;
-
-    fn deref(&self) -> &Route {
-        &self.route
-    }
-}
+use live::{GatedRoute, Live};
+use proxy::Downstream;
+use proxy::{BodyOutcome, LimitedBody, RelayBody};
 
 /// Shared state of the traffic listener, behind one `Arc`: the router
 /// clones it for every request.
@@ -86,14 +58,14 @@ impl std::ops::Deref for GatedRoute {
 pub struct GatewayState {
     /// The reloadable part: this worker's copy of what every worker (and
     /// the lock API and admin listener, for the auth clients) shares.
-    pub live: crate::reload::WorkerLive,
+    pub live: live::WorkerLive,
     /// Store plus gate: the fence decision.
     pub fence: Fence,
     /// Pooled upstream connections, shared by all routes.
     pub client: UpstreamClient,
     pub metrics: Metrics,
     /// The recent refusals the dashboard shows.
-    pub refusals: Arc<crate::refusals::Refusals>,
+    pub refusals: Arc<crate::gateway::refusals::Refusals>,
     /// `[server] max_body_bytes`.
     pub max_body_bytes: u64,
     /// Sent as `Retry-After` with 503 answers.
@@ -128,27 +100,6 @@ impl GatewayState {
             store_runtime: Arc::new((*self.store_runtime).clone()),
             fence: self.fence.worker_copy(),
             ..self.clone()
-        }
-    }
-}
-
-/// Who sent a request, as the upstream is told (`X-Forwarded-For`,
-/// `X-Forwarded-Proto`).
-#[derive(Debug, Clone)]
-pub struct Downstream {
-    /// The client's address as `X-Forwarded-For` names it: formatted once
-    /// per connection, not per request (formatting an address costs about
-    /// as much as parsing a request head's headers).
-    pub forwarded_for: Option<http::HeaderValue>,
-    /// Over TLS.
-    pub https: bool,
-}
-
-impl Downstream {
-    pub fn new(addr: Option<SocketAddr>, https: bool) -> Self {
-        Self {
-            forwarded_for: addr.and_then(|a| http::HeaderValue::try_from(a.ip().to_string()).ok()),
-            https,
         }
     }
 }
@@ -338,7 +289,7 @@ fn account(
         );
     }
     let Err(e) = result else { return };
-    let seen = crate::refusals::Seen {
+    let seen = crate::gateway::refusals::Seen {
         route: route.map(|r| r.name.as_str()),
         method,
         path: path.unwrap_or_default(),

@@ -158,7 +158,7 @@ pub fn fingerprint(
     };
     part(method.as_str().as_bytes());
     part(path_and_query.as_bytes());
-    for name in [header::CONTENT_TYPE, crate::token::HEADER] {
+    for name in [header::CONTENT_TYPE, crate::fencing::token::HEADER] {
         match headers.get(&name) {
             Some(v) => part(v.as_bytes()),
             None => part(b"\\0none"),
@@ -318,7 +318,7 @@ mod tests {
         let body = Bytes::from_static(b"{}");
         let mut h = HeaderMap::new();
         h.insert(header::CONTENT_TYPE, "application/json".parse().unwrap());
-        h.insert(crate::token::HEADER, "7".parse().unwrap());
+        h.insert(crate::fencing::token::HEADER, "7".parse().unwrap());
         let base = fingerprint(&Method::POST, "/a?x=1", &h, &body);
         assert_eq!(base, fingerprint(&Method::POST, "/a?x=1", &h, &body));
         assert_ne!(base, fingerprint(&Method::PUT, "/a?x=1", &h, &body));
@@ -328,9 +328,9 @@ mod tests {
             fingerprint(&Method::POST, "/a?x=1", &h, &Bytes::from_static(b"[]"))
         );
         let mut other = h.clone();
-        other.insert(crate::token::HEADER, "8".parse().unwrap());
+        other.insert(crate::fencing::token::HEADER, "8".parse().unwrap());
         assert_ne!(base, fingerprint(&Method::POST, "/a?x=1", &other, &body));
-        other.remove(crate::token::HEADER);
+        other.remove(crate::fencing::token::HEADER);
         assert_ne!(base, fingerprint(&Method::POST, "/a?x=1", &other, &body));
     }
 }

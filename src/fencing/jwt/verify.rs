@@ -289,8 +289,8 @@ fn b64url_decode(text: &str) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::jwt::tests::*;
-    use crate::jwt::TokensSettings;
+    use crate::fencing::jwt::tests::*;
+    use crate::fencing::jwt::TokensSettings;
     use jsonwebtoken::{Algorithm, EncodingKey};
     use serde_json::json;
     use std::time::Duration;

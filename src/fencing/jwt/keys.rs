@@ -418,7 +418,7 @@ fn pair_matches(alg: KeyAlg, enc: &EncodingKey, dec: &DecodingKey) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::jwt::tests::*;
+    use crate::fencing::jwt::tests::*;
     use std::time::Duration;
 
     fn problems(settings: &TokensSettings) -> Vec<(String, String)> {
@@ -659,7 +659,9 @@ mod tests {
         let token = other.sign("doc:1", 3, now, now + 60).unwrap();
         assert_eq!(
             verifier.verify(&token, "doc:1"),
-            Err(crate::jwt::JwtRejection::Invalid("bad signature".into()))
+            Err(crate::fencing::jwt::JwtRejection::Invalid(
+                "bad signature".into()
+            ))
         );
     }
 }

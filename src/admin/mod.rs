@@ -6,6 +6,9 @@
 //! Reads (GET) are open: the listener is private. Actions (POST) need an
 //! `admin = true` client's bearer key (see `auth`).
 
+pub mod dashboard;
+pub mod openapi;
+
 use std::time::Duration;
 
 use axum::extract::State;
@@ -14,7 +17,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use http::{header, StatusCode, Uri};
 
-use crate::error::Problem;
+use crate::gateway::error::Problem;
 use crate::metrics::{Metrics, StoreOp};
 use crate::store::FenceStore;
 
@@ -23,18 +26,18 @@ pub struct AdminState {
     pub store: FenceStore,
     pub metrics: Metrics,
     /// This instance's gate: a reset makes it forget the key.
-    pub gate: std::sync::Arc<crate::gate::Gate>,
+    pub gate: std::sync::Arc<crate::fencing::gate::Gate>,
     pub retry_after: Duration,
     /// Checked by `/readyz` too: a lock backend that cannot answer means the
     /// gateway cannot grant.
     pub locks: Option<crate::locks::LockService>,
     /// Who may call the admin actions (`auth`), as the current config
     /// says: a reload swaps it.
-    pub live: crate::reload::Shared,
+    pub live: crate::gateway::live::Shared,
     /// The recent refusals, recorded by the traffic listener.
-    pub refusals: std::sync::Arc<crate::refusals::Refusals>,
+    pub refusals: std::sync::Arc<crate::gateway::refusals::Refusals>,
     /// This instance, for the dashboard.
-    pub about: crate::dashboard::About,
+    pub about: crate::admin::dashboard::About,
 }
 
 pub fn router(state: AdminState) -> Router {
@@ -46,8 +49,8 @@ pub fn router(state: AdminState) -> Router {
         .route("/fences/{*key}", get(fence).post(fence_action))
         .route("/locks", get(list_locks))
         .route("/locks/{*name}", post(lock_action))
-        .route("/openapi.json", get(crate::openapi::serve))
-        .merge(crate::dashboard::router())
+        .route("/openapi.json", get(crate::admin::openapi::serve))
+        .merge(crate::admin::dashboard::router())
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -260,7 +263,7 @@ fn lock_api_disabled() -> Response {
 /// The name of the admin client calling an action, or the answer refusing
 /// it.
 fn admin_client(s: &AdminState, headers: &http::HeaderMap) -> Result<String, Box<Response>> {
-    let refused = |e| Box::new(crate::error::auth_problem(&e).into_response());
+    let refused = |e| Box::new(crate::gateway::error::auth_problem(&e).into_response());
     let creds = crate::auth::Credentials::of(headers, None).map_err(refused)?;
     s.live
         .load()

@@ -182,7 +182,7 @@ async fn refusals(State(s): State<AdminState>, uri: Uri) -> Response {
         Some(Ok(n)) => n,
         Some(Err(_)) => return bad_request("after", "must be a whole number".into()),
     };
-    let cap = crate::refusals::CAPACITY;
+    let cap = crate::gateway::refusals::CAPACITY;
     let limit = match q.limit.as_deref().map(str::parse::<usize>) {
         None => DEFAULT_REFUSALS,
         Some(Ok(n)) if (1..=cap).contains(&n) => n,

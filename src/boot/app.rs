@@ -9,8 +9,9 @@ use axum::Router;
 use tokio::net::TcpListener;
 
 use crate::admin::{self, AdminState};
+use crate::boot::traffic::{OnRuntime, Traffic};
 use crate::config::{Config, LockBackendConfig};
-use crate::fence::Fence;
+use crate::gateway::fence::Fence;
 use crate::gateway::GatewayState;
 use crate::http1::server::{self, Limits};
 use crate::locks::api::LockApiState;
@@ -21,7 +22,6 @@ use crate::locks::table::TableLocks;
 use crate::locks::{Backend, LockLimits, LockService};
 use crate::metrics::Metrics;
 use crate::store::{FenceStore, StoreError};
-use crate::traffic::{OnRuntime, Traffic};
 
 /// Why the gateway could not start.
 #[derive(Debug, thiserror::Error)]
@@ -60,7 +60,7 @@ struct Core {
     /// The lock API, when `[locks] enabled`.
     locks: Option<LockApiState>,
     /// The gate, to check that nothing is in flight before a clean stop.
-    gate: std::sync::Arc<crate::gate::Gate>,
+    gate: std::sync::Arc<crate::fencing::gate::Gate>,
     /// Background tasks (notification listeners, the idempotency purge) to
     /// stop on shutdown.
     tasks: Vec<tokio::task::JoinHandle<()>>,
@@ -68,9 +68,9 @@ struct Core {
     /// `[server] workers`: threads serving the traffic listener.
     workers: usize,
     /// `[server.tls]`, when the traffic listener speaks HTTPS.
-    tls: Option<Arc<crate::tls::Tls>>,
+    tls: Option<Arc<crate::boot::tls::Tls>>,
     /// Applies SIGHUP reloads; moved into its task by `run`.
-    reloader: Option<(crate::reload::Reloader, Hangups)>,
+    reloader: Option<(crate::boot::reload::Reloader, Hangups)>,
 }
 
 impl Application {
@@ -117,8 +117,8 @@ impl Application {
             config.store.idempotency_purge_interval,
         )));
         // Routes, token keys and auth clients; a reload swaps them at once.
-        let live: crate::reload::Shared = Arc::new(arc_swap::ArcSwap::from_pointee(
-            crate::reload::Live::new(&config, &metrics),
+        let live: crate::gateway::live::Shared = Arc::new(arc_swap::ArcSwap::from_pointee(
+            crate::gateway::live::Live::new(&config, &metrics),
         ));
         let locks = if config.locks.enabled {
             let service = lock_service(&config, &store, &metrics, &mut tasks).await?;
@@ -130,9 +130,9 @@ impl Application {
         } else {
             None
         };
-        let refusals = Arc::new(crate::refusals::Refusals::new());
+        let refusals = Arc::new(crate::gateway::refusals::Refusals::new());
         let gateway = GatewayState {
-            live: crate::reload::WorkerLive::new(live.clone()),
+            live: crate::gateway::live::WorkerLive::new(live.clone()),
             refusals: refusals.clone(),
             fence: fence.clone(),
             client: crate::http1::client::UpstreamClient::new(),
@@ -146,7 +146,7 @@ impl Application {
                 tokio::runtime::Handle::current(),
             )),
         };
-        let reloader = crate::reload::Reloader::new(
+        let reloader = crate::boot::reload::Reloader::new(
             &config,
             live.clone(),
             locks.as_ref().map(|l| l.locks.clone()),
@@ -162,7 +162,7 @@ impl Application {
             locks: locks.as_ref().map(|l| l.locks.clone()),
             live: live.clone(),
             refusals,
-            about: crate::dashboard::About::of(&config),
+            about: crate::admin::dashboard::About::of(&config),
         };
         Ok(Self {
             listeners: Listeners {
@@ -238,7 +238,7 @@ impl Application {
             listeners.admin,
             server::RouterService {
                 router: admin::router(core.admin_state.clone()),
-                refuse: crate::error::refused_head,
+                refuse: crate::gateway::error::refused_head,
             },
             core.limits,
             stop.stopped(),
@@ -272,7 +272,7 @@ impl Core {
         listener: TcpListener,
         stop: &Stop,
     ) -> std::io::Result<server::Workers> {
-        let reserved = traced(crate::traffic::reserved_router(self.locks.clone()));
+        let reserved = traced(crate::boot::traffic::reserved_router(self.locks.clone()));
         let services = (0..self.workers)
             .map(|_| Traffic {
                 // Each worker has its own upstream pool: its connections are
@@ -325,7 +325,7 @@ impl Core {
 
 /// SIGHUP: reloads the config file (see `reload`). Every problem of a
 /// refused reload is logged; the running config stays.
-async fn reload_on_hangup(reloader: crate::reload::Reloader, mut hangups: Hangups) {
+async fn reload_on_hangup(reloader: crate::boot::reload::Reloader, mut hangups: Hangups) {
     while hangups.recv().await.is_some() {
         match reloader.reload().await {
             Ok(()) => tracing::info!(
@@ -458,7 +458,7 @@ fn traced(router: Router) -> Router {
 
 /// Resolves once no fenced write holds a key: nothing of ours can still
 /// reach an upstream.
-async fn settled(gate: Arc<crate::gate::Gate>) {
+async fn settled(gate: Arc<crate::fencing::gate::Gate>) {
     while gate.tracked_keys() > 0 {
         tokio::time::sleep(std::time::Duration::from_millis(20)).await;
     }

@@ -3,6 +3,7 @@
 //! progress to its [`Exchange`] (which decides when the key may open).
 
 use std::future::Future;
+use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
@@ -16,7 +17,7 @@ use http::{Request, Uri};
 use http_body::{Frame, SizeHint};
 use tokio::time::Sleep;
 
-use crate::exchange::Exchange;
+use crate::gateway::exchange::Exchange;
 use crate::http1::client::Upstream;
 use crate::http1::client::{ExchangeError, UpstreamBody};
 use crate::http1::codec::strip_hop_by_hop_and_underscored;
@@ -24,6 +25,27 @@ use crate::http1::codec::strip_hop_by_hop_and_underscored;
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
 const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+
+/// Who sent a request, as the upstream is told (`X-Forwarded-For`,
+/// `X-Forwarded-Proto`).
+#[derive(Debug, Clone)]
+pub struct Downstream {
+    /// The client's address as `X-Forwarded-For` names it: formatted once
+    /// per connection, not per request (formatting an address costs about
+    /// as much as parsing a request head's headers).
+    pub forwarded_for: Option<http::HeaderValue>,
+    /// Over TLS.
+    pub https: bool,
+}
+
+impl Downstream {
+    pub fn new(addr: Option<SocketAddr>, https: bool) -> Self {
+        Self {
+            forwarded_for: addr.and_then(|a| http::HeaderValue::try_from(a.ip().to_string()).ok()),
+            https,
+        }
+    }
+}
 
 /// Rewrites a client request into the upstream request: origin-form URI
 /// (with the upstream's base path), `Host` set to the upstream from config,
@@ -42,7 +64,7 @@ const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto
 pub fn upstream_request(
     mut req: Request<Body>,
     upstream: &Upstream,
-    peer: crate::gateway::Downstream,
+    peer: Downstream,
 ) -> Result<Request<Body>, http::Error> {
     let path_and_query = match req.uri().path_and_query() {
         // The common case shares the client's bytes instead of copying them.

@@ -17,8 +17,8 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::error::{ClientError, GatewayError};
-use crate::gate::{Arrival, Gate, NotAdmitted, Permit, Ticket};
+use crate::fencing::gate::{Arrival, Gate, NotAdmitted, Permit, Ticket};
+use crate::gateway::error::{ClientError, GatewayError};
 use crate::store::{Begin, Entered, FenceStore, InFlight, StoreError};
 
 /// The right to forward one fenced write; drop it when the upstream is done

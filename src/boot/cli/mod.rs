@@ -13,7 +13,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
-use crate::app::Application;
+use crate::boot::app::Application;
 use crate::config::Config;
 
 #[derive(Debug, Parser)]
@@ -68,7 +68,7 @@ pub enum Command {
 /// Runs a parsed command line; the process exit code is the result.
 pub async fn run(cli: Cli) -> ExitCode {
     if !matches!(cli.command, Command::Serve { .. }) {
-        crate::logging::init(crate::config::LogFormat::Text);
+        crate::boot::logging::init(crate::config::LogFormat::Text);
     }
     match cli.command {
         Command::Serve { config } => serve(config).await,
@@ -123,7 +123,7 @@ pub async fn run(cli: Cli) -> ExitCode {
 async fn serve(path: PathBuf) -> ExitCode {
     let config = match Config::load(&path) {
         Ok(c) => {
-            crate::logging::init(c.log.format);
+            crate::boot::logging::init(c.log.format);
             c
         }
         Err(e) => {
@@ -136,7 +136,7 @@ async fn serve(path: PathBuf) -> ExitCode {
         tracing::warn!(config = %path.display(), "{d}");
     }
     no_transparent_huge_pages();
-    crate::reload::warn_if_open(&config);
+    crate::boot::reload::warn_if_open(&config);
     let store_url = crate::config::redact_url(&config.store.url);
     let app = match Application::build(config).await {
         Ok(a) => a,

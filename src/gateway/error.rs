@@ -43,7 +43,7 @@ pub enum ClientError {
     /// A fenced write whose key part from the query or a header is missing,
     /// repeated or ambiguous.
     #[error(transparent)]
-    AmbiguousKey(#[from] crate::routing::KeyError),
+    AmbiguousKey(#[from] crate::fencing::routing::KeyError),
     /// `allow`: the route's methods, for the answer's `Allow`.
     #[error("method {method} is not allowed on route {route}")]
     MethodNotAllowed {

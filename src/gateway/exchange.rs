@@ -37,8 +37,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use crate::fence::Admission;
-use crate::gateway::GatedRoute;
+use crate::gateway::fence::Admission;
+use crate::gateway::live::GatedRoute;
 use crate::http1::client::Witness;
 use crate::metrics::HoldReason;
 

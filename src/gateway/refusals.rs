@@ -14,7 +14,7 @@ use std::sync::Mutex;
 
 use chrono::{DateTime, Utc};
 
-use crate::error::{ClientError, GatewayError};
+use crate::gateway::error::{ClientError, GatewayError};
 use crate::metrics::Outcome;
 
 /// How many refusals are kept.

@@ -13,7 +13,7 @@ use axum::response::{IntoResponse, Response};
 use http::{header, HeaderValue};
 
 /// The document, as kept in the repository.
-pub const DOCUMENT: &str = include_str!("../docs/openapi.json");
+pub const DOCUMENT: &str = include_str!("../../docs/openapi.json");
 
 /// `GET /openapi.json`.
 pub async fn serve() -> Response {
