@@ -42,8 +42,9 @@ pub struct Config {
     pub store: StoreConfig,
     pub routes: Vec<Route>,
     pub locks: LocksConfig,
-    /// Keys for JWT fence tokens, when `[tokens]` is configured.
-    pub tokens: Option<std::sync::Arc<crate::fencing::jwt::JwtKeys>>,
+    /// `[tokens]`: the keys of JWT fence tokens, as written; `boot` loads
+    /// them.
+    pub tokens: Option<crate::fencing::jwt::TokensSettings>,
     /// A built-in demo backend to start next to the gateway, if any.
     pub demo: Option<DemoConfig>,
     /// `[[auth.clients]]`: who may use the lock API and admin actions.
@@ -121,9 +122,9 @@ pub struct ServerConfig {
     pub max_connections: usize,
     /// How long in-flight requests may run after SIGTERM before we exit.
     pub shutdown_grace: Duration,
-    /// `[server.tls]`: the traffic listener speaks only HTTPS. Loaded (and
-    /// checked) with the config; SIGHUP reloads its files.
-    pub tls: Option<std::sync::Arc<crate::boot::tls::Tls>>,
+    /// `[server.tls]`: the traffic listener speaks only HTTPS. Its files
+    /// are loaded by `boot` (at start and on SIGHUP).
+    pub tls: Option<TlsConfig>,
     /// Threads serving the traffic listener, each with its own runtime and
     /// upstream pool, taking accepted connections in turn from one acceptor,
     /// so a request's client and upstream connections are driven by one
@@ -234,11 +235,22 @@ pub struct Route {
     /// Whether fenced writes with an ambiguous path spelling are refused.
     pub paths: PathsMode,
     /// `Idempotency-Key` handling on fenced writes; `None` when `"off"`.
-    pub idempotency: Option<crate::idempotency::Settings>,
+    pub idempotency: Option<IdempotencySettings>,
     /// Upper bound on one upstream exchange: until the response head for
     /// pass-through requests; the whole exchange, both bodies included, for
     /// fenced writes (see `exchange`).
     pub timeout: Duration,
+}
+
+/// A route's `idempotency` settings, when it is not `"off"`.
+#[derive(Debug, Clone, Copy)]
+pub struct IdempotencySettings {
+    /// `"required"`: a fenced write without the header is 400.
+    pub required: bool,
+    /// `idempotency_ttl_s`: how long a key is remembered.
+    pub ttl: Duration,
+    /// `idempotency_max_response_bytes`: larger answers are not stored.
+    pub max_response_bytes: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -450,7 +462,7 @@ impl Default for RawStore {
             gate_pool_size: None,
             gate_wait_ms: None,
             cache_keys: 100_000,
-            idempotency_purge_interval_ms: crate::idempotency::PURGE_EVERY.as_millis() as u64,
+            idempotency_purge_interval_ms: DEFAULT_PURGE_INTERVAL.as_millis() as u64,
         }
     }
 }
@@ -653,7 +665,6 @@ impl Config {
             problems,
             deprecations: Vec::new(),
             describe: &describe,
-            env: &env,
         };
         let mut config = v.config(file, raw);
         if v.problems.is_empty() {
@@ -792,6 +803,9 @@ fn set_in_value(
 }
 
 /// `[locks] redis_url` when not set.
+/// How often expired idempotency records are purged, by default.
+const DEFAULT_PURGE_INTERVAL: Duration = Duration::from_secs(60);
+
 const DEFAULT_REDIS_URL: &str = "redis://127.0.0.1:6379";
 
 /// The longest `[locks] lock_delay_ms`: a delay is a safety margin for a
@@ -812,8 +826,6 @@ struct Validator<'a> {
     /// Deprecated keys in use, with what to write instead.
     deprecations: Vec<String>,
     describe: &'a dyn Fn(String) -> String,
-    /// The loader's environment, where HS256 secrets (`secret_env`) are read.
-    env: &'a [(String, String)],
 }
 
 impl Validator<'_> {
@@ -916,7 +928,7 @@ impl Validator<'_> {
         let client_certs = server
             .tls
             .as_ref()
-            .is_some_and(|t| t.files().client_ca_file.is_some());
+            .is_some_and(|t| t.client_ca_file.is_some());
         let auth = self.auth(raw.auth, client_certs);
         let log = LogConfig {
             format: self.choice(
@@ -1179,7 +1191,7 @@ impl Validator<'_> {
         &mut self,
         file: &str,
         raw: RawTokens,
-    ) -> Option<std::sync::Arc<crate::fencing::jwt::JwtKeys>> {
+    ) -> Option<crate::fencing::jwt::TokensSettings> {
         let base = config_dir(file);
         let resolve = |p: Option<String>| p.map(|p| relative_to(&base, &p));
         let settings = crate::fencing::jwt::TokensSettings {
@@ -1205,17 +1217,7 @@ impl Validator<'_> {
             );
             return None;
         }
-        let env = self.env;
-        let lookup = |name: &str| env.iter().find(|(k, _)| k == name).map(|(_, v)| v.clone());
-        match crate::fencing::jwt::JwtKeys::load(&settings, &lookup) {
-            Ok(k) => Some(std::sync::Arc::new(k)),
-            Err(problems) => {
-                for (key, why) in problems {
-                    self.problem(key, why);
-                }
-                None
-            }
-        }
+        Some(settings)
     }
 
     fn server(&mut self, file: &str, raw: RawServer) -> ServerConfig {
@@ -1280,7 +1282,7 @@ impl Validator<'_> {
         crate::auth::Clients::new(clients)
     }
 
-    fn tls(&mut self, file: &str, raw: RawTls) -> Option<std::sync::Arc<crate::boot::tls::Tls>> {
+    fn tls(&mut self, file: &str, raw: RawTls) -> Option<TlsConfig> {
         let base = config_dir(file);
         let cert = raw.cert_file.map(|p| relative_to(&base, &p));
         let key = raw.key_file.map(|p| relative_to(&base, &p));
@@ -1315,19 +1317,12 @@ impl Validator<'_> {
                 )
             }
         };
-        let files = TlsConfig {
+        Some(TlsConfig {
             cert_file: cert?,
             key_file: key?,
             client_ca_file,
             client_auth,
-        };
-        match crate::boot::tls::Tls::load(&files) {
-            Ok(t) => Some(std::sync::Arc::new(t)),
-            Err(why) => {
-                self.problem("server.tls", why);
-                None
-            }
-        }
+        })
     }
 
     fn store(&mut self, raw: RawStore) -> StoreConfig {
@@ -1546,12 +1541,11 @@ impl Validator<'_> {
                 r.idempotency_max_response_bytes,
                 64 * 1024 * 1024,
             );
-            let idempotency =
-                (policy != IdempotencyPolicy::Off).then(|| crate::idempotency::Settings {
-                    required: policy == IdempotencyPolicy::Required,
-                    ttl: Duration::from_secs(ttl_s),
-                    max_response_bytes: max_answer as usize,
-                });
+            let idempotency = (policy != IdempotencyPolicy::Off).then(|| IdempotencySettings {
+                required: policy == IdempotencyPolicy::Required,
+                ttl: Duration::from_secs(ttl_s),
+                max_response_bytes: max_answer as usize,
+            });
             if let (Some(pattern), Some(key), Some(upstream)) = (pattern, key, upstream) {
                 routes.push(Route {
                     name,

@@ -9,8 +9,9 @@ use axum::Router;
 use tokio::net::TcpListener;
 
 use crate::admin::{self, AdminState};
+use crate::boot::load::{self, Loaded};
 use crate::boot::traffic::{OnRuntime, Traffic};
-use crate::config::{Config, LockBackendConfig};
+use crate::config::{Config, ConfigError, LockBackendConfig};
 use crate::gateway::fence::Fence;
 use crate::gateway::GatewayState;
 use crate::http1::server::{self, Limits};
@@ -38,6 +39,8 @@ pub enum StartError {
     Locks(#[from] crate::locks::LockError),
     #[error("cannot start the traffic worker threads: {0}")]
     Workers(std::io::Error),
+    #[error("{0}")]
+    Config(#[from] ConfigError),
 }
 
 /// A gateway ready to serve: store open, listeners bound.
@@ -74,7 +77,14 @@ struct Core {
 }
 
 impl Application {
+    /// Loads what `config` names (see [`load::complete`]), with secrets
+    /// from the process's environment, then builds.
     pub async fn build(config: Config) -> Result<Self, StartError> {
+        Self::build_loaded(load::complete(config, &load::process_env())?).await
+    }
+
+    pub async fn build_loaded(loaded: Loaded) -> Result<Self, StartError> {
+        let Loaded { config, tls, jwt } = loaded;
         // Bind first: a port conflict is the cheapest thing to find out.
         let traffic = bind("listener", config.server.listen).await?;
         let admin = bind("admin listener", config.server.admin_listen).await?;
@@ -118,10 +128,10 @@ impl Application {
         )));
         // Routes, token keys and auth clients; a reload swaps them at once.
         let live: crate::gateway::live::Shared = Arc::new(arc_swap::ArcSwap::from_pointee(
-            crate::gateway::live::Live::new(&config, &metrics),
+            crate::gateway::live::Live::new(&config, jwt.clone(), &metrics),
         ));
         let locks = if config.locks.enabled {
-            let service = lock_service(&config, &store, &metrics, &mut tasks).await?;
+            let service = lock_service(&config, jwt, &store, &metrics, &mut tasks).await?;
             Some(LockApiState {
                 locks: service,
                 retry_after: config.store.retry_after,
@@ -150,7 +160,7 @@ impl Application {
             &config,
             live.clone(),
             locks.as_ref().map(|l| l.locks.clone()),
-            config.server.tls.clone(),
+            tls.clone(),
             metrics.clone(),
             fence.store.clone(),
         );
@@ -177,7 +187,7 @@ impl Application {
                 gate: fence.gate.clone(),
                 tasks,
                 workers: config.server.workers,
-                tls: config.server.tls.clone(),
+                tls,
                 reloader: hangups().map(|h| (reloader, h)),
                 limits: Limits {
                     header_read_timeout: config.server.header_read_timeout,
@@ -387,6 +397,7 @@ impl Stop {
 /// Builds the lock service for the configured backend.
 async fn lock_service(
     config: &Config,
+    jwt: Option<Arc<crate::fencing::jwt::JwtKeys>>,
     store: &FenceStore,
     metrics: &Metrics,
     tasks: &mut Vec<tokio::task::JoinHandle<()>>,
@@ -429,7 +440,7 @@ async fn lock_service(
     Ok(LockService::new(
         backend,
         notifier,
-        config.tokens.clone(),
+        jwt,
         LockLimits {
             min_ttl: config.locks.min_ttl,
             max_ttl: config.locks.max_ttl,

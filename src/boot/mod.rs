@@ -17,6 +17,7 @@
 
 pub mod app;
 pub mod cli;
+pub mod load;
 pub mod logging;
 pub mod reload;
 pub mod tls;

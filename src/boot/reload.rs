@@ -105,10 +105,11 @@ impl Reloader {
     }
 
     async fn try_reload(&self) -> Result<(), NotReloaded> {
-        let config = Config::load(&self.path).map_err(|e| NotReloaded {
+        let loaded = crate::boot::load::load(&self.path).map_err(|e| NotReloaded {
             problems: e.to_string().lines().map(str::to_string).collect(),
             key_identity: Vec::new(),
         })?;
+        let config = &loaded.config;
         let restart: Vec<String> = fixed(&config)
             .into_iter()
             .zip(&self.fixed)
@@ -139,14 +140,18 @@ impl Reloader {
                 });
             }
         }
-        if let (Some(tls), Some(new)) = (&self.tls, &config.server.tls) {
+        if let (Some(tls), Some(new)) = (&self.tls, &loaded.tls) {
             tls.adopt(new);
         }
         if let Some(locks) = &self.locks {
-            locks.set_signing_keys(config.tokens.clone());
+            locks.set_signing_keys(loaded.jwt.clone());
         }
-        self.live.store(Arc::new(Live::new(&config, &self.metrics)));
-        warn_if_open(&config);
+        self.live.store(Arc::new(Live::new(
+            config,
+            loaded.jwt.clone(),
+            &self.metrics,
+        )));
+        warn_if_open(config);
         Ok(())
     }
 }

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use arc_swap::ArcSwap;
 
 use crate::config::{Config, Route};
+use crate::fencing::jwt::JwtKeys;
 use crate::metrics::{Metrics, RouteMetrics};
 
 /// A configured route with its metric handles.
@@ -113,14 +114,15 @@ impl Clone for WorkerLive {
 }
 
 impl Live {
-    pub fn new(config: &Config, metrics: &Metrics) -> Self {
+    /// `jwt`: the config's `[tokens]`, loaded.
+    pub fn new(config: &Config, jwt: Option<Arc<JwtKeys>>, metrics: &Metrics) -> Self {
         Self {
             routes: config
                 .routes
                 .iter()
                 .map(|r| Arc::new(GatedRoute::new(r.clone(), metrics)))
                 .collect(),
-            jwt: config.tokens.clone(),
+            jwt,
             auth: config.auth.clone(),
             access_log: config.log.access,
         }
@@ -161,6 +163,7 @@ mod tests {
         let metrics = Metrics::new();
         let shared: Shared = Arc::new(ArcSwap::from_pointee(Live::new(
             &config("http://127.0.0.1:9000"),
+            None,
             &metrics,
         )));
         let worker = WorkerLive::new(shared.clone());
@@ -187,6 +190,7 @@ mod tests {
 
         shared.store(Arc::new(Live::new(
             &config("http://127.0.0.1:9001"),
+            None,
             &metrics,
         )));
         let after = worker.load();

@@ -576,7 +576,7 @@ struct FencedWrite {
 /// A first use of an idempotency key, as far as memory knows: its body
 /// read and fingerprinted, no completed record of its key cached.
 struct FirstUse {
-    settings: idempotency::Settings,
+    settings: crate::config::IdempotencySettings,
     key: String,
     fingerprint: [u8; 32],
 }
@@ -1197,7 +1197,7 @@ async fn idempotency_answer(
     state: &GatewayState,
     route: &GatedRoute,
     end: FirstEnd<'_>,
-    settings: &idempotency::Settings,
+    settings: &crate::config::IdempotencySettings,
     result: Result<Response, GatewayError>,
 ) -> Result<Response, GatewayError> {
     let FirstEnd {

@@ -73,23 +73,13 @@ pub use cache::{
 };
 pub use forget::Forgets;
 
+use crate::config::IdempotencySettings;
 use crate::store::{FenceStore, StoredAnswer};
 
 /// The request header.
 pub const IDEMPOTENCY_KEY: header::HeaderName = header::HeaderName::from_static("idempotency-key");
 /// Set on a replayed answer.
 pub const REPLAYED: header::HeaderName = header::HeaderName::from_static("idempotent-replayed");
-
-/// A route's `idempotency` settings, when it is not `"off"`.
-#[derive(Debug, Clone, Copy)]
-pub struct Settings {
-    /// `"required"`: a fenced write without the header is 400.
-    pub required: bool,
-    /// `idempotency_ttl_s`: how long a key is remembered.
-    pub ttl: Duration,
-    /// `idempotency_max_response_bytes`: larger answers are not stored.
-    pub max_response_bytes: usize,
-}
 
 /// Why an `Idempotency-Key` header is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -102,7 +92,10 @@ pub enum KeyError {
 
 /// The request's idempotency key: `None` when it sends none (and the route
 /// does not require one).
-pub fn key_of(headers: &HeaderMap, settings: &Settings) -> Result<Option<String>, KeyError> {
+pub fn key_of(
+    headers: &HeaderMap,
+    settings: &IdempotencySettings,
+) -> Result<Option<String>, KeyError> {
     let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
     let Some(value) = values.next() else {
         return match settings.required {
@@ -185,10 +178,6 @@ pub fn replay_head(stored: &StoredAnswer) -> (http::StatusCode, HeaderMap) {
     headers.insert(REPLAYED, header::HeaderValue::from_static("true"));
     (status, headers)
 }
-
-/// How often expired records are purged: the default of
-/// `[store] idempotency_purge_interval_ms`.
-pub const PURGE_EVERY: Duration = Duration::from_secs(60);
 
 /// Pause between two purge batches of one round: room for traffic.
 const PURGE_PAUSE: Duration = Duration::from_millis(20);
@@ -273,8 +262,8 @@ pub async fn purge_forever(store: FenceStore, every: Duration) {
 mod tests {
     use super::*;
 
-    fn settings(required: bool) -> Settings {
-        Settings {
+    fn settings(required: bool) -> IdempotencySettings {
+        IdempotencySettings {
             required,
             ttl: Duration::from_secs(60),
             max_response_bytes: 1024,

@@ -14,7 +14,6 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 use crate::boot::app::Application;
-use crate::config::Config;
 
 #[derive(Debug, Parser)]
 #[command(
@@ -72,8 +71,8 @@ pub async fn run(cli: Cli) -> ExitCode {
     }
     match cli.command {
         Command::Serve { config } => serve(config).await,
-        Command::CheckConfig { path } => match Config::load(&path) {
-            Ok(c) => {
+        Command::CheckConfig { path } => match crate::boot::load::load(&path) {
+            Ok(crate::boot::load::Loaded { config: c, .. }) => {
                 for d in &c.deprecations {
                     eprintln!("{}: warning: {d}", path.display());
                 }
@@ -121,10 +120,10 @@ pub async fn run(cli: Cli) -> ExitCode {
 }
 
 async fn serve(path: PathBuf) -> ExitCode {
-    let config = match Config::load(&path) {
-        Ok(c) => {
-            crate::boot::logging::init(c.log.format);
-            c
+    let loaded = match crate::boot::load::load(&path) {
+        Ok(l) => {
+            crate::boot::logging::init(l.config.log.format);
+            l
         }
         Err(e) => {
             eprintln!("{e}");
@@ -132,13 +131,14 @@ async fn serve(path: PathBuf) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    let config = &loaded.config;
     for d in &config.deprecations {
         tracing::warn!(config = %path.display(), "{d}");
     }
     no_transparent_huge_pages();
-    crate::boot::reload::warn_if_open(&config);
+    crate::boot::reload::warn_if_open(config);
     let store_url = crate::config::redact_url(&config.store.url);
-    let app = match Application::build(config).await {
+    let app = match Application::build_loaded(loaded).await {
         Ok(a) => a,
         Err(e) => {
             eprintln!("fencegate: not starting: {e}");

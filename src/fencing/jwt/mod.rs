@@ -274,14 +274,14 @@ impl JwtKeys {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::path::PathBuf;
 
     // The key fixtures below are shared with the tests in keys.rs and
     // verify.rs.
 
-    pub(super) const SECRET: &str = "0123456789abcdef0123456789abcdef-test-only";
+    pub(crate) const SECRET: &str = "0123456789abcdef0123456789abcdef-test-only";
 
     pub(super) fn fixture(name: &str) -> PathBuf {
         PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/keys/")).join(name)
@@ -291,7 +291,7 @@ mod tests {
         std::fs::read(fixture(name)).unwrap()
     }
 
-    pub(super) fn env(name: &str) -> Option<String> {
+    pub(crate) fn env(name: &str) -> Option<String> {
         match name {
             "HS_SECRET" => Some(SECRET.to_owned()),
             "SHORT_SECRET" => Some("too short".to_owned()),
@@ -316,7 +316,7 @@ mod tests {
         }
     }
 
-    pub(super) fn hs_key(kid: &str, var: &str) -> KeySettings {
+    pub(crate) fn hs_key(kid: &str, var: &str) -> KeySettings {
         KeySettings {
             kid: kid.to_owned(),
             algorithm: "HS256".to_owned(),

@@ -1,7 +1,7 @@
 //! An upstream as the client reaches it: scheme, authority, the `Host` it
 //! is sent, where to connect, and how its certificate is verified.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// Where a route forwards to.
@@ -20,13 +20,28 @@ pub struct Upstream {
     /// Which pooled connections can serve this upstream: same scheme,
     /// authority and trust.
     pub pool_key: std::sync::Arc<str>,
-    /// `https`: how the upstream's certificate is verified.
+    /// `https`: the CA file its certificate is verified against, instead
+    /// of the platform's roots.
+    pub ca_file: Option<PathBuf>,
+    /// `https`: how the upstream's certificate is verified; set by
+    /// [`Upstream::load_tls`].
     pub tls: Option<UpstreamTls>,
 }
 
 impl Upstream {
+    /// Loads what verifies an `https` upstream's certificate (its CA file,
+    /// or the platform's roots); nothing for `http`.
+    pub fn load_tls(&mut self) -> Result<(), String> {
+        if self.scheme == http::uri::Scheme::HTTPS {
+            let tls = UpstreamTls::new(self.authority.host(), self.ca_file.as_deref())?;
+            self.tls = Some(tls);
+        }
+        Ok(())
+    }
+
     /// An upstream from its URL, and the CA file that verifies it when
-    /// it is `https`; the error says what is wrong with the URL.
+    /// it is `https`; the error says what is wrong with the URL. Nothing is
+    /// read: an `https` upstream needs [`Upstream::load_tls`] before use.
     pub fn parse(raw: &str, ca_file: Option<&Path>) -> Result<Upstream, String> {
         let uri: http::Uri = raw
             .parse()
@@ -58,11 +73,6 @@ impl Upstream {
         let port = authority.port_u16().unwrap_or(if https { 443 } else { 80 });
         let host_name = authority.host();
         let connect_to = format!("{host_name}:{port}");
-        let tls = if https {
-            Some(UpstreamTls::new(host_name, ca_file)?)
-        } else {
-            None
-        };
         let pool_key = format!(
             "{scheme}://{connect_to}{}",
             ca_file
@@ -76,7 +86,8 @@ impl Upstream {
             host,
             connect_to,
             pool_key: pool_key.into(),
-            tls,
+            ca_file: ca_file.map(Path::to_path_buf),
+            tls: None,
         })
     }
 

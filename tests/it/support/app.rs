@@ -49,9 +49,10 @@ pub fn parse_config(text: &str) -> Config {
         .unwrap_or_else(|e| panic!("test config is invalid:\n{e}\n---\n{text}"))
 }
 
-/// Why a test's config text is refused; it must be invalid.
+/// Why a test's config text is refused, the files it names loaded; it
+/// must be invalid.
 pub fn config_error(text: &str) -> String {
-    match Config::from_toml("test.toml", text, Vec::new()) {
+    match fencegate::boot::load::from_toml("test.toml", text, Vec::new()) {
         Ok(_) => panic!("test config was accepted:\n{text}"),
         Err(e) => e.to_string(),
     }
