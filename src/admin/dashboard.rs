@@ -12,17 +12,14 @@
 //! hold a connection per open tab against `max_connections`); each poll is
 //! a few hundred bytes.
 
-use std::time::Instant;
-
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{Json, Router};
-use chrono::{DateTime, Utc};
 use http::{header, HeaderValue, Uri};
 
-use crate::admin::{bad_request, AdminState};
-use crate::config::{Config, LockBackendConfig, StoreBackend, StoreMode, TokenKind};
+use crate::admin::state::{bad_request, AdminState};
+use crate::config::TokenKind;
 use crate::metrics::ReloadResult;
 
 const PAGE: &str = include_str!("dashboard/index.html");
@@ -76,39 +73,6 @@ async fn style() -> Response {
 
 async fn script() -> Response {
     asset("text/javascript; charset=utf-8", SCRIPT)
-}
-
-/// What this instance is, fixed at start-up (a reload cannot change any of
-/// it).
-#[derive(Clone, Debug)]
-pub struct About {
-    started: Instant,
-    started_at: DateTime<Utc>,
-    store_backend: &'static str,
-    store_mode: &'static str,
-    lock_backend: Option<&'static str>,
-}
-
-impl About {
-    pub fn of(config: &Config) -> Self {
-        Self {
-            started: Instant::now(),
-            started_at: Utc::now(),
-            store_backend: match config.store.backend {
-                StoreBackend::Sqlite(_) => "sqlite",
-                StoreBackend::Postgres => "postgres",
-            },
-            store_mode: match config.store.mode {
-                StoreMode::Single => "single",
-                StoreMode::Shared => "shared",
-            },
-            lock_backend: config.locks.enabled.then_some(match config.locks.backend {
-                LockBackendConfig::Store => "store",
-                LockBackendConfig::Redis { .. } => "redis",
-                LockBackendConfig::Redlock { .. } => "redlock",
-            }),
-        }
-    }
 }
 
 /// `GET /instance`: version, uptime, store and lock backend, reloads.

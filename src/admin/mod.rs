@@ -1,6 +1,7 @@
 //! The admin listener: health, readiness, metrics, fence and lock
 //! inspection, and the break-glass admin actions; the dashboard's page and
-//! reads (`dashboard`) and the API description (`openapi`) are merged in.
+//! reads ([`dashboard`]) and the API description ([`openapi`]) are merged
+//! in, over the state they share ([`state`]).
 //! Kept off the traffic listener so it can be bound to a private address.
 //!
 //! Reads (GET) are open: the listener is private. Actions (POST) need an
@@ -8,8 +9,10 @@
 
 pub mod dashboard;
 pub mod openapi;
+pub mod state;
 
-use std::time::Duration;
+use state::bad_request;
+pub use state::{About, AdminState};
 
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
@@ -18,27 +21,7 @@ use axum::{Json, Router};
 use http::{header, StatusCode, Uri};
 
 use crate::gateway::error::Problem;
-use crate::metrics::{Metrics, StoreOp};
-use crate::store::FenceStore;
-
-#[derive(Clone)]
-pub struct AdminState {
-    pub store: FenceStore,
-    pub metrics: Metrics,
-    /// This instance's gate: a reset makes it forget the key.
-    pub gate: std::sync::Arc<crate::fencing::gate::Gate>,
-    pub retry_after: Duration,
-    /// Checked by `/readyz` too: a lock backend that cannot answer means the
-    /// gateway cannot grant.
-    pub locks: Option<crate::locks::LockService>,
-    /// Who may call the admin actions (`auth`), as the current config
-    /// says: a reload swaps it.
-    pub live: crate::gateway::live::Shared,
-    /// The recent refusals, recorded by the traffic listener.
-    pub refusals: std::sync::Arc<crate::gateway::refusals::Refusals>,
-    /// This instance, for the dashboard.
-    pub about: crate::admin::dashboard::About,
-}
+use crate::metrics::StoreOp;
 
 pub fn router(state: AdminState) -> Router {
     Router::new()
@@ -128,17 +111,6 @@ fn path_rest(uri: &Uri, prefix: &str) -> Result<String, Box<Response>> {
             "the path does not decode to UTF-8".into(),
         ))),
     }
-}
-
-pub(crate) fn bad_request(field: &str, why: String) -> Response {
-    Problem::new(
-        StatusCode::BAD_REQUEST,
-        "bad-admin-request",
-        "Bad admin request",
-        format!("{field}: {why}"),
-    )
-    .with("field", field)
-    .into_response()
 }
 
 fn store_unavailable(s: &AdminState, op: StoreOp, e: impl std::fmt::Display) -> Response {

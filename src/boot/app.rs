@@ -172,7 +172,7 @@ impl Application {
             locks: locks.as_ref().map(|l| l.locks.clone()),
             live: live.clone(),
             refusals,
-            about: crate::admin::dashboard::About::of(&config),
+            about: crate::admin::About::of(&config),
         };
         Ok(Self {
             listeners: Listeners {

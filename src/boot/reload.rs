@@ -110,7 +110,7 @@ impl Reloader {
             key_identity: Vec::new(),
         })?;
         let config = &loaded.config;
-        let restart: Vec<String> = fixed(&config)
+        let restart: Vec<String> = fixed(config)
             .into_iter()
             .zip(&self.fixed)
             .filter(|(new, old)| new.1 != old.1)

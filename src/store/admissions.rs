@@ -38,7 +38,7 @@ use sqlx::PgPool;
 
 use super::batch::Batcher;
 use super::idempotency::BeginItem;
-use super::postgres::rolled_back;
+use super::sql::rolled_back;
 use super::{bounded, millis, StoreError};
 
 /// The first wait before a write told `wait` asks again.

@@ -487,7 +487,7 @@ pub(super) async fn pg_records_batch(
     let rows = match together {
         true => match pg_records_statement(conn, begins(), completes(), decisions()).await {
             Ok(rows) => Some(rows),
-            Err(e) if super::postgres::rolled_back(&e) => None,
+            Err(e) if super::sql::rolled_back(&e) => None,
             Err(e) => return Err(e.into()),
         },
         false => None,
@@ -703,7 +703,7 @@ pub(super) async fn sqlite_records_batch(
     for (&key, &token) in &plan.wanted {
         highest.insert(
             key.to_string(),
-            super::sqlite::decide_in(&mut tx, key, token).await?,
+            super::sql::decide_in(&mut tx, key, token).await?,
         );
     }
     let mut written = Vec::with_capacity(items.len());

@@ -37,7 +37,11 @@ use std::time::{Duration, Instant};
 
 use sqlx::{Connection, PgConnection, PgPool};
 
-use super::postgres::PING_AFTER_IDLE;
+/// A pooled connection idle this long is pinged before it is used again
+/// (see `postgres::checked_pool`): long enough that connections in steady use are
+/// never pinged, short enough that one a restart or failover broke while
+/// the gateway was quiet is found out before a write meets it.
+pub(super) const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
 
 /// Connections to one server for one batcher: at most as many as it has
 /// batches in flight, since each batch takes one and gives it back.

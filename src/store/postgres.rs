@@ -46,7 +46,7 @@ use tokio::task::JoinHandle;
 
 use super::admissions::Entered;
 use super::batch::Decision;
-use super::link::Links;
+use super::link::{Links, PING_AFTER_IDLE};
 use super::readiness::{Probe, ServerState, StoreReadiness, WriterLock, PROBE};
 use super::{bounded, StoreError};
 use crate::config::{redact_url, StoreConfig};
@@ -127,12 +127,6 @@ ON CONFLICT (resource_key) DO UPDATE
     SET highest_token = EXCLUDED.highest_token, updated_at = now()
     WHERE f.highest_token < EXCLUDED.highest_token
 RETURNING f.resource_key, f.highest_token";
-
-/// A pooled connection idle this long is pinged before it is used again
-/// (see [`checked_pool`]): long enough that connections in steady use are
-/// never pinged, short enough that one a restart or failover broke while
-/// the gateway was quiet is found out before a write meets it.
-pub(super) const PING_AFTER_IDLE: Duration = Duration::from_secs(1);
 
 #[derive(Clone)]
 pub struct PgStore {
@@ -480,18 +474,6 @@ impl PgStore {
         }
         self.pool.close().await;
     }
-}
-
-/// Whether a failed statement is known to have written nothing: the server
-/// refused it with an `ERROR` (a raised exception, a deadlock, a statement
-/// timeout, a bad value), which rolls back the statement's transaction, and
-/// keeps the session. Any other failure (the connection broke, the gateway
-/// stopped waiting, a `FATAL` that may come after the commit) leaves the
-/// outcome unknown.
-pub(super) fn rolled_back(e: &sqlx::Error) -> bool {
-    e.as_database_error()
-        .and_then(|db| db.try_downcast_ref::<sqlx::postgres::PgDatabaseError>())
-        .is_some_and(|pg| pg.severity() == sqlx::postgres::PgSeverity::Error)
 }
 
 fn connect_options(url: &str, timeout: Duration) -> Result<PgConnectOptions, StoreError> {

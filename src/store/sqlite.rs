@@ -21,7 +21,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
-use sqlx::{ConnectOptions, SqliteConnection, SqlitePool};
+use sqlx::{ConnectOptions, SqlitePool};
 
 use super::batch::Decision;
 use super::sql::sqlite_now_ms;
@@ -32,16 +32,6 @@ use crate::config::StoreConfig;
 fn migrator() -> sqlx::migrate::Migrator {
     super::accepting_later_migrations(sqlx::migrate!("migrations/sqlite"))
 }
-
-/// One decision of a batch: returns a row only when it raised the token.
-#[rustfmt::skip]
-const RECORD: &str = concat!("\
-INSERT INTO fences (resource_key, highest_token, updated_at)
-VALUES (?1, ?2, ", sqlite_now_ms!(), ")
-ON CONFLICT (resource_key) DO UPDATE
-    SET highest_token = excluded.highest_token, updated_at = excluded.updated_at
-    WHERE fences.highest_token < excluded.highest_token
-RETURNING highest_token");
 
 /// After an unclean stop the stored bound is kept if larger: a crash
 /// during the successor's wait must still wait it out.
@@ -262,31 +252,11 @@ async fn record_batch(
     let mut tx = pool.begin().await?;
     let mut answers = super::batch::Answers::with_capacity(wanted.len());
     for (&key, &token) in &wanted {
-        answers.insert(key.to_string(), decide_in(&mut tx, key, token).await?);
+        answers.insert(
+            key.to_string(),
+            super::sql::decide_in(&mut tx, key, token).await?,
+        );
     }
     tx.commit().await?;
     Ok(super::batch::in_item_order(&items, &answers))
-}
-
-/// Records `token` for `key` within a transaction unless a higher one is
-/// recorded: the key's highest token after it.
-pub(super) async fn decide_in(
-    conn: &mut SqliteConnection,
-    key: &str,
-    token: i64,
-) -> Result<i64, StoreError> {
-    let raised: Option<i64> = sqlx::query_scalar(RECORD)
-        .bind(key)
-        .bind(token)
-        .fetch_optional(&mut *conn)
-        .await?;
-    Ok(match raised {
-        Some(h) => h,
-        None => {
-            sqlx::query_scalar("SELECT highest_token FROM fences WHERE resource_key = ?1")
-                .bind(key)
-                .fetch_one(&mut *conn)
-                .await?
-        }
-    })
 }

@@ -5,74 +5,17 @@
 //! [`exit`]).
 
 use std::io::Write;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use clap::{Args, Subcommand};
-use fencegate_client::{lock_path, segment, ClientOptions, Error, LockClient};
+use clap::Subcommand;
+use fencegate_client::{lock_path, segment, Error};
 use http::Method;
 use serde_json::{json, Value};
 
 use super::exit;
-use super::run::RunArgs;
-
-/// The default lease time of `lock acquire` and `lock run`: long enough that
-/// a renewal every third of it rides out a gateway restart, short enough
-/// that a crashed holder's lock frees up soon.
-pub const DEFAULT_TTL_MS: u64 = 15_000;
-
-/// Where the lock API is, and how to trust it.
-#[derive(Debug, Args)]
-pub struct Gateway {
-    /// The gateway's traffic listener, where the lock API is.
-    #[arg(long, env = "FENCEGATE_URL", default_value = "http://127.0.0.1:8080")]
-    pub gateway: String,
-    #[command(flatten)]
-    pub trust: Trust,
-}
-
-/// Where the admin API is, and how to trust it.
-#[derive(Debug, Args)]
-pub struct Admin {
-    /// The gateway's admin listener.
-    #[arg(
-        long,
-        env = "FENCEGATE_ADMIN_URL",
-        default_value = "http://127.0.0.1:9090"
-    )]
-    pub admin: String,
-    #[command(flatten)]
-    pub trust: Trust,
-}
-
-/// TLS trust for https URLs.
-#[derive(Debug, Args)]
-pub struct Trust {
-    /// PEM file of the CA certificate(s) to trust for https, instead of the
-    /// platform's trust roots.
-    #[arg(long, env = "FENCEGATE_CACERT", value_name = "PATH")]
-    pub cacert: Option<PathBuf>,
-}
-
-impl Trust {
-    /// A client of `base`, with the CA and the bearer key from
-    /// `$FENCEGATE_API_KEY` (an environment variable only, so the key never
-    /// shows in `ps`).
-    pub fn client(&self, base: &str) -> Result<LockClient, Error> {
-        let mut options = ClientOptions::new();
-        if let Some(path) = &self.cacert {
-            options = options.trust_file(path)?;
-        }
-        if let Some(key) = std::env::var("FENCEGATE_API_KEY")
-            .ok()
-            .filter(|k| !k.is_empty())
-        {
-            options = options.api_key(key);
-        }
-        LockClient::with_options(base, &options)
-    }
-}
+use super::locked::RunArgs;
+use super::reach::{AdminArgs, GatewayArgs, Trust, DEFAULT_TTL_MS};
 
 #[derive(Debug, Subcommand)]
 pub enum LockCommand {
@@ -84,7 +27,7 @@ pub enum LockCommand {
         /// The lock name (the resource key its fence protects).
         name: String,
         #[command(flatten)]
-        gateway: Gateway,
+        gateway: GatewayArgs,
         /// Lease time.
         #[arg(long, default_value_t = DEFAULT_TTL_MS)]
         ttl_ms: u64,
@@ -96,7 +39,7 @@ pub enum LockCommand {
     Renew {
         name: String,
         #[command(flatten)]
-        gateway: Gateway,
+        gateway: GatewayArgs,
         /// The lease id from the grant.
         #[arg(long, env = "FENCEGATE_LEASE", hide_env_values = true)]
         lease: String,
@@ -108,7 +51,7 @@ pub enum LockCommand {
     Release {
         name: String,
         #[command(flatten)]
-        gateway: Gateway,
+        gateway: GatewayArgs,
         /// The lease id from the grant.
         #[arg(long, env = "FENCEGATE_LEASE", hide_env_values = true)]
         lease: String,
@@ -117,7 +60,7 @@ pub enum LockCommand {
     Status {
         name: String,
         #[command(flatten)]
-        gateway: Gateway,
+        gateway: GatewayArgs,
     },
 }
 
@@ -128,7 +71,7 @@ pub enum FenceCommand {
         /// The resource key.
         key: String,
         #[command(flatten)]
-        admin: Admin,
+        admin: AdminArgs,
     },
     /// Break-glass: set a key's highest token (needs an admin client's
     /// key in $FENCEGATE_API_KEY).
@@ -136,7 +79,7 @@ pub enum FenceCommand {
         /// The resource key.
         key: String,
         #[command(flatten)]
-        admin: Admin,
+        admin: AdminArgs,
         /// The new highest token (it may be lower than the current one).
         #[arg(long, value_parser = clap::value_parser!(i64).range(0..))]
         highest_token: i64,
@@ -148,7 +91,7 @@ pub enum FenceCommand {
 
 pub async fn lock(command: LockCommand) -> ExitCode {
     match command {
-        LockCommand::Run(args) => super::run::run(args).await,
+        LockCommand::Run(args) => super::locked::run(args).await,
         LockCommand::Acquire {
             name,
             gateway,

@@ -5,7 +5,8 @@
 
 pub mod calls;
 pub mod exit;
-pub mod run;
+pub mod locked;
+pub mod reach;
 
 use std::net::SocketAddr;
 use std::path::PathBuf;

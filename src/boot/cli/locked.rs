@@ -26,15 +26,15 @@ use fencegate_client::{Error, LeaseKeeper, LockClient};
 use tokio::process::Child;
 use tokio::signal::unix::{signal, Signal, SignalKind};
 
-use super::calls::{Gateway, DEFAULT_TTL_MS};
 use super::exit;
+use super::reach::{GatewayArgs, DEFAULT_TTL_MS};
 
 #[derive(Debug, Args)]
 pub struct RunArgs {
     /// The lock name (the resource key its fence protects).
     pub name: String,
     #[command(flatten)]
-    pub gateway: Gateway,
+    pub gateway: GatewayArgs,
     /// Lease time; renewed every third of it.
     #[arg(long, default_value_t = DEFAULT_TTL_MS)]
     pub ttl_ms: u64,
