@@ -621,7 +621,7 @@ def markdown(res, svg_link):
         "sends one header value per run. (i) replays one stored answer from the gateway's "
         "memory (it stored it): no store read, nothing forwarded; compared with (c), a GET "
         "passed through to nginx. A cached record costs about 1.3 KB of memory plus its "
-        "body (README, Idempotency-Key), within a bound of 32 MiB.",
+        "body (docs/internals/store-protocol.md), within a bound of 32 MiB.",
         f"- Memory: {mem['method']}; {mem['forwarded']:,} writes forwarded "
         f"(answers: {', '.join(f'{k}: {v:,}' for k, v in sorted(mem['status'].items()))}); at {f0(mem['rps'])} req/s closed loop; RSS "
         f"{mem['rss_start_mib']:.1f} MiB after start, {mem['rss_mib']:.1f} MiB after the writes, "

@@ -23,7 +23,7 @@
 //! admitted, and the upstream could apply 1 after 100. Such a reload is
 //! refused as a whole and counted as `refused`; the log names the route
 //! and what changed. Changing key identity is an operator's step, with
-//! the writers stopped and a restart (README, "Reloading the config").
+//! the writers stopped and a restart (docs/operations/reload.md).
 
 use std::path::PathBuf;
 use std::sync::Arc;

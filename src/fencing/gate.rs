@@ -42,7 +42,7 @@
 //! large, under its lock. One map of a 100,000-key cache moved megabytes at
 //! a time into memory touched for the first time, and every fenced write of
 //! the process waited behind it while a new gateway's cache filled
-//! (README, "The gate's shards", has the measurement). A shard's map is at
+//! (docs/internals/performance.md links the measurement). A shard's map is at
 //! most a few thousand slots, and only writes
 //! to its keys wait while it grows.
 //!

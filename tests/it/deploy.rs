@@ -140,8 +140,10 @@ fn check_exprs(exprs: &[(String, String)], exported: &BTreeSet<String>) -> usize
     exprs.len()
 }
 
-/// A scrape of a gateway that has done a bit of everything.
-async fn scrape() -> BTreeSet<String> {
+/// The `/metrics` text of a gateway that has done a bit of everything, so
+/// that most labelled series exist; families without one still declare
+/// themselves.
+pub(crate) async fn busy_gateway_metrics() -> String {
     let store = TestStore::new(Backend::Sqlite).await;
     let up = Upstream::start().await;
     let dead = route("dead", "/dead/{id}", "http://127.0.0.1:1", "dead:{id}");
@@ -159,8 +161,12 @@ async fn scrape() -> BTreeSet<String> {
         .await
         .expect("renew");
     assert_eq!(renew.status(), 409);
-    let text = app.metrics().await;
-    exported_names(&text)
+    app.metrics().await
+}
+
+/// The metric names a scrape of a busy gateway can be queried by.
+async fn scrape() -> BTreeSet<String> {
+    exported_names(&busy_gateway_metrics().await)
 }
 
 #[tokio::test]

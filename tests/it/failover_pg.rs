@@ -42,8 +42,8 @@ use crate::support::upstream::Upstream;
 
 /// `[store] timeout_ms` of the test gateways (`support::app::config_text`).
 const STORE_TIMEOUT: Duration = Duration::from_millis(1500);
-/// The README's bound: fenced writes succeed again within `timeout_ms` +
-/// 1 s of the new primary taking writes.
+/// The bound docs/operations/failover.md states: fenced writes succeed
+/// again within `timeout_ms` + 1 s of the new primary taking writes.
 const RECOVERY_BOUND: Duration = Duration::from_millis(STORE_TIMEOUT.as_millis() as u64 + 1000);
 /// A 503 during the outage comes within `timeout_ms`; the slack is for a
 /// loaded machine, not a performance claim.

@@ -662,8 +662,8 @@ async fn every_405_carries_allow() {
     nothing_received(&up).await;
 }
 
-/// What the gateway does not speak, on purpose (README's HTTP/1.1
-/// section): HTTP/0.9 and versions but 1.0 and 1.1 are 400; CONNECT and
+/// What the gateway does not speak, on purpose (docs/internals/http1.md,
+/// "Refused on purpose"): HTTP/0.9 and versions but 1.0 and 1.1 are 400; CONNECT and
 /// `OPTIONS *` name no route (404): nothing is forwarded and no tunnel is
 /// opened; an `Upgrade` is hop-by-hop and dropped, so the upstream sees a
 /// plain request (and a `101` from it would be 502).

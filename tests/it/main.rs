@@ -10,6 +10,7 @@ mod config_errors;
 mod dashboard;
 mod deploy;
 mod differential;
+mod docs;
 mod durability;
 mod exchange_lifetime;
 mod failover_pg;

@@ -288,7 +288,8 @@ async fn a_reload_never_changes_a_fenced_routes_key_identity() {
 
 /// `serve` turns transparent huge pages off for its own process, so that
 /// the first touch of new memory never zeroes 2 MiB while a thread holds
-/// a lock of the gate (README, "Memory and huge pages"). The kernel reports
+/// a lock of the gate (docs/internals/performance.md, "Memory and huge
+/// pages"). The kernel reports
 /// the flag per process; the test runner's own stays as it was.
 #[cfg(target_os = "linux")]
 #[tokio::test]

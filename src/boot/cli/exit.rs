@@ -3,7 +3,8 @@
 //! They are taken from `sysexits.h` where one fits, so that a supervisor or
 //! a script can tell "try again later" (75, 69) from "this will not work as
 //! asked" (64, 77) and from "the job lost its lock" (76) without reading
-//! messages. README.md lists them with what each means for a supervisor.
+//! messages. docs/reference/cli.md lists them with what each means for a
+//! supervisor.
 
 use fencegate_client::Error;
 

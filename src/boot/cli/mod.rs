@@ -171,7 +171,7 @@ async fn serve(path: PathBuf) -> ExitCode {
 /// waits. When that thread holds a lock of the gate, every fenced write that
 /// needs that lock waits too. Over a gateway's first seconds that shows
 /// as a p99 of raising writes ten times higher with huge pages, for a few
-/// MiB of resident memory less (README, "Memory and huge pages", has the
+/// MiB of resident memory less (docs/internals/performance.md links the
 /// measurement). Databases and caches advise the same for their latency
 /// (Redis warns at start when they are on).
 fn no_transparent_huge_pages() {
