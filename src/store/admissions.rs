@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 use sqlx::PgPool;
 
 use super::batch::Batcher;
-use super::idempotency::BeginItem;
+use super::record_batch::BeginItem;
 use super::sql::rolled_back;
 use super::{bounded, millis, StoreError};
 

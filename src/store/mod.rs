@@ -20,7 +20,9 @@
 //! * `sqlite`: the embedded store for a single instance.
 //! * [`batch`]: group commit: concurrent writes of one kind in one statement.
 //! * [`readiness`]: `/readyz`'s view of the store; the durability check.
-//! * `idempotency`: `Idempotency-Key` records.
+//! * `records`: `Idempotency-Key` records: their types and statements;
+//!   `record_batch`: their group commit in single mode; `record_store`:
+//!   the store's operations on them.
 //! * `lock_fences`: the fences of the Redis and Redlock lock backends.
 //! * `admin`: fence records for the admin API: reads, listings, resets.
 //! * `sql`: SQL fragments the statements share.
@@ -28,11 +30,14 @@
 mod admin;
 mod admissions;
 pub mod batch;
-mod idempotency;
 mod link;
 mod lock_fences;
+mod owner;
 mod postgres;
 pub mod readiness;
+mod record_batch;
+mod record_store;
+mod records;
 pub(crate) mod sql;
 mod sqlite;
 
@@ -43,9 +48,12 @@ use crate::config::{StoreBackend, StoreConfig, StoreMode};
 
 pub use admin::{prefix_end, FenceRecord, Page, ResetRecord};
 pub use admissions::{Entered, InFlight};
-pub use idempotency::{Begin, Decided, Found, Read, RecordId, StoredAnswer, PURGE_BATCH};
-pub use postgres::{PgStore, ReadOnly, OWNER_LEASE};
+pub use owner::OWNER_LEASE;
+pub use postgres::PgStore;
+pub use readiness::ReadOnly;
 pub use readiness::StoreReadiness;
+pub use record_batch::Decided;
+pub use records::{Begin, Found, Read, RecordId, StoredAnswer, PURGE_BATCH};
 pub use sqlite::SqliteStore;
 
 /// Why the store could not answer.

@@ -33,78 +33,20 @@
 //! Nothing of this costs a round trip per decision: the checks run once per
 //! new connection and on the watcher's timer; a decision reads an atomic.
 
-use std::future::Future;
-use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::time::Duration;
 
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::{ConnectOptions, Connection, PgConnection, PgPool};
 
-use tokio::task::JoinHandle;
-
 use super::admissions::Entered;
 use super::batch::Decision;
 use super::link::{Links, PING_AFTER_IDLE};
-use super::readiness::{Probe, ServerState, StoreReadiness, WriterLock, PROBE};
+use super::owner::OwnerLock;
+use super::readiness::{writable, Probe, ReadOnly, ServerState, ServerView, StoreReadiness, PROBE};
 use super::{bounded, StoreError};
 use crate::config::{redact_url, StoreConfig};
-
-/// Advisory locks use the two-int4 form with this first half, so they never
-/// collide with an application's one-bigint locks or with other namespaces.
-/// ("FGAT" in ASCII.)
-pub const LOCK_NAMESPACE: i32 = 0x4647_4154;
-/// Second half of the single-writer lock.
-const SINGLE_WRITER_ID: i32 = 1;
-
-/// How long one confirmation of the single-writer lock lets this instance
-/// decide, counted from when the confirming query was sent. A successor
-/// that found this instance's run unfinished waits this long on top of the
-/// longest forward (see `app`), so decisions this instance made after its
-/// lock was really gone cannot overlap the successor's.
-pub const OWNER_LEASE: Duration = Duration::from_secs(2);
-/// How often the lock's session is asked whether it still holds the lock
-/// on a writable primary. Well inside the lease, so a loaded machine that
-/// delays a check by a second does not stop decisions.
-const OWNER_CHECK: Duration = Duration::from_millis(250);
-/// How often a lost single-writer lock is tried again.
-const OWNER_RETRY: Duration = Duration::from_millis(500);
-/// How long the watcher waits for its session's answer to a check that
-/// outlived the store's timeout, before it gives that session up. A late
-/// answer is what a shared machine produces: a process or a server that
-/// got no CPU for seconds (a virtual machine's steal, a paused container),
-/// a network that stalls and recovers. Decisions stop at the timeout (and
-/// the lease lapses anyway), so waiting longer decides nothing; it keeps
-/// the lock on the session that holds it, where giving it up would make
-/// the next acquisition a new generation (memory no longer trusted as
-/// exact) and would have to wait for the server to end the old session.
-/// Meanwhile the lock is tried on new sessions every [`OWNER_RETRY`], so a
-/// failover to a primary where the lock is free is not held up by this.
-const OWNER_PATIENCE: Duration = Duration::from_secs(30);
-/// How long a starting instance keeps trying for a single-writer lock that
-/// another session holds before it refuses to start. A predecessor killed a
-/// moment ago (a crash, `kill -9`, a supervisor's restart) holds the lock
-/// until its server process has read the closed connection and ended,
-/// which takes a moment, longer on a loaded machine; an instance restarted
-/// at once must not be refused for that. An instance that is alive keeps
-/// the lock, and the new one is refused after this wait.
-const HELD_AT_START: Duration = Duration::from_secs(3);
-/// Between two tries within [`HELD_AT_START`].
-const HELD_AT_START_RETRY: Duration = Duration::from_millis(100);
-
-/// Whether the server takes writes, asked of every new connection.
-const WRITABLE: &str =
-    "SELECT pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'";
-
-/// Takes the single-writer lock, but only on a writable primary (CASE
-/// evaluates the branch it needs, so a standby's lock is never taken).
-const TRY_OWNER_LOCK: &str = "\
-SELECT pg_is_in_recovery(),
-       current_setting('transaction_read_only') = 'on',
-       CASE WHEN pg_is_in_recovery() OR current_setting('transaction_read_only') = 'on'
-            THEN NULL
-            ELSE pg_try_advisory_lock($1, $2) END";
 
 /// This backend's migrations (see [`super::accepting_later_migrations`]).
 fn migrator() -> sqlx::migrate::Migrator {
@@ -136,7 +78,7 @@ pub struct PgStore {
     batcher: Option<super::batch::Fences>,
     /// Group commit of Idempotency-Key records, in single mode only (see
     /// `store::idempotency`).
-    records: Option<super::idempotency::RecordBatcher>,
+    records: Option<super::record_batch::RecordBatcher>,
     /// The connections of the single-mode batchers, one set each: kept
     /// here to be closed with the pool.
     links: Vec<Arc<Links>>,
@@ -207,8 +149,8 @@ impl PgStore {
         let admissions = (!single).then(|| Arc::new(admissions(&opts, cfg, &view)));
         let records = single.then(|| {
             batcher!(
-                super::idempotency::RecordBatcher,
-                super::idempotency::pg_records_batch
+                super::record_batch::RecordBatcher,
+                super::record_batch::pg_records_batch
             )
         });
         Ok(Self {
@@ -262,7 +204,7 @@ impl PgStore {
     }
 
     /// Single mode: the batcher of Idempotency-Key records.
-    pub(super) fn record_batcher(&self) -> Option<&super::idempotency::RecordBatcher> {
+    pub(super) fn record_batcher(&self) -> Option<&super::record_batch::RecordBatcher> {
         self.records.as_ref()
     }
 
@@ -509,85 +451,6 @@ fn connect_options(url: &str, timeout: Duration) -> Result<PgConnectOptions, Sto
     ]))
 }
 
-/// Why a server takes no writes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ReadOnly {
-    /// `pg_is_in_recovery()`: a standby, or one not promoted yet.
-    InRecovery,
-    /// `transaction_read_only` is on (`default_transaction_read_only`).
-    ReadOnlyTransactions,
-    /// A write failed with SQLSTATE 25006 (`read_only_sql_transaction`).
-    WriteRefused,
-}
-
-impl std::fmt::Display for ReadOnly {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            ReadOnly::InRecovery => "the server is in recovery (a standby, not the primary)",
-            ReadOnly::ReadOnlyTransactions => {
-                "the server takes only read-only transactions (default_transaction_read_only is on)"
-            }
-            ReadOnly::WriteRefused => "the server refused a write as read-only (SQLSTATE 25006)",
-        })
-    }
-}
-
-/// What the latest evidence said about the server behind the URL: set by
-/// each new connection's check and by a write refused as read-only,
-/// cleared by a connection that passed the check or a batch that committed.
-/// It only explains failures (what a 503 and `/readyz` say): no decision
-/// relies on it.
-#[derive(Default)]
-struct ServerView(AtomicU8);
-
-impl ServerView {
-    fn saw(&self, read_only: Option<ReadOnly>) {
-        let code = match read_only {
-            None => 0,
-            Some(ReadOnly::InRecovery) => 1,
-            Some(ReadOnly::ReadOnlyTransactions) => 2,
-            Some(ReadOnly::WriteRefused) => 3,
-        };
-        // A load first: on the hot path (every committed batch) this stays
-        // a read of a shared cache line.
-        if self.0.load(Ordering::Relaxed) != code {
-            self.0.store(code, Ordering::Relaxed);
-        }
-    }
-
-    fn read_only(&self) -> Option<ReadOnly> {
-        match self.0.load(Ordering::Relaxed) {
-            1 => Some(ReadOnly::InRecovery),
-            2 => Some(ReadOnly::ReadOnlyTransactions),
-            3 => Some(ReadOnly::WriteRefused),
-            _ => None,
-        }
-    }
-
-    /// Notes what a statement's outcome says, and passes it on.
-    fn learn<T>(&self, r: Result<T, StoreError>) -> Result<T, StoreError> {
-        match &r {
-            Ok(_) => self.saw(None),
-            Err(StoreError::ReadOnly(ro)) => self.saw(Some(*ro)),
-            Err(_) => {}
-        }
-        r
-    }
-}
-
-/// Asks a connection whether its server takes writes.
-async fn writable(conn: &mut PgConnection) -> Result<Result<(), ReadOnly>, sqlx::Error> {
-    let (in_recovery, read_only): (bool, bool) =
-        sqlx::query_as(WRITABLE).fetch_one(&mut *conn).await?;
-    Ok(if in_recovery {
-        Err(ReadOnly::InRecovery)
-    } else if read_only {
-        Err(ReadOnly::ReadOnlyTransactions)
-    } else {
-        Ok(())
-    })
-}
-
 /// Pool options whose connections are checked once, when opened: a
 /// connection to a server that takes no writes is closed before anyone
 /// uses it, and the pool keeps trying (until its acquire timeout) for one
@@ -671,355 +534,6 @@ async fn warn_of_durability(pool: &PgPool, timeout: Duration) {
             }
         }
         Err(e) => tracing::warn!(error = %e, "fence store durability: could not be checked"),
-    }
-}
-
-/// The single-writer lock: a session advisory lock held on a connection we
-/// own for the life of the process (never a pooled one, which a transaction
-/// pooler could hand to someone else).
-///
-/// Holding the lock is only proof of being the only writer while the
-/// session lives on a writable primary, and the process learns that a
-/// session died only when it next asks. So the right to decide is a lease:
-/// each confirmation (the session answered that its server is a writable
-/// primary) lets decisions run until [`OWNER_LEASE`] after the question was
-/// sent. A decision loads one atomic and reads the clock.
-pub struct OwnerLock {
-    /// The origin of `held_until`.
-    epoch: Instant,
-    /// Milliseconds after `epoch` until which decisions may be made; 0 when
-    /// the lock is known lost.
-    held_until: AtomicU64,
-    /// Acquisitions so far (see `FenceStore::writer_generation`).
-    generation: Arc<AtomicU64>,
-    /// Why the lock is not held, for `/readyz`.
-    why: Mutex<String>,
-    /// Watches the lock connection and takes the lock again after an outage.
-    task: JoinHandle<()>,
-}
-
-impl OwnerLock {
-    async fn acquire(
-        opts: PgConnectOptions,
-        timeout: Duration,
-        view: Arc<ServerView>,
-    ) -> Result<Arc<Self>, StoreError> {
-        let first = Instant::now();
-        let (conn, asked) = loop {
-            let asked = Instant::now();
-            match try_lock(&opts, timeout).await {
-                Ok(Attempt::Taken(conn)) => break (conn, asked),
-                // Held by a session that may be ending: see `HELD_AT_START`.
-                Ok(Attempt::HeldElsewhere) if first.elapsed() < HELD_AT_START => {
-                    tokio::time::sleep(HELD_AT_START_RETRY).await
-                }
-                Ok(Attempt::HeldElsewhere) => {
-                    return Err(StoreError::Other(
-                        "another fencegate instance in \"single\" mode is using this store; \
-                         stop it first, or run every instance with [store] mode = \"shared\""
-                            .into(),
-                    ))
-                }
-                Err(e) => return Err(e),
-            }
-        };
-        let (tx, rx) = tokio::sync::oneshot::channel::<Arc<OwnerLock>>();
-        let task = tokio::spawn(async move {
-            let Ok(me) = rx.await else { return };
-            watch(me, conn, opts, timeout, view).await;
-        });
-        let epoch = asked;
-        let lock = Arc::new(Self {
-            epoch,
-            held_until: AtomicU64::new(0),
-            generation: Arc::new(AtomicU64::new(1)),
-            why: Mutex::new(String::new()),
-            task,
-        });
-        lock.confirm(asked);
-        let _ = tx.send(lock.clone());
-        Ok(lock)
-    }
-
-    /// Whether decisions may be made now.
-    fn held(&self) -> bool {
-        let now = self.epoch.elapsed().as_millis() as u64;
-        now < self.held_until.load(Ordering::Acquire)
-    }
-
-    /// The session confirmed the lock on a writable primary when asked at
-    /// `asked`.
-    fn confirm(&self, asked: Instant) {
-        let until = asked.saturating_duration_since(self.epoch) + OWNER_LEASE;
-        self.held_until
-            .store(until.as_millis() as u64, Ordering::Release);
-    }
-
-    /// Stops decisions at once; `why` is what `/readyz` shows.
-    fn revoke(&self, why: String) {
-        self.held_until.store(0, Ordering::Release);
-        *self.why.lock().unwrap_or_else(|e| e.into_inner()) = why;
-    }
-
-    /// For `/readyz`.
-    fn state(&self) -> WriterLock {
-        if self.held() {
-            return WriterLock {
-                held: true,
-                detail: None,
-            };
-        }
-        let why = self.why.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        WriterLock {
-            held: false,
-            detail: Some(if why.is_empty() {
-                format!(
-                    "its session has not confirmed it within {} ms",
-                    OWNER_LEASE.as_millis()
-                )
-            } else {
-                why
-            }),
-        }
-    }
-}
-
-/// What an attempt to take the single-writer lock found.
-enum Attempt {
-    /// Taken, on a writable primary; the lock lives with this connection.
-    Taken(PgConnection),
-    /// Another session holds it.
-    HeldElsewhere,
-}
-
-async fn try_lock(opts: &PgConnectOptions, timeout: Duration) -> Result<Attempt, StoreError> {
-    bounded(timeout, StoreError::Timeout, async {
-        let mut conn = PgConnection::connect_with(opts).await?;
-        let (in_recovery, read_only, got): (bool, bool, Option<bool>) =
-            sqlx::query_as(TRY_OWNER_LOCK)
-                .bind(LOCK_NAMESPACE)
-                .bind(SINGLE_WRITER_ID)
-                .fetch_one(&mut conn)
-                .await?;
-        if in_recovery {
-            return Err(StoreError::ReadOnly(ReadOnly::InRecovery));
-        }
-        if read_only {
-            return Err(StoreError::ReadOnly(ReadOnly::ReadOnlyTransactions));
-        }
-        Ok(if got == Some(true) {
-            Attempt::Taken(conn)
-        } else {
-            Attempt::HeldElsewhere
-        })
-    })
-    .await
-}
-
-/// Confirms the lock every [`OWNER_CHECK`] on its own session. When the
-/// session breaks, the lock is gone with it: stop deciding at once, then
-/// take the lock again every [`OWNER_RETRY`] — on a writable primary only,
-/// and unless another instance took it meanwhile. A session whose server
-/// became read-only keeps the lock (nobody else can take it) but decides
-/// nothing until the server takes writes again. A session that answers
-/// late keeps it too (see [`OWNER_PATIENCE`]).
-async fn watch(
-    me: Arc<OwnerLock>,
-    conn: PgConnection,
-    opts: PgConnectOptions,
-    timeout: Duration,
-    view: Arc<ServerView>,
-) {
-    let mut conn = Some(conn);
-    let mut tick = tokio::time::interval(OWNER_CHECK);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut next_try = Instant::now();
-    // What was logged last: a state is logged when it changes, not on
-    // every tick.
-    let mut said = String::new();
-    fn say(me: &OwnerLock, said: &mut String, why: String, error: bool) {
-        if why != *said {
-            if error {
-                tracing::error!("single-writer lock: {why}; fenced writes answer 503");
-            } else {
-                tracing::warn!("single-writer lock: {why}; fenced writes answer 503");
-            }
-            *said = why.clone();
-        }
-        me.revoke(why);
-    }
-    // The lock was taken on a new session, asked at `asked`.
-    fn taken_again(me: &OwnerLock, view: &ServerView, said: &mut String, asked: Instant) {
-        // Before the confirmation: a decision that sees the lock held must
-        // see the new generation too.
-        let generation = me.generation.fetch_add(1, Ordering::AcqRel) + 1;
-        view.saw(None);
-        me.confirm(asked);
-        tracing::info!(
-            generation,
-            "single-writer lock taken again on a writable primary; fenced writes resume"
-        );
-        said.clear();
-    }
-    loop {
-        tick.tick().await;
-        if let Some(c) = conn.take() {
-            let asked = Instant::now();
-            let mut check = check(c);
-            let (c, answer) = match tokio::time::timeout(timeout, &mut check).await {
-                Ok(answered) => answered,
-                Err(_) => {
-                    // The lease lapses by itself [`OWNER_LEASE`] after
-                    // `asked`; stop now, as a check this slow confirms
-                    // nothing in time.
-                    say(
-                        &me,
-                        &mut said,
-                        format!(
-                            "paused: its session has not answered within {} ms (a slow or \
-                             unreachable store, or a machine that got no CPU); waiting up to \
-                             {} s for it",
-                            timeout.as_millis(),
-                            OWNER_PATIENCE.as_secs()
-                        ),
-                        false,
-                    );
-                    match outwait(check, &opts, timeout, &view).await {
-                        Late::Answered(answered) => answered,
-                        Late::Taken(c, asked) => {
-                            conn = Some(c);
-                            taken_again(&me, &view, &mut said, asked);
-                            continue;
-                        }
-                        Late::GaveUp => {
-                            // Dropping the check closes the session, so the
-                            // lock is free for the next attempt, ours, once
-                            // its server notices.
-                            say(
-                                &me,
-                                &mut said,
-                                format!(
-                                    "lost: its session did not answer within {} s",
-                                    OWNER_PATIENCE.as_secs()
-                                ),
-                                true,
-                            );
-                            continue;
-                        }
-                    }
-                }
-            };
-            match answer {
-                Ok(Ok(())) => {
-                    me.confirm(asked);
-                    // A late answer confirms a lease that has lapsed
-                    // already: writes resume with the next check's answer.
-                    if !said.is_empty() && me.held() {
-                        tracing::info!("single-writer lock: its session answers and its server takes writes; fenced writes resume");
-                        said.clear();
-                    }
-                    conn = Some(c);
-                }
-                Ok(Err(ro)) => {
-                    view.saw(Some(ro));
-                    say(&me, &mut said, format!("held, but {ro}"), false);
-                    conn = Some(c);
-                }
-                Err(e) => say(&me, &mut said, format!("lost with its session ({e})"), true),
-            }
-            continue;
-        }
-        if Instant::now() < next_try {
-            continue;
-        }
-        next_try = Instant::now() + OWNER_RETRY;
-        let asked = Instant::now();
-        match try_lock(&opts, timeout).await {
-            Ok(Attempt::Taken(c)) => {
-                conn = Some(c);
-                taken_again(&me, &view, &mut said, asked);
-            }
-            Ok(Attempt::HeldElsewhere) => say(
-                &me,
-                &mut said,
-                "another session holds it: another fencegate instance in \"single\" mode, or this instance's previous session until the server notices it is gone".into(),
-                true,
-            ),
-            Err(StoreError::ReadOnly(ro)) => {
-                view.saw(Some(ro));
-                say(
-                    &me,
-                    &mut said,
-                    format!("not taken: {ro}; waiting for a writable primary"),
-                    false,
-                );
-            }
-            Err(e) => say(
-                &me,
-                &mut said,
-                format!("not taken: the store is unreachable ({e})"),
-                false,
-            ),
-        }
-    }
-}
-
-/// One check of the lock's session, owning the connection so that a
-/// check that outlives the store's timeout can still be waited for.
-type Check = Pin<Box<dyn Future<Output = (PgConnection, Checked)> + Send>>;
-/// Whether the session's server takes writes, or how the session broke.
-type Checked = Result<Result<(), ReadOnly>, sqlx::Error>;
-
-fn check(mut conn: PgConnection) -> Check {
-    Box::pin(async move {
-        let answer = writable(&mut conn).await;
-        (conn, answer)
-    })
-}
-
-/// What became of a check that its session did not answer within the
-/// store's timeout.
-enum Late {
-    /// The session answered after all.
-    Answered((PgConnection, Checked)),
-    /// The lock was free on a new session, asked at the instant: the old
-    /// session's server no longer has it (a failover, or the session ended
-    /// there), so the old session is let go.
-    Taken(PgConnection, Instant),
-    /// Neither within [`OWNER_PATIENCE`].
-    GaveUp,
-}
-
-/// Waits for a late check while trying the lock on new sessions every
-/// [`OWNER_RETRY`]. An attempt that finds the lock held is most likely
-/// finding this instance's own slow session, and changes nothing.
-async fn outwait(
-    mut check: Check,
-    opts: &PgConnectOptions,
-    timeout: Duration,
-    view: &ServerView,
-) -> Late {
-    let patience = tokio::time::sleep(OWNER_PATIENCE);
-    tokio::pin!(patience);
-    loop {
-        let asked = Instant::now();
-        // An attempt dropped because the check answered first may have
-        // taken the lock on its new session: dropping that session gives it
-        // back, and the old one is confirmed on the next tick.
-        tokio::select! {
-            answered = &mut check => return Late::Answered(answered),
-            () = &mut patience => return Late::GaveUp,
-            attempt = try_lock(opts, timeout) => match attempt {
-                Ok(Attempt::Taken(c)) => return Late::Taken(c, asked),
-                Err(StoreError::ReadOnly(ro)) => view.saw(Some(ro)),
-                Ok(Attempt::HeldElsewhere) | Err(_) => {}
-            },
-        }
-        tokio::select! {
-            answered = &mut check => return Late::Answered(answered),
-            () = &mut patience => return Late::GaveUp,
-            () = tokio::time::sleep(OWNER_RETRY) => {}
-        }
     }
 }
 

@@ -16,7 +16,12 @@
 //! gateway can enforce, so it is a warning (at start-up and in `/readyz`),
 //! never a reason to refuse writes.
 
+use std::sync::atomic::{AtomicU8, Ordering};
+
 use serde::Serialize;
+use sqlx::PgConnection;
+
+use super::StoreError;
 
 /// The store's state as `/readyz` reports it (`details.store`).
 #[derive(Debug, Clone, Serialize)]
@@ -188,6 +193,89 @@ impl Probe {
             warnings,
         }
     }
+}
+
+/// Whether the server takes writes, asked of every new connection.
+const WRITABLE: &str =
+    "SELECT pg_is_in_recovery(), current_setting('transaction_read_only') = 'on'";
+
+/// Why a server takes no writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadOnly {
+    /// `pg_is_in_recovery()`: a standby, or one not promoted yet.
+    InRecovery,
+    /// `transaction_read_only` is on (`default_transaction_read_only`).
+    ReadOnlyTransactions,
+    /// A write failed with SQLSTATE 25006 (`read_only_sql_transaction`).
+    WriteRefused,
+}
+
+impl std::fmt::Display for ReadOnly {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            ReadOnly::InRecovery => "the server is in recovery (a standby, not the primary)",
+            ReadOnly::ReadOnlyTransactions => {
+                "the server takes only read-only transactions (default_transaction_read_only is on)"
+            }
+            ReadOnly::WriteRefused => "the server refused a write as read-only (SQLSTATE 25006)",
+        })
+    }
+}
+
+/// What the latest evidence said about the server behind the URL: set by
+/// each new connection's check and by a write refused as read-only,
+/// cleared by a connection that passed the check or a batch that committed.
+/// It only explains failures (what a 503 and `/readyz` say): no decision
+/// relies on it.
+#[derive(Default)]
+pub(super) struct ServerView(AtomicU8);
+
+impl ServerView {
+    pub(super) fn saw(&self, read_only: Option<ReadOnly>) {
+        let code = match read_only {
+            None => 0,
+            Some(ReadOnly::InRecovery) => 1,
+            Some(ReadOnly::ReadOnlyTransactions) => 2,
+            Some(ReadOnly::WriteRefused) => 3,
+        };
+        // A load first: on the hot path (every committed batch) this stays
+        // a read of a shared cache line.
+        if self.0.load(Ordering::Relaxed) != code {
+            self.0.store(code, Ordering::Relaxed);
+        }
+    }
+
+    pub(super) fn read_only(&self) -> Option<ReadOnly> {
+        match self.0.load(Ordering::Relaxed) {
+            1 => Some(ReadOnly::InRecovery),
+            2 => Some(ReadOnly::ReadOnlyTransactions),
+            3 => Some(ReadOnly::WriteRefused),
+            _ => None,
+        }
+    }
+
+    /// Notes what a statement's outcome says, and passes it on.
+    pub(super) fn learn<T>(&self, r: Result<T, StoreError>) -> Result<T, StoreError> {
+        match &r {
+            Ok(_) => self.saw(None),
+            Err(StoreError::ReadOnly(ro)) => self.saw(Some(*ro)),
+            Err(_) => {}
+        }
+        r
+    }
+}
+
+/// Asks a connection whether its server takes writes.
+pub(super) async fn writable(conn: &mut PgConnection) -> Result<Result<(), ReadOnly>, sqlx::Error> {
+    let (in_recovery, read_only): (bool, bool) =
+        sqlx::query_as(WRITABLE).fetch_one(&mut *conn).await?;
+    Ok(if in_recovery {
+        Err(ReadOnly::InRecovery)
+    } else if read_only {
+        Err(ReadOnly::ReadOnlyTransactions)
+    } else {
+        Ok(())
+    })
 }
 
 #[cfg(test)]

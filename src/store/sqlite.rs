@@ -54,7 +54,7 @@ pub struct SqliteStore {
     /// Group commit for `record`: one transaction (one fsync) per batch.
     batcher: super::batch::Fences,
     /// Group commit of Idempotency-Key records (see `store::idempotency`).
-    records: super::idempotency::RecordBatcher,
+    records: super::record_batch::RecordBatcher,
     timeout: Duration,
     /// An exclusive lock on `<file>.lock`, held for the life of the process,
     /// so a second instance cannot write the same file. Dropped with the last
@@ -79,7 +79,7 @@ impl SqliteStore {
             let pool = pool.clone();
             super::batch::Batcher::spawn(super::batch::MAX_BATCH, cfg.timeout, move |items| {
                 let pool = pool.clone();
-                async move { super::idempotency::sqlite_records_batch(&pool, items).await }
+                async move { super::record_batch::sqlite_records_batch(&pool, items).await }
             })
         };
         Ok(Self {
@@ -92,7 +92,7 @@ impl SqliteStore {
     }
 
     /// The batcher of Idempotency-Key records.
-    pub(super) fn record_batcher(&self) -> &super::idempotency::RecordBatcher {
+    pub(super) fn record_batcher(&self) -> &super::record_batch::RecordBatcher {
         &self.records
     }
 

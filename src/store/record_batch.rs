@@ -1,20 +1,3 @@
-//! Idempotency-Key records in the fence store (see `idempotency` for what
-//! they mean). Every judgement of time — whether a record expired, whether
-//! an in-flight record's gateway ran out of time — is the database's clock,
-//! so all instances of a shared store agree.
-//!
-//! Two rules keep a request from being forwarded twice under one key:
-//!
-//! * a record never expires before its `in_flight_until` (its expiry is the
-//!   later of the TTL and that instant), so a key whose first request may
-//!   still be at the upstream is never taken for a new first use, however
-//!   short `idempotency_ttl_s` is;
-//! * every change a gateway makes to its own in-flight record (the answer,
-//!   "unknown", forgetting it) matches the record's `attempt`, a random
-//!   number it wrote with it. A gateway that stalled past its record's time
-//!   (after which a duplicate may have taken an expired record over) finds
-//!   its attempt gone and changes nothing.
-//!
 //! In single mode (SQLite, or Postgres with one instance) the two writes of
 //! a first use — its in-flight record before the forward, its answer after
 //! it — are group-committed like fence decisions (`store::batch`): both
@@ -76,126 +59,15 @@
 //! Postgres then refuses one of the two after `deadlock_timeout`, with an
 //! `ERROR`, and a batch of records so refused runs its parts alone, each
 //! in primary-key order, answers first.
-//! Shared mode writes its in-flight records with the fence decision
-//! (`fencegate_enter_keyed`) and stores answers one statement each: there
-//! every write already has its own statement.
 
 use std::collections::{HashMap, HashSet};
-use std::time::Duration;
 
 use bytes::Bytes;
 use sqlx::{PgConnection, SqliteConnection, SqlitePool};
 
 use super::batch::{max_per_key, Answers, Batcher};
-use super::sql::{on_backend, sqlite_now_ms};
-use super::{bounded, FenceStore, StoreError};
-
-/// Which record: a route, a method, a client's key.
-#[derive(Debug, Clone, Copy)]
-pub struct RecordId<'a> {
-    pub route: &'a str,
-    pub method: &'a str,
-    pub key: &'a str,
-}
-
-/// An upstream answer as stored, and as replayed.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct StoredAnswer {
-    pub status: u16,
-    /// Header names and values, hop-by-hop ones removed (stored as JSON).
-    pub headers: Vec<(String, Vec<u8>)>,
-    pub body: Bytes,
-}
-
-/// What the store holds for a key (expired records are absent).
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Found {
-    Absent,
-    /// The same key with another request's fingerprint.
-    Reused,
-    /// The first request is still being forwarded, for up to this long.
-    InFlight {
-        for_ms: u64,
-    },
-    /// The first request may have reached the upstream, but no answer was
-    /// stored (or its gateway ran out of time).
-    Unknown,
-    Done(StoredAnswer),
-}
-
-/// A record as read: what it says, and how long it lives.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Read {
-    pub found: Found,
-    /// From the statement's start on the store's clock until the record
-    /// expires (zero when absent).
-    pub expires_in: Duration,
-    /// The record's attempt (none when absent): whether it is the record of
-    /// a request its gateway never sent and is forgetting
-    /// (`idempotency::Forgets`), whatever it says.
-    pub attempt: Option<i64>,
-}
-
-/// The in-flight record a first use writes before it is forwarded.
-#[derive(Debug, Clone, Copy)]
-pub struct Begin<'a> {
-    pub id: RecordId<'a>,
-    pub fingerprint: &'a [u8],
-    /// A random number identifying this attempt (see the module docs).
-    pub attempt: i64,
-    /// The record's time in flight: the latest its gateway may still store
-    /// the answer, from when the record is written.
-    pub in_flight: std::time::Duration,
-    /// `idempotency_ttl_s`, from when the record is written; the record
-    /// lives at least as long as it is in flight.
-    pub ttl: std::time::Duration,
-}
-
-const PG_LOOKUP: &str = "\
-SELECT fingerprint, state, in_flight_until > now(),
-       GREATEST(0, EXTRACT(EPOCH FROM (in_flight_until - now())) * 1000)::bigint,
-       GREATEST(0, EXTRACT(EPOCH FROM (expires_at - now())) * 1000)::bigint,
-       status, headers, body, attempt
-  FROM idempotency
- WHERE route = $1 AND method = $2 AND idem_key = $3 AND expires_at > now()";
-
-#[rustfmt::skip]
-const SQLITE_LOOKUP: &str = concat!("\
-SELECT fingerprint, state, in_flight_until > ", sqlite_now_ms!(), ",
-       MAX(0, in_flight_until - ", sqlite_now_ms!(), "),
-       MAX(0, expires_at - ", sqlite_now_ms!(), "),
-       status, headers, body, attempt
-  FROM idempotency
- WHERE route = ?1 AND method = ?2 AND idem_key = ?3 AND expires_at > ", sqlite_now_ms!());
-
-/// Writes a new in-flight record, or takes over an expired one; a live
-/// record of the same key (a concurrent duplicate won) is left alone and no
-/// row comes back. It expires at the later of its TTL and its time in
-/// flight. (Shared mode writes it in `fencegate_enter_keyed` instead, with
-/// the fence's in-flight marker: migrations/postgres/0009.)
-const PG_BEGIN: &str = "\
-INSERT INTO idempotency AS i
-       (route, method, idem_key, fingerprint, state, in_flight_until, expires_at, attempt)
-VALUES ($1, $2, $3, $4, 'in_flight', now() + $5 * interval '1 millisecond',
-        now() + GREATEST($5, $6) * interval '1 millisecond', $7)
-ON CONFLICT (route, method, idem_key) DO UPDATE
-   SET fingerprint = EXCLUDED.fingerprint, state = 'in_flight',
-       in_flight_until = EXCLUDED.in_flight_until, expires_at = EXCLUDED.expires_at,
-       attempt = EXCLUDED.attempt, status = NULL, headers = NULL, body = NULL
- WHERE i.expires_at <= now()
-RETURNING 1";
-
-#[rustfmt::skip]
-const SQLITE_BEGIN: &str = concat!("\
-INSERT INTO idempotency
-       (route, method, idem_key, fingerprint, state, in_flight_until, expires_at, attempt)
-VALUES (?1, ?2, ?3, ?4, 'in_flight', ", sqlite_now_ms!(), " + ?5, ", sqlite_now_ms!(), " + MAX(?5, ?6), ?7)
-ON CONFLICT (route, method, idem_key) DO UPDATE
-   SET fingerprint = excluded.fingerprint, state = 'in_flight',
-       in_flight_until = excluded.in_flight_until, expires_at = excluded.expires_at,
-       attempt = excluded.attempt, status = NULL, headers = NULL, body = NULL
- WHERE idempotency.expires_at <= ", sqlite_now_ms!(), "
-RETURNING 1");
+use super::records::*;
+use super::StoreError;
 
 /// The text of [`PG_RECORDS_BATCH`] (`decide`) and
 /// [`PG_RECORDS_ONLY_BATCH`] (`plain`): one statement, with or without its
@@ -319,7 +191,7 @@ const PG_RECORDS_ONLY_BATCH: &str = records_batch!(plain);
 /// Answers larger than this (body and encoded headers) are stored by a
 /// statement of their own, not in a batch: a batch of records then stays
 /// within `batch::MAX_BATCH` times this.
-const BATCHED_ANSWER_BYTES: usize = 64 * 1024;
+pub(super) const BATCHED_ANSWER_BYTES: usize = 64 * 1024;
 
 /// An in-flight record, owned, as a batch carries it.
 pub(super) struct BeginItem {
@@ -359,13 +231,13 @@ type Written<'a> = (&'a str, &'a str, &'a str, i64);
 
 /// An answer to store, owned, as a batch carries it.
 pub(super) struct CompleteItem {
-    route: String,
-    method: String,
-    key: String,
-    attempt: i64,
-    status: i32,
-    headers: Vec<u8>,
-    body: Bytes,
+    pub(super) route: String,
+    pub(super) method: String,
+    pub(super) key: String,
+    pub(super) attempt: i64,
+    pub(super) status: i32,
+    pub(super) headers: Vec<u8>,
+    pub(super) body: Bytes,
 }
 
 impl CompleteItem {
@@ -381,9 +253,9 @@ impl CompleteItem {
 /// A fence decision with the in-flight record of its first use, owned, as
 /// a batch carries it.
 pub(super) struct DecideItem {
-    key: String,
-    token: i64,
-    begin: BeginItem,
+    pub(super) key: String,
+    pub(super) token: i64,
+    pub(super) begin: BeginItem,
 }
 
 /// A write to a record, as single mode's batches of records carry it.
@@ -408,10 +280,10 @@ pub(super) enum RecordWrite {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Recorded {
     /// The in-flight record was written, or the answer stored.
-    written: bool,
+    pub(super) written: bool,
     /// A decision's key's highest token after the batch; `None` for the
     /// other writes, and for a decision whose key's answer the batch lost.
-    highest: Option<i64>,
+    pub(super) highest: Option<i64>,
 }
 
 /// A first use's decision as the store made it ([`FenceStore::record_keyed`]).
@@ -732,351 +604,4 @@ pub(super) async fn sqlite_records_batch(
     }
     tx.commit().await?;
     Ok(recorded(&items, written, &highest))
-}
-
-const PG_COMPLETE: &str = "\
-UPDATE idempotency SET state = 'done', status = $5, headers = $6, body = $7
- WHERE route = $1 AND method = $2 AND idem_key = $3 AND attempt = $4 AND state = 'in_flight'";
-
-const SQLITE_COMPLETE: &str = "\
-UPDATE idempotency SET state = 'done', status = ?5, headers = ?6, body = ?7
- WHERE route = ?1 AND method = ?2 AND idem_key = ?3 AND attempt = ?4 AND state = 'in_flight'
-RETURNING 1";
-
-/// Rows deleted per purge statement: small, so no purge holds locks long.
-pub const PURGE_BATCH: i64 = 500;
-
-/// One purge batch on Postgres, one short transaction: expired rows are
-/// locked `SKIP LOCKED`, so instances purging at the same time take
-/// disjoint batches instead of queueing behind each other, and a row that a
-/// request is taking over at that moment is left to it (it will not be
-/// expired once that commits). The rows stay locked from the sub-select to
-/// the delete, so their `ctid`s cannot change in between.
-const PG_PURGE: &str = "\
-DELETE FROM idempotency WHERE ctid = ANY(ARRAY(
-    SELECT ctid FROM idempotency WHERE expires_at <= now()
-     LIMIT $1 FOR UPDATE SKIP LOCKED))";
-
-/// SQLite has one writer (this instance), so a batch only competes with
-/// this instance's own writes: it holds the write lock for at most
-/// [`PURGE_BATCH`] rows.
-#[rustfmt::skip]
-const SQLITE_PURGE: &str = concat!("\
-DELETE FROM idempotency WHERE rowid IN (
-    SELECT rowid FROM idempotency WHERE expires_at <= ", sqlite_now_ms!(), " LIMIT ?1)");
-
-type Row = (
-    Vec<u8>,
-    String,
-    bool,
-    i64,
-    i64,
-    Option<i32>,
-    Option<Vec<u8>>,
-    Option<Vec<u8>>,
-    i64,
-);
-
-impl FenceStore {
-    /// The record of `id`, judged against the request's `fingerprint`.
-    pub async fn idem_lookup(
-        &self,
-        id: RecordId<'_>,
-        fingerprint: &[u8],
-    ) -> Result<Found, StoreError> {
-        Ok(self.idem_read(id, fingerprint).await?.found)
-    }
-
-    /// [`FenceStore::idem_lookup`], with how long the record lives.
-    pub async fn idem_read(
-        &self,
-        id: RecordId<'_>,
-        fingerprint: &[u8],
-    ) -> Result<Read, StoreError> {
-        let timeout = self.timeout();
-        let row: Option<Row> = bounded(timeout, StoreError::Timeout, async {
-            Ok(on_backend!(
-                self,
-                (PG_LOOKUP, SQLITE_LOOKUP),
-                |pool, sql| {
-                    sqlx::query_as(sql)
-                        .bind(id.route)
-                        .bind(id.method)
-                        .bind(id.key)
-                        .fetch_optional(pool)
-                        .await?
-                }
-            ))
-        })
-        .await?;
-        let Some((fp, state, live, left_ms, expires_ms, status, headers, body, attempt)) = row
-        else {
-            return Ok(Read {
-                found: Found::Absent,
-                expires_in: Duration::ZERO,
-                attempt: None,
-            });
-        };
-        let expires_in = Duration::from_millis(expires_ms.max(0) as u64);
-        let attempt = Some(attempt);
-        if fp != fingerprint {
-            return Ok(Read {
-                found: Found::Reused,
-                expires_in,
-                attempt,
-            });
-        }
-        let found = match state.as_str() {
-            "in_flight" if live => Found::InFlight {
-                for_ms: left_ms.max(0) as u64,
-            },
-            "done" => {
-                let headers =
-                    serde_json::from_slice(headers.as_deref().unwrap_or(b"[]")).map_err(|e| {
-                        StoreError::Other(format!("a stored answer's headers do not decode: {e}"))
-                    })?;
-                Found::Done(StoredAnswer {
-                    status: status.unwrap_or(500) as u16,
-                    headers,
-                    body: Bytes::from(body.unwrap_or_default()),
-                })
-            }
-            // 'unknown', or in flight past its gateway's time.
-            _ => Found::Unknown,
-        };
-        Ok(Read {
-            found,
-            expires_in,
-            attempt,
-        })
-    }
-
-    /// Single mode's batcher of idempotency records.
-    fn record_batcher(&self) -> Option<&RecordBatcher> {
-        match self {
-            FenceStore::Postgres(s) => s.record_batcher(),
-            FenceStore::Sqlite(s) => Some(s.record_batcher()),
-        }
-    }
-
-    /// A batcher's error, explained by what the store's connections learned
-    /// (see `PgStore::explain`).
-    fn explain(&self, e: StoreError) -> StoreError {
-        match self {
-            FenceStore::Postgres(s) => s.explain(e),
-            FenceStore::Sqlite(_) => e,
-        }
-    }
-
-    /// Single mode: [`FenceStore::record`] for the first use of an
-    /// `Idempotency-Key`, with its in-flight record, in a batch of records:
-    /// one transaction and commit for the decision and the record, which
-    /// is written only if the token is accepted. `written` is false when
-    /// the token was refused or a live record of the key exists (a
-    /// concurrent duplicate got there first): the caller must not forward.
-    /// Both answers are durable.
-    pub async fn record_keyed(
-        &self,
-        key: &str,
-        token: i64,
-        record: &Begin<'_>,
-    ) -> Result<Decided, StoreError> {
-        self.check_writer()?;
-        let Some(b) = self.record_batcher() else {
-            return Err(StoreError::Other(
-                "record_keyed is for single mode; shared mode decides in enter".into(),
-            ));
-        };
-        let item = DecideItem {
-            key: key.to_string(),
-            token,
-            begin: BeginItem::of(record),
-        };
-        let done = b
-            .submit(RecordWrite::Decide(item))
-            .await
-            .map_err(|e| self.explain(e))?;
-        let highest = done
-            .highest
-            .ok_or_else(|| StoreError::Other("a batch lost a key's answer".into()))?;
-        Ok(Decided {
-            highest,
-            written: done.written,
-        })
-    }
-
-    /// Writes the in-flight record of `begin` before its request is
-    /// forwarded (group-committed in single mode: see the module docs).
-    /// False when a live record exists already (a concurrent duplicate got
-    /// there first): the caller must not forward. True only once the
-    /// record is durable.
-    pub async fn idem_begin(&self, begin: &Begin<'_>) -> Result<bool, StoreError> {
-        self.check_writer()?;
-        if let Some(b) = self.record_batcher() {
-            return b
-                .submit(RecordWrite::Begin(BeginItem::of(begin)))
-                .await
-                .map(|r| r.written)
-                .map_err(|e| self.explain(e));
-        }
-        let timeout = self.timeout();
-        let in_flight_ms = begin.in_flight.as_millis() as i64;
-        let ttl_ms = begin.ttl.as_millis() as i64;
-        let id = begin.id;
-        bounded(timeout, StoreError::Timeout, async {
-            let rows: Vec<(i32,)> = on_backend!(self, (PG_BEGIN, SQLITE_BEGIN), |pool, sql| {
-                sqlx::query_as(sql)
-                    .bind(id.route)
-                    .bind(id.method)
-                    .bind(id.key)
-                    .bind(begin.fingerprint)
-                    .bind(in_flight_ms)
-                    .bind(ttl_ms)
-                    .bind(begin.attempt)
-                    .fetch_all(pool)
-                    .await?
-            });
-            Ok(!rows.is_empty())
-        })
-        .await
-    }
-
-    /// Stores the upstream's answer in `attempt`'s record: from now on
-    /// duplicates replay it (group-committed in single mode, but for large
-    /// answers: see the module docs). True once the answer is durable in
-    /// the record; false when the record is no longer `attempt`'s in
-    /// flight (this gateway stalled past its time), and nothing changed.
-    pub async fn idem_complete(
-        &self,
-        id: RecordId<'_>,
-        attempt: i64,
-        answer: &StoredAnswer,
-    ) -> Result<bool, StoreError> {
-        let headers = serde_json::to_vec(&answer.headers)
-            .map_err(|e| StoreError::Other(format!("cannot encode an answer's headers: {e}")))?;
-        if let Some(b) = self.record_batcher() {
-            if headers.len() + answer.body.len() <= BATCHED_ANSWER_BYTES {
-                self.check_writer()?;
-                let item = CompleteItem {
-                    route: id.route.to_string(),
-                    method: id.method.to_string(),
-                    key: id.key.to_string(),
-                    attempt,
-                    status: answer.status as i32,
-                    headers,
-                    body: answer.body.clone(),
-                };
-                return b
-                    .submit(RecordWrite::Complete(item))
-                    .await
-                    .map(|r| r.written)
-                    .map_err(|e| self.explain(e));
-            }
-        }
-        let changed = self
-            .idem_set(
-                id,
-                attempt,
-                PG_COMPLETE,
-                SQLITE_COMPLETE,
-                Some((answer.status as i32, headers, answer.body.clone())),
-            )
-            .await?;
-        Ok(changed > 0)
-    }
-
-    /// The request may have reached the upstream, but no answer is stored:
-    /// duplicates are told so, and never forwarded.
-    pub async fn idem_unknown(&self, id: RecordId<'_>, attempt: i64) -> Result<(), StoreError> {
-        self.idem_set(
-            id,
-            attempt,
-            "UPDATE idempotency SET state = 'unknown' \
-             WHERE route = $1 AND method = $2 AND idem_key = $3 AND attempt = $4 \
-               AND state = 'in_flight'",
-            "UPDATE idempotency SET state = 'unknown' \
-             WHERE route = ?1 AND method = ?2 AND idem_key = ?3 AND attempt = ?4 \
-               AND state = 'in_flight' RETURNING 1",
-            None,
-        )
-        .await
-        .map(drop)
-    }
-
-    /// Nothing of the request was sent: the key may be used again.
-    pub async fn idem_forget(&self, id: RecordId<'_>, attempt: i64) -> Result<(), StoreError> {
-        self.idem_set(
-            id,
-            attempt,
-            "DELETE FROM idempotency \
-             WHERE route = $1 AND method = $2 AND idem_key = $3 AND attempt = $4 \
-               AND state = 'in_flight'",
-            "DELETE FROM idempotency \
-             WHERE route = ?1 AND method = ?2 AND idem_key = ?3 AND attempt = ?4 \
-               AND state = 'in_flight' RETURNING 1",
-            None,
-        )
-        .await
-        .map(drop)
-    }
-
-    /// One statement on `attempt`'s record of `id`; answers the rows it
-    /// changed (the SQLite statement returns one row per row changed).
-    async fn idem_set(
-        &self,
-        id: RecordId<'_>,
-        attempt: i64,
-        pg: &'static str,
-        sqlite: &'static str,
-        answer: Option<(i32, Vec<u8>, Bytes)>,
-    ) -> Result<u64, StoreError> {
-        self.check_writer()?;
-        let timeout = self.timeout();
-        bounded(timeout, StoreError::Timeout, async {
-            Ok(on_backend!(
-                self,
-                ((pg, false), (sqlite, true)),
-                |pool, (sql, lite)| {
-                    let mut q = sqlx::query(sql)
-                        .bind(id.route)
-                        .bind(id.method)
-                        .bind(id.key)
-                        .bind(attempt);
-                    if let Some((status, headers, body)) = answer {
-                        q = q.bind(status).bind(headers).bind(body.to_vec());
-                    }
-                    if lite {
-                        // fetch_all: see the module docs of `store::sqlite`.
-                        q.fetch_all(pool).await?.len() as u64
-                    } else {
-                        q.execute(pool).await?.rows_affected()
-                    }
-                }
-            ))
-        })
-        .await
-    }
-
-    /// Deletes up to [`PURGE_BATCH`] expired records; answers how many.
-    pub async fn idem_purge(&self) -> Result<u64, StoreError> {
-        // Single mode on Postgres without the single-writer lock (a
-        // failover): another instance may be the writer now.
-        self.check_writer()?;
-        let timeout = self.timeout();
-        bounded(timeout, StoreError::Timeout, async {
-            Ok(match self {
-                FenceStore::Postgres(s) => sqlx::query(PG_PURGE)
-                    .bind(PURGE_BATCH)
-                    .execute(s.pool())
-                    .await?
-                    .rows_affected(),
-                FenceStore::Sqlite(s) => sqlx::query(SQLITE_PURGE)
-                    .bind(PURGE_BATCH)
-                    .execute(s.pool())
-                    .await?
-                    .rows_affected(),
-            })
-        })
-        .await
-    }
 }
