@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion};
 use fencegate::fencing::jwt::{JwtKeys, KeySettings, TokensSettings};
-use fencegate::fencing::routing::{KeyError, KeySource, KeyTemplate, PathPattern};
+use fencegate::fencing::routing::{KeyPartError, KeySource, KeyTemplate, PathPattern};
 
 fn fixture(name: &str) -> std::path::PathBuf {
     std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -37,7 +37,7 @@ fn match_and_render(
     pattern: &PathPattern,
     key: &KeyTemplate,
     path: &str,
-) -> Result<String, KeyError> {
+) -> Result<String, KeyPartError> {
     let caps = pattern.matches(black_box(path)).unwrap().unwrap();
     key.render(&KeySource {
         captures: &caps,

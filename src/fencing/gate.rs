@@ -557,7 +557,7 @@ impl Ticket {
     /// token is refused there, an equal one runs alongside, and a higher
     /// one makes this one stale. (A later arrival can overtake it on the
     /// way to the store, rarely: on the way to the batcher, or in a batch
-    /// of another kind, as a keyed first use's decision goes into a batch
+    /// of another kind, as a first use of an Idempotency-Key's decision goes into a batch
     /// of records and a plain write's into a fence batch; then it waits as
     /// usual.) A hint for planning, never something the ordering relies
     /// on.

@@ -18,7 +18,7 @@
 //! one is refused rather than fenced under a key that may not be the
 //! resource the upstream writes. Key parts read from the query or a header
 //! are refused on the same grounds when missing, repeated or ambiguous
-//! ([`KeyError`]).
+//! ([`KeyPartError`]).
 
 use std::borrow::Cow;
 use std::collections::BTreeSet;
@@ -74,7 +74,7 @@ pub struct KeySource<'a> {
 
 /// Why a key part from the query or a header cannot name one resource.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum KeyError {
+pub enum KeyPartError {
     #[error("the key needs {0}, which the request does not carry (or carries empty)")]
     Missing(String),
     #[error("{0} is sent more than once; back ends disagree on which one counts")]
@@ -267,7 +267,7 @@ impl KeyTemplate {
                         let header = HeaderName::from_bytes(h.as_bytes())
                             .map_err(|_| format!("'{{{name}}}' names no valid header"))?;
                         // A fenced write with such a name is refused (see
-                        // `gateway::check_headers`): no write could be keyed.
+                        // `gateway::check_headers`): no write could carry an Idempotency-Key.
                         if h.contains('_') {
                             return Err(format!(
                                 "'{{{name}}}' names a header with '_', which fenced writes may not carry (CGI, WSGI and Rack read '_' and '-' as one): use '-'"
@@ -321,7 +321,7 @@ impl KeyTemplate {
     }
 
     /// Renders the resource key of a request.
-    pub fn render(&self, src: &KeySource<'_>) -> Result<String, KeyError> {
+    pub fn render(&self, src: &KeySource<'_>) -> Result<String, KeyPartError> {
         let mut out = String::new();
         for part in &self.parts {
             match part {
@@ -346,11 +346,11 @@ impl KeyTemplate {
 /// is refused (old frameworks split parameters on it), and so is a raw `+`
 /// in the value (a space to form decoders, a plus to others): either could
 /// make the upstream read another value than the key holds.
-fn query_part(query: Option<&str>, name: &str) -> Result<String, KeyError> {
+fn query_part(query: Option<&str>, name: &str) -> Result<String, KeyPartError> {
     let what = || format!("query parameter '{name}'");
     let query = query.unwrap_or_default();
     if query.contains(';') {
-        return Err(KeyError::Ambiguous(
+        return Err(KeyPartError::Ambiguous(
             "the query string".into(),
             "has a ';', which some back ends read as a parameter separator",
         ));
@@ -359,25 +359,26 @@ fn query_part(query: Option<&str>, name: &str) -> Result<String, KeyError> {
     for pair in query.split('&') {
         let (raw_name, raw_value) = pair.split_once('=').unwrap_or((pair, ""));
         let decoded = strict_decode(raw_name).ok_or_else(|| {
-            KeyError::Ambiguous("a query parameter name".into(), MALFORMED_ESCAPE)
+            KeyPartError::Ambiguous("a query parameter name".into(), MALFORMED_ESCAPE)
         })?;
         if decoded != name {
             continue;
         }
         if found.replace(raw_value).is_some() {
-            return Err(KeyError::Repeated(what()));
+            return Err(KeyPartError::Repeated(what()));
         }
     }
-    let raw = found.ok_or_else(|| KeyError::Missing(what()))?;
+    let raw = found.ok_or_else(|| KeyPartError::Missing(what()))?;
     if raw.contains('+') {
-        return Err(KeyError::Ambiguous(
+        return Err(KeyPartError::Ambiguous(
             what(),
             "has a raw '+', a space to some back ends and a plus to others; send %20 or %2B",
         ));
     }
-    let value = strict_decode(raw).ok_or_else(|| KeyError::Ambiguous(what(), MALFORMED_ESCAPE))?;
+    let value =
+        strict_decode(raw).ok_or_else(|| KeyPartError::Ambiguous(what(), MALFORMED_ESCAPE))?;
     if value.is_empty() {
-        return Err(KeyError::Missing(what()));
+        return Err(KeyPartError::Missing(what()));
     }
     Ok(value.into_owned())
 }
@@ -387,21 +388,21 @@ const MALFORMED_ESCAPE: &str =
 
 /// The one value of header `name`. A comma makes it a list, whose members
 /// back ends pick differently.
-fn header_part<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Result<&'a str, KeyError> {
+fn header_part<'a>(headers: &'a HeaderMap, name: &HeaderName) -> Result<&'a str, KeyPartError> {
     let what = || format!("header '{name}'");
     let mut values = headers.get_all(name).iter();
-    let value = values.next().ok_or_else(|| KeyError::Missing(what()))?;
+    let value = values.next().ok_or_else(|| KeyPartError::Missing(what()))?;
     if values.next().is_some() {
-        return Err(KeyError::Repeated(what()));
+        return Err(KeyPartError::Repeated(what()));
     }
     let value = value
         .to_str()
-        .map_err(|_| KeyError::Ambiguous(what(), "is not visible ASCII"))?;
+        .map_err(|_| KeyPartError::Ambiguous(what(), "is not visible ASCII"))?;
     if value.contains(',') {
-        return Err(KeyError::Ambiguous(what(), "is a list (it has a ',')"));
+        return Err(KeyPartError::Ambiguous(what(), "is a list (it has a ',')"));
     }
     if value.is_empty() {
-        return Err(KeyError::Missing(what()));
+        return Err(KeyPartError::Missing(what()));
     }
     Ok(value)
 }
@@ -514,7 +515,7 @@ mod tests {
         captures: &Captures,
         query: Option<&str>,
         headers: &[(&str, &str)],
-    ) -> Result<String, KeyError> {
+    ) -> Result<String, KeyPartError> {
         let mut h = HeaderMap::new();
         for (n, v) in headers {
             h.append(
@@ -581,7 +582,7 @@ mod tests {
         // Names are compared decoded, so a re-encoded name is a repeat.
         assert!(matches!(
             render(&k, &caps, Some("tenant=a&ten%61nt=b"), &region),
-            Err(KeyError::Repeated(_))
+            Err(KeyPartError::Repeated(_))
         ));
         for (query, headers) in [
             (Some("tenant=a;tenant=b"), &region[..]),
@@ -592,7 +593,7 @@ mod tests {
             assert!(
                 matches!(
                     render(&k, &caps, query, headers),
-                    Err(KeyError::Ambiguous(..))
+                    Err(KeyPartError::Ambiguous(..))
                 ),
                 "{query:?} {headers:?}"
             );
@@ -603,7 +604,10 @@ mod tests {
             (Some("tenant=a"), &[][..]),
         ] {
             assert!(
-                matches!(render(&k, &caps, query, headers), Err(KeyError::Missing(_))),
+                matches!(
+                    render(&k, &caps, query, headers),
+                    Err(KeyPartError::Missing(_))
+                ),
                 "{query:?} {headers:?}"
             );
         }
@@ -614,7 +618,7 @@ mod tests {
                 Some("tenant=a"),
                 &[("x-region", "eu"), ("x-region", "us")]
             ),
-            Err(KeyError::Repeated(_))
+            Err(KeyPartError::Repeated(_))
         ));
         let lower = KeyTemplate::parse("Doc:{id}", &p).unwrap().lower_cased();
         let caps = p.matches("/docs/AbC").unwrap().unwrap();

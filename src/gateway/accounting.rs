@@ -26,7 +26,7 @@ pub(super) struct Summary<'a> {
     pub(super) fenced: bool,
     pub(super) forwarded: bool,
     /// A fenced write with an `Idempotency-Key`.
-    pub(super) keyed: bool,
+    pub(super) with_idempotency_key: bool,
     pub(super) method: &'a Method,
     /// The path, when a refusal is about its spelling.
     pub(super) path: Option<&'a str>,
@@ -69,7 +69,7 @@ pub(super) fn account(
         route,
         fenced,
         forwarded,
-        keyed,
+        with_idempotency_key,
         method,
         path,
     } = summary;
@@ -82,7 +82,7 @@ pub(super) fn account(
                 Ok(_) => Some(Outcome::Replayed),
                 Err(e) => refusal_outcome(e),
             };
-            if keyed {
+            if with_idempotency_key {
                 let idem = match result {
                     _ if forwarded => Some(IdempotencyOutcome::First),
                     Ok(_) => Some(IdempotencyOutcome::Replayed),
@@ -207,7 +207,7 @@ pub(super) fn refusal_outcome(e: &GatewayError) -> Option<Outcome> {
 pub(super) struct PendingAccount {
     pub(super) route: Arc<GatedRoute>,
     pub(super) method: Method,
-    pub(super) keyed: bool,
+    pub(super) with_idempotency_key: bool,
     pub(super) access: Option<Access>,
 }
 
@@ -217,7 +217,7 @@ impl PendingAccount {
             route: Some(&self.route),
             fenced: true,
             forwarded,
-            keyed: self.keyed,
+            with_idempotency_key: self.with_idempotency_key,
             method: &self.method,
             path: None,
         };

@@ -43,7 +43,7 @@ pub enum ClientError {
     /// A fenced write whose key part from the query or a header is missing,
     /// repeated or ambiguous.
     #[error(transparent)]
-    AmbiguousKey(#[from] crate::fencing::routing::KeyError),
+    AmbiguousKey(#[from] crate::fencing::routing::KeyPartError),
     /// `allow`: the route's methods, for the answer's `Allow`.
     #[error("method {method} is not allowed on route {route}")]
     MethodNotAllowed {
@@ -76,7 +76,7 @@ pub enum ClientError {
     BodyTooLarge { limit: u64 },
     /// A missing or malformed `Idempotency-Key`.
     #[error(transparent)]
-    IdempotencyKey(#[from] crate::idempotency::KeyError),
+    IdempotencyKey(#[from] crate::idempotency::IdempotencyKeyError),
     /// The same `Idempotency-Key` with another request.
     #[error("the idempotency key was used with another request")]
     IdempotencyReused,
@@ -497,7 +497,7 @@ impl GatewayError {
                 C::BadRequest(why) => {
                     Problem::new(status, "bad-request", "Bad request", *why)
                 }
-                C::IdempotencyKey(e @ crate::idempotency::KeyError::Missing) => Problem::new(
+                C::IdempotencyKey(e @ crate::idempotency::IdempotencyKeyError::Missing) => Problem::new(
                     status,
                     "idempotency-key-missing",
                     "Idempotency-Key required",

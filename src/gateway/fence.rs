@@ -49,7 +49,7 @@ impl Admission {
 
 /// A fenced write that is the first use of an `Idempotency-Key`, decided
 /// together with its in-flight record.
-pub enum Keyed {
+pub enum RecordCheck {
     /// Admitted, and the in-flight record written: it stays in flight (so
     /// no duplicate is forwarded) until at least `record_until`, a local
     /// lower bound of the record's `in_flight_until`.
@@ -128,11 +128,11 @@ impl Fence {
         self.quarantine_until.is_some_and(|u| Instant::now() < u)
     }
 
-    /// Whether a keyed decision (a first use of an `Idempotency-Key`) uses
+    /// Whether a decision with an idempotency record (a first use of an `Idempotency-Key`) uses
     /// store connections directly from the calling task (shared mode's
     /// `fencegate_enter_keyed`), rather than only through a batcher's
     /// channel. Every other decision goes through a channel in both modes.
-    pub fn keyed_talks_to_store(&self) -> bool {
+    pub fn record_check_talks_to_store(&self) -> bool {
         self.store.is_shared()
     }
 
@@ -244,9 +244,9 @@ impl Fence {
     /// twice.
     ///
     /// The record is written only if the fence accepts the token, so a
-    /// refusal of the fence (`Keyed::Refused`) leaves no record: a stale
+    /// refusal of the fence (`RecordCheck::Refused`) leaves no record: a stale
     /// first use is not recorded. The record's insert is also what finds an
-    /// existing record (`Keyed::Duplicate`): a first use costs no separate
+    /// existing record (`RecordCheck::Duplicate`): a first use costs no separate
     /// lookup. A record is written with the decision only when no other
     /// write is on the key, so that no wait at the gate comes between the
     /// record and its forward and eats into its time in flight; otherwise
@@ -257,7 +257,7 @@ impl Fence {
     /// the write after the store wrote it, or a statement or batch timed
     /// out and commits later): the caller forgets it, and where that comes
     /// too late, duplicates hear "outcome unknown", the safe side.
-    pub async fn check_keyed(
+    pub async fn check_with_record(
         &self,
         key: &str,
         mut arrival: Arrival,
@@ -265,11 +265,11 @@ impl Fence {
         hold: Duration,
         issued_only: bool,
         record: &Begin<'_>,
-    ) -> Result<Keyed, GatewayError> {
+    ) -> Result<RecordCheck, GatewayError> {
         if issued_only {
             arrival = match self.check_issued(key, arrival, token).await {
                 Ok(a) => a,
-                Err(e) => return Ok(Keyed::Refused(e)),
+                Err(e) => return Ok(RecordCheck::Refused(e)),
             };
         }
         if let FenceStore::Postgres(pg) = &self.store {
@@ -281,21 +281,21 @@ impl Fence {
                     Ok(c) => c,
                     // The statement refused the write, or never ran it
                     // (lock_timeout aborts it): no record.
-                    Err(Shared::Refused(e)) => return Ok(Keyed::Refused(e)),
+                    Err(Shared::Refused(e)) => return Ok(RecordCheck::Refused(e)),
                     Err(Shared::Failed(e)) => return Err(e),
                 };
                 return Ok(match checked {
-                    Some((admission, entered_at)) => Keyed::Admitted {
+                    Some((admission, entered_at)) => RecordCheck::Admitted {
                         admission,
                         // The record is written after the marker, in the
                         // same statement.
                         record_until: entered_at + record.in_flight,
                     },
-                    None => Keyed::Duplicate,
+                    None => RecordCheck::Duplicate,
                 });
             }
         }
-        let admitted = |permit, sent_at: Instant, in_flight| Keyed::Admitted {
+        let admitted = |permit, sent_at: Instant, in_flight| RecordCheck::Admitted {
             admission: Admission {
                 _permit: permit,
                 in_flight: None,
@@ -315,14 +315,14 @@ impl Fence {
                 // into its time in flight.
                 let permit = match self.check_single(key, arrival, token).await {
                     Ok(p) => p,
-                    Err(e) => return Ok(Keyed::Refused(e)),
+                    Err(e) => return Ok(RecordCheck::Refused(e)),
                 };
                 let sent_at = Instant::now();
                 // The record's time counts from the statement's start on
                 // the store's clock, after this.
                 if !self.store.idem_begin(record).await? {
                     // Nothing was forwarded: the permit goes with it.
-                    return Ok(Keyed::Duplicate);
+                    return Ok(RecordCheck::Duplicate);
                 }
                 return Ok(admitted(permit, sent_at, record.in_flight));
             }
@@ -334,17 +334,17 @@ impl Fence {
         // wait too long for the record's time in flight ends before the
         // forward (`decision-late`), never past the record.
         let sent_at = Instant::now();
-        let answer = self.store.record_keyed(key, token, record).await;
+        let answer = self.store.decide_with_record(key, token, record).await;
         ticket.settle(answer.as_ref().ok().map(|d| d.highest));
         // An error leaves the outcome unknown, the record's too: the caller
         // forgets it.
         let decided = answer?;
         if let Err(e) = accepted(key, token, decided.highest) {
             // A record is written only with an accepted token.
-            return Ok(Keyed::Refused(e));
+            return Ok(RecordCheck::Refused(e));
         }
         if !decided.written {
-            return Ok(Keyed::Duplicate);
+            return Ok(RecordCheck::Duplicate);
         }
         // From here the record is written: a refusal leaves it to be
         // forgotten (an error, not `Refused`).

@@ -27,7 +27,7 @@ pub(super) struct FencedWrite {
     pub(super) route: Arc<GatedRoute>,
     pub(super) key: String,
     pub(super) token: i64,
-    /// The key's ticket from the memory-only step; `None` for a keyed write
+    /// The key's ticket from the memory-only step; `None` for a write with an Idempotency-Key
     /// until memory has no answer for its key.
     pub(super) arrival: Option<Arrival>,
     /// The `Idempotency-Key`, on routes that use them.
@@ -45,7 +45,7 @@ impl FencedWrite {
     /// in either mode: its decision reaches the store only through a
     /// batcher's channel (single mode's fence batches, shared mode's
     /// admissions and leaves), whose answers come back to this worker, and
-    /// its forward uses this worker's upstream connections. A keyed write
+    /// its forward uses this worker's upstream connections. A write with an Idempotency-Key
     /// first asks memory for a completed record of its key
     /// ([`FencedWrite::ask_memory`]), on this worker: a replay from memory
     /// (or its 422) needs neither the store nor, in shared mode, a hop to
@@ -72,7 +72,7 @@ impl FencedWrite {
         )))
     }
 
-    /// Spawns a keyed write's task. Not part of `run`'s future on purpose:
+    /// Spawns a write with an Idempotency-Key's task. Not part of `run`'s future on purpose:
     /// the task's state would then count in the request's future too, which
     /// is moved into its box on every request.
     pub(super) fn start(
@@ -84,11 +84,11 @@ impl FencedWrite {
         answer: oneshot::Sender<Ended>,
     ) {
         // Where the store's part runs: in shared mode on the store's
-        // runtime (the keyed decision uses its connections directly), after
+        // runtime (the decision with its record uses its connections directly), after
         // the memory step, which runs here.
         let store_rt = state
             .fence
-            .keyed_talks_to_store()
+            .record_check_talks_to_store()
             .then(|| (*state.store_runtime).clone());
         let books = self.pending_account(access, true);
         let mut write = self;
@@ -116,13 +116,17 @@ impl FencedWrite {
     }
 
     /// What accounting needs of the write once its request is consumed.
-    /// `keyed`: the write came with an `Idempotency-Key` (which `run` has
+    /// `with_idempotency_key`: the write came with an `Idempotency-Key` (which `run` has
     /// taken out of it by then).
-    pub(super) fn pending_account(&self, access: Option<Access>, keyed: bool) -> PendingAccount {
+    pub(super) fn pending_account(
+        &self,
+        access: Option<Access>,
+        with_idempotency_key: bool,
+    ) -> PendingAccount {
         PendingAccount {
             route: self.route.clone(),
             method: self.req.method().clone(),
-            keyed,
+            with_idempotency_key,
             access,
         }
     }
@@ -138,8 +142,8 @@ impl FencedWrite {
 
     /// A write without an `Idempotency-Key`: check the fence, then forward
     /// while holding the key's admission. Answers whether the write was
-    /// forwarded, and the result. Its own future, apart from a keyed
-    /// write's: the write's task holds it, and moves it at its spawn and
+    /// forwarded, and the result. Its own future, apart from that of a
+    /// write with an Idempotency-Key: the write's task holds it, and moves it at its spawn and
     /// its end, so what the plain path does not need is not in it.
     pub(super) async fn decide_and_forward(
         mut self: Box<Self>,

@@ -13,7 +13,7 @@ use axum::response::Response;
 use super::accounting::Ended;
 use super::detach::ClientPresence;
 use super::error::{ClientError, GatewayError, UpstreamError};
-use super::fence::Keyed;
+use super::fence::RecordCheck;
 use super::fenced::FencedWrite;
 use super::forward::forward;
 use super::live::GatedRoute;
@@ -25,7 +25,7 @@ use crate::metrics::IdempotencyOutcome;
 use crate::store::{Begin, Found, RecordId, StoreError, StoredAnswer};
 
 impl FencedWrite {
-    /// Phase: idempotency key, from memory. Reads the body (keyed writes
+    /// Phase: idempotency key, from memory. Reads the body (writes with an Idempotency-Key
     /// are buffered: the fingerprint covers it), then asks the cache of
     /// completed records: a replay or a 422 ends here (`Err`), without the
     /// store; otherwise the write goes on as a first use, as far as memory
@@ -134,7 +134,7 @@ impl FencedWrite {
             let attempt: i64 = rand::random();
             // The record: written once the fence admits the write, in one
             // transaction with it where the store allows it (see
-            // `Fence::check_keyed`). Its insert is also the lookup: a live
+            // `Fence::check_with_record`). Its insert is also the lookup: a live
             // record of the key (a duplicate, or a replay memory did not
             // know) is found only then, and read.
             let begin = Begin {
@@ -148,7 +148,7 @@ impl FencedWrite {
             // lifetime, a local lower bound of its expiry.
             let begun = Instant::now();
             let lives = Duration::from_millis(begin.in_flight.max(begin.ttl).as_millis() as u64);
-            let check = Box::pin(state.fence.check_keyed(
+            let check = Box::pin(state.fence.check_with_record(
                 &self.key,
                 arrival,
                 self.token,
@@ -157,7 +157,7 @@ impl FencedWrite {
                 &begin,
             ));
             match check.await {
-                Ok(Keyed::Admitted {
+                Ok(RecordCheck::Admitted {
                     admission,
                     record_until,
                 }) => {
@@ -175,7 +175,7 @@ impl FencedWrite {
                 // is the key's first use, not "in progress" until the
                 // background forget lands. A store that cannot forget it
                 // now is 503 again.
-                Ok(Keyed::Duplicate) => {
+                Ok(RecordCheck::Duplicate) => {
                     match Box::pin(recorded(state, begin.id, &first.fingerprint)).await {
                         Ok(RecordSays::Ended(ended)) => return (false, ended),
                         Ok(RecordSays::Unsent(unsent)) if !took_back => {
@@ -206,13 +206,13 @@ impl FencedWrite {
                         Err(e) => return (false, Err(e)),
                     }
                 }
-                Ok(Keyed::Refused(e)) => {
+                Ok(RecordCheck::Refused(e)) => {
                     let record = (begin.id, first.fingerprint);
                     return (false, Box::pin(unless_recorded(state, record, e)).await);
                 }
                 Err(e) => {
                     // Nothing was forwarded; the record may have been
-                    // written all the same (see `check_keyed`).
+                    // written all the same (see `check_with_record`).
                     state.forgets.later(begin.id, attempt, begun + lives);
                     return (false, Err(e));
                 }
@@ -308,7 +308,7 @@ pub(super) async fn recorded(
     })
 }
 
-/// A keyed write refused before its record (its id and fingerprint) was
+/// A write with an Idempotency-Key refused before its record (its id and fingerprint) was
 /// written: the refusal stands only if the key has no live record, or only
 /// the record of a request this instance never sent. A record of an
 /// earlier request answers instead — a replay's token is stale once a

@@ -93,7 +93,7 @@ pub async fn respond(state: Arc<GatewayState>, req: Request<Body>, peer: Downstr
                 route: route.as_deref(),
                 fenced,
                 forwarded: false,
-                keyed: false,
+                with_idempotency_key: false,
                 method: &method,
                 path: path.as_deref(),
             };
@@ -107,7 +107,7 @@ pub async fn respond(state: Arc<GatewayState>, req: Request<Body>, peer: Downstr
                 route: Some(&route),
                 fenced: false,
                 forwarded: true,
-                keyed: false,
+                with_idempotency_key: false,
                 method: &method,
                 path: None,
             };

@@ -164,7 +164,7 @@ impl LimitedBody {
 }
 
 #[derive(Debug, thiserror::Error)]
-pub enum BodyError {
+pub enum LimitError {
     #[error("request body exceeds the configured limit")]
     TooLarge,
     #[error("client body error: {0}")]
@@ -175,23 +175,23 @@ pub enum BodyError {
 
 impl http_body::Body for LimitedBody {
     type Data = Bytes;
-    type Error = BodyError;
+    type Error = LimitError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, LimitError>>> {
         let mut this = self.project();
         match this.inner.as_mut().poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
                 if this.deadline.passed() {
-                    return Poll::Ready(Some(Err(BodyError::Deadline)));
+                    return Poll::Ready(Some(Err(LimitError::Deadline)));
                 }
                 if let Some(data) = frame.data_ref() {
                     let n = data.len() as u64;
                     if n > *this.remaining {
                         this.outcome.set(BodyOutcome::TOO_LARGE);
-                        return Poll::Ready(Some(Err(BodyError::TooLarge)));
+                        return Poll::Ready(Some(Err(LimitError::TooLarge)));
                     }
                     *this.remaining -= n;
                 }
@@ -199,12 +199,12 @@ impl http_body::Body for LimitedBody {
             }
             Poll::Ready(Some(Err(e))) => {
                 this.outcome.set(BodyOutcome::CLIENT_ERROR);
-                Poll::Ready(Some(Err(BodyError::Client(e))))
+                Poll::Ready(Some(Err(LimitError::Client(e))))
             }
             Poll::Ready(None) => Poll::Ready(None),
             Poll::Pending => {
                 ready!(this.deadline.poll(cx));
-                Poll::Ready(Some(Err(BodyError::Deadline)))
+                Poll::Ready(Some(Err(LimitError::Deadline)))
             }
         }
     }

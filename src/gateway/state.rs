@@ -32,7 +32,7 @@ pub struct GatewayState {
     /// read (see `idempotency::cache`).
     pub replays: Arc<idempotency::ReplayCache>,
     /// The runtime that owns the store's connections. Requests are served on
-    /// worker threads with runtimes of their own; a keyed first use in
+    /// worker threads with runtimes of their own; a first use of an Idempotency-Key in
     /// shared mode, whose statement uses the store's connections directly,
     /// runs its store part and forward here instead, and outlives the
     /// worker. Every other fenced write reaches the store only through a

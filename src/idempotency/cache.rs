@@ -131,7 +131,7 @@ impl Entries {
     }
 }
 
-/// What memory knows of a keyed write.
+/// What memory knows of a write with an Idempotency-Key.
 pub enum Cached {
     /// A completed record with the same fingerprint: its answer, replayed.
     Replay(Response),

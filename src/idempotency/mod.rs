@@ -45,7 +45,7 @@
 //! with other first uses' (see `store::idempotency` for the interleavings:
 //! a crash between statements, a batch that times out and commits later,
 //! two instances), and the fence decision is group-committed with other
-//! keys' (see `Fence::check_keyed` for what a crash between them leaves:
+//! keys' (see `Fence::check_with_record` for what a crash between them leaves:
 //! never a second forward). Then the forward, then the answer stored.
 //!
 //! A write refused before its record was written (a stale token, say) is
@@ -83,7 +83,7 @@ pub const REPLAYED: header::HeaderName = header::HeaderName::from_static("idempo
 
 /// Why an `Idempotency-Key` header is refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum KeyError {
+pub enum IdempotencyKeyError {
     #[error("this route requires an Idempotency-Key header on writes")]
     Missing,
     #[error("{0}")]
@@ -95,16 +95,16 @@ pub enum KeyError {
 pub fn key_of(
     headers: &HeaderMap,
     settings: &IdempotencySettings,
-) -> Result<Option<String>, KeyError> {
+) -> Result<Option<String>, IdempotencyKeyError> {
     let mut values = headers.get_all(IDEMPOTENCY_KEY).iter();
     let Some(value) = values.next() else {
         return match settings.required {
-            true => Err(KeyError::Missing),
+            true => Err(IdempotencyKeyError::Missing),
             false => Ok(None),
         };
     };
     if values.next().is_some() {
-        return Err(KeyError::Malformed("sent more than once"));
+        return Err(IdempotencyKeyError::Malformed("sent more than once"));
     }
     let raw = value.as_bytes();
     let key = if raw.first() == Some(&b'"') {
@@ -112,18 +112,22 @@ pub fn key_of(
         match sfv::Parser::parse_item(raw) {
             Ok(item) if item.params.is_empty() => match item.bare_item {
                 sfv::BareItem::String(s) => s.to_string(),
-                _ => return Err(KeyError::Malformed("is not a structured-field string")),
+                _ => {
+                    return Err(IdempotencyKeyError::Malformed(
+                        "is not a structured-field string",
+                    ))
+                }
             },
-            Ok(_) => return Err(KeyError::Malformed("has parameters")),
+            Ok(_) => return Err(IdempotencyKeyError::Malformed("has parameters")),
             Err(_) => {
-                return Err(KeyError::Malformed(
+                return Err(IdempotencyKeyError::Malformed(
                     "is not a valid structured-field string",
                 ))
             }
         }
     } else {
         if !raw.iter().all(|b| (0x21..=0x7e).contains(b)) {
-            return Err(KeyError::Malformed(
+            return Err(IdempotencyKeyError::Malformed(
                 "must be a quoted string or visible ASCII characters",
             ));
         }
@@ -131,7 +135,9 @@ pub fn key_of(
         String::from_utf8_lossy(raw).into_owned()
     };
     if key.is_empty() || key.len() > 255 {
-        return Err(KeyError::Malformed("must be 1 to 255 characters"));
+        return Err(IdempotencyKeyError::Malformed(
+            "must be 1 to 255 characters",
+        ));
     }
     Ok(Some(key))
 }
@@ -287,11 +293,14 @@ mod tests {
         assert_eq!(key_of(&HeaderMap::new(), &s), Ok(None));
         assert_eq!(
             key_of(&HeaderMap::new(), &settings(true)),
-            Err(KeyError::Missing)
+            Err(IdempotencyKeyError::Missing)
         );
         for bad in ["\"unterminated", "\"\"", "\"x\";a=1", "a b", "\"x\" y"] {
             assert!(
-                matches!(key_of(&with(bad), &s), Err(KeyError::Malformed(_))),
+                matches!(
+                    key_of(&with(bad), &s),
+                    Err(IdempotencyKeyError::Malformed(_))
+                ),
                 "{bad}"
             );
         }

@@ -100,7 +100,7 @@ pub struct InFlight {
     key: String,
     token: i64,
     /// A local lower bound of the moment the admitting statement wrote the
-    /// in-flight marker (and, for a keyed write, then its idempotency
+    /// in-flight marker (and, for a write with an Idempotency-Key, then its idempotency
     /// record).
     entered_at: Instant,
     /// A local lower bound of the end of the in-flight marker the admitting
@@ -146,7 +146,7 @@ impl Drop for InFlight {
 
 /// Shared mode's admissions on one instance.
 pub struct Admissions {
-    /// The connections that run the batches and keyed admissions
+    /// The connections that run the batches and admissions with a record
     /// (`key_lock_connections`); none is held while a write is in flight.
     pool: PgPool,
     /// Admissions and leaves of unkeyed writes, group-committed; every
@@ -236,7 +236,7 @@ impl Admissions {
         }
     }
 
-    /// One keyed admission, in a task of its own: if the requester goes
+    /// One admission with a record, in a task of its own: if the requester goes
     /// away meanwhile, the task still ends, and an admission nobody takes
     /// is dropped, which leaves.
     async fn enter_keyed(
@@ -268,8 +268,9 @@ impl Admissions {
             .await?;
             Ok(ruling(&leaves, key, token, hold, sent_at, row))
         });
-        task.await
-            .map_err(|e| StoreError::Other(format!("a keyed admission failed: {e}")))?
+        task.await.map_err(|e| {
+            StoreError::Other(format!("a with_idempotency_key admission failed: {e}"))
+        })?
     }
 }
 

@@ -286,7 +286,7 @@ pub(super) struct Recorded {
     pub(super) highest: Option<i64>,
 }
 
-/// A first use's decision as the store made it ([`FenceStore::record_keyed`]).
+/// A first use's decision as the store made it ([`FenceStore::decide_with_record`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Decided {
     /// The key's highest token after the batch: equal to the item's token

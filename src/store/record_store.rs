@@ -124,7 +124,7 @@ impl FenceStore {
     /// the token was refused or a live record of the key exists (a
     /// concurrent duplicate got there first): the caller must not forward.
     /// Both answers are durable.
-    pub async fn record_keyed(
+    pub async fn decide_with_record(
         &self,
         key: &str,
         token: i64,
@@ -133,7 +133,7 @@ impl FenceStore {
         self.check_writer()?;
         let Some(b) = self.record_batcher() else {
             return Err(StoreError::Other(
-                "record_keyed is for single mode; shared mode decides in enter".into(),
+                "decide_with_record is for single mode; shared mode decides in enter".into(),
             ));
         };
         let item = DecideItem {

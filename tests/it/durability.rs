@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use sqlx::{Connection, PgConnection};
 
-use crate::idempotency::keyed;
+use crate::idempotency::with_idempotency_key;
 use crate::support::app::{config_text, docs_route, problem, TestApp};
 use crate::support::db::{Backend, TestStore, SINGLE_WRITER_NAMESPACE};
 use crate::support::fenced_put;
@@ -202,7 +202,7 @@ async fn a_store_from_before_keys_compared_as_bytes_keeps_what_it_holds() {
     for key in ["/docs/a", "/docs/B", "/docs/%C3%A9"] {
         assert_eq!(app.put(key, Some("34"), "v34").await.status(), 200);
     }
-    let first = keyed(&app, "/docs/b", "7", order, "B7", &[]).await;
+    let first = with_idempotency_key(&app, "/docs/b", "7", order, "B7", &[]).await;
     assert_eq!(first.status(), 200);
     let first = first.text().await.unwrap();
     app.stop().await;
@@ -238,7 +238,7 @@ async fn a_store_from_before_keys_compared_as_bytes_keeps_what_it_holds() {
     for key in ["/docs/a", "/docs/B", "/docs/%C3%A9"] {
         app.assert_stale(key, "33", "v33", 34).await;
     }
-    let again = keyed(&app, "/docs/b", "7", order, "B7", &[]).await;
+    let again = with_idempotency_key(&app, "/docs/b", "7", order, "B7", &[]).await;
     assert_eq!(again.status(), 200);
     assert_eq!(again.headers()["idempotent-replayed"], "true");
     assert_eq!(again.text().await.unwrap(), first);

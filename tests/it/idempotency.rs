@@ -20,7 +20,7 @@ fn idem_route(upstream: &str, extra: &str) -> String {
 
 /// A POST of `body` with `token` and, if given, `Idempotency-Key: key`
 /// and the `extra` headers.
-pub(crate) async fn keyed(
+pub(crate) async fn with_idempotency_key(
     app: &TestApp,
     path: &str,
     token: &str,
@@ -49,12 +49,13 @@ async fn a_replay_is_the_stored_answer_and_a_reuse_is_refused() {
         let store = TestStore::new(backend).await;
         let up = Upstream::start().await;
         let app = TestApp::spawn(&store.url, &idem_route(&up.url(), "")).await;
-        let first = keyed(&app, "/docs/a", "1", Some("\"order-1\""), "A", &[]).await;
+        let first = with_idempotency_key(&app, "/docs/a", "1", Some("\"order-1\""), "A", &[]).await;
         assert_eq!(first.status(), 200);
         assert!(first.headers().get("idempotent-replayed").is_none());
         let first_body = first.text().await.unwrap();
         for _ in 0..3 {
-            let again = keyed(&app, "/docs/a", "1", Some("\"order-1\""), "A", &[]).await;
+            let again =
+                with_idempotency_key(&app, "/docs/a", "1", Some("\"order-1\""), "A", &[]).await;
             assert_eq!(again.status(), 200);
             assert_eq!(again.headers()["idempotent-replayed"], "true");
             assert_eq!(
@@ -65,16 +66,20 @@ async fn a_replay_is_the_stored_answer_and_a_reuse_is_refused() {
             assert_eq!(again.text().await.unwrap(), first_body);
         }
         // The bare spelling of the same key is the same key.
-        let bare = keyed(&app, "/docs/a", "1", Some("order-1"), "A", &[]).await;
+        let bare = with_idempotency_key(&app, "/docs/a", "1", Some("order-1"), "A", &[]).await;
         assert_eq!(bare.headers()["idempotent-replayed"], "true");
         let body = problem(
-            keyed(&app, "/docs/a", "1", Some("order-1"), "B", &[]).await,
+            with_idempotency_key(&app, "/docs/a", "1", Some("order-1"), "B", &[]).await,
             422,
         )
         .await;
         assert_eq!(body["type"], "urn:fencegate:problem:idempotency-key-reused");
         for bad in ["\"unterminated", "a b", "\"x\";p=1"] {
-            let body = problem(keyed(&app, "/docs/a", "1", Some(bad), "A", &[]).await, 400).await;
+            let body = problem(
+                with_idempotency_key(&app, "/docs/a", "1", Some(bad), "A", &[]).await,
+                400,
+            )
+            .await;
             assert_eq!(
                 body["type"], "urn:fencegate:problem:idempotency-key-malformed",
                 "{bad}"
@@ -98,7 +103,11 @@ async fn required_keys_and_upstream_errors_replayed() {
     let up = Upstream::start().await;
     let route = format!("{}idempotency = \"required\"\n", docs_route(&up.url()));
     let app = TestApp::spawn(&store.url, &route).await;
-    let body = problem(keyed(&app, "/docs/a", "1", None, "A", &[]).await, 400).await;
+    let body = problem(
+        with_idempotency_key(&app, "/docs/a", "1", None, "A", &[]).await,
+        400,
+    )
+    .await;
     assert_eq!(
         body["type"],
         "urn:fencegate:problem:idempotency-key-missing"
@@ -107,12 +116,12 @@ async fn required_keys_and_upstream_errors_replayed() {
     // An upstream 500 is an answer like any other: stored and replayed.
     let failing = [("x-test-status", "500")];
     assert_eq!(
-        keyed(&app, "/docs/a", "1", Some("k"), "A", &failing)
+        with_idempotency_key(&app, "/docs/a", "1", Some("k"), "A", &failing)
             .await
             .status(),
         500
     );
-    let again = keyed(&app, "/docs/a", "1", Some("k"), "A", &failing).await;
+    let again = with_idempotency_key(&app, "/docs/a", "1", Some("k"), "A", &failing).await;
     assert_eq!(again.status(), 500);
     assert_eq!(again.headers()["idempotent-replayed"], "true");
     assert_eq!(up.applied().len(), 1);
@@ -131,12 +140,12 @@ async fn an_unknown_outcome_is_never_forwarded_again() {
     let app = TestApp::spawn(&store.url, &route).await;
     let slow = [("x-test-delay-ms", "1000")];
     problem(
-        keyed(&app, "/docs/slow", "1", Some("s"), "A", &slow).await,
+        with_idempotency_key(&app, "/docs/slow", "1", Some("s"), "A", &slow).await,
         504,
     )
     .await;
     let body = problem(
-        keyed(&app, "/docs/slow", "1", Some("s"), "A", &slow).await,
+        with_idempotency_key(&app, "/docs/slow", "1", Some("s"), "A", &slow).await,
         409,
     )
     .await;
@@ -146,7 +155,7 @@ async fn an_unknown_outcome_is_never_forwarded_again() {
     );
 
     let big = [("x-test-response-bytes", "1000")];
-    let first = keyed(&app, "/docs/big", "1", Some("b"), "A", &big).await;
+    let first = with_idempotency_key(&app, "/docs/big", "1", Some("b"), "A", &big).await;
     assert_eq!(first.status(), 200);
     assert_eq!(
         first.bytes().await.unwrap().len(),
@@ -154,7 +163,7 @@ async fn an_unknown_outcome_is_never_forwarded_again() {
         "the first client gets it all"
     );
     let body = problem(
-        keyed(&app, "/docs/big", "1", Some("b"), "A", &big).await,
+        with_idempotency_key(&app, "/docs/big", "1", Some("b"), "A", &big).await,
         409,
     )
     .await;
@@ -187,26 +196,28 @@ async fn replays_bypass_the_fence_and_refusals_are_not_recorded() {
     let up = Upstream::start().await;
     let app = TestApp::spawn(&store.url, &idem_route(&up.url(), "")).await;
     assert_eq!(
-        keyed(&app, "/docs/x", "5", Some("five"), "A", &[])
+        with_idempotency_key(&app, "/docs/x", "5", Some("five"), "A", &[])
             .await
             .status(),
         200
     );
     assert_eq!(
-        keyed(&app, "/docs/x", "6", None, "B", &[]).await.status(),
+        with_idempotency_key(&app, "/docs/x", "6", None, "B", &[])
+            .await
+            .status(),
         200
     );
-    let replay = keyed(&app, "/docs/x", "5", Some("five"), "A", &[]).await;
+    let replay = with_idempotency_key(&app, "/docs/x", "5", Some("five"), "A", &[]).await;
     assert_eq!(replay.status(), 200, "the write with 5 did happen");
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     // A stale first use: 409, and its key is not taken.
     problem(
-        keyed(&app, "/docs/x", "4", Some("late"), "C", &[]).await,
+        with_idempotency_key(&app, "/docs/x", "4", Some("late"), "C", &[]).await,
         409,
     )
     .await;
     assert_eq!(
-        keyed(&app, "/docs/x", "7", Some("late"), "D", &[])
+        with_idempotency_key(&app, "/docs/x", "7", Some("late"), "D", &[])
             .await
             .status(),
         200
@@ -233,18 +244,22 @@ async fn keys_are_forgotten_after_their_ttl() {
     let app = TestApp::from_text(&text).await;
     let started = tokio::time::Instant::now();
     assert_eq!(
-        keyed(&app, "/docs/t", "1", Some("k"), "A", &[])
+        with_idempotency_key(&app, "/docs/t", "1", Some("k"), "A", &[])
             .await
             .status(),
         200
     );
-    problem(keyed(&app, "/docs/t", "1", Some("k"), "B", &[]).await, 422).await;
+    problem(
+        with_idempotency_key(&app, "/docs/t", "1", Some("k"), "B", &[]).await,
+        422,
+    )
+    .await;
     // Past the TTL, within the time in flight: still remembered.
     tokio::time::sleep_until(started + Duration::from_millis(1300)).await;
-    let replay = keyed(&app, "/docs/t", "1", Some("k"), "A", &[]).await;
+    let replay = with_idempotency_key(&app, "/docs/t", "1", Some("k"), "A", &[]).await;
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     tokio::time::sleep_until(started + Duration::from_millis(2900)).await;
-    let reused = keyed(&app, "/docs/t", "1", Some("k"), "B", &[]).await;
+    let reused = with_idempotency_key(&app, "/docs/t", "1", Some("k"), "B", &[]).await;
     assert_eq!(reused.status(), 200, "a forgotten key is a new key");
     assert!(reused.headers().get("idempotent-replayed").is_none());
     assert_eq!(up.applied().len(), 2);
@@ -270,7 +285,7 @@ async fn one_of_concurrent_duplicates_across_instances_is_forwarded() {
     for i in 0..10 {
         let app = apps[i % 2].clone();
         tasks.push(tokio::spawn(async move {
-            let resp = keyed(
+            let resp = with_idempotency_key(
                 &app,
                 "/docs/d",
                 "1",
@@ -377,7 +392,7 @@ async fn a_crash_mid_forward_is_never_forwarded_twice() {
     assert_eq!(up.requests().len(), 1, "forwarded once, crash or not");
 }
 
-/// In front of an external HTTPS API: keyed writes through TLS, replayed.
+/// In front of an external HTTPS API: writes with an Idempotency-Key through TLS, replayed.
 #[tokio::test]
 async fn idempotent_writes_to_an_https_upstream() {
     let store = TestStore::new(Backend::Sqlite).await;
@@ -388,10 +403,10 @@ async fn idempotent_writes_to_an_https_upstream() {
         ca_file.display()
     );
     let app = TestApp::spawn(&store.url, &route).await;
-    let first = keyed(&app, "/docs/pay", "1", Some("pay-7"), "100 EUR", &[]).await;
+    let first = with_idempotency_key(&app, "/docs/pay", "1", Some("pay-7"), "100 EUR", &[]).await;
     assert_eq!(first.status(), 200);
     assert_eq!(first.text().await.unwrap(), "secure");
-    let again = keyed(&app, "/docs/pay", "1", Some("pay-7"), "100 EUR", &[]).await;
+    let again = with_idempotency_key(&app, "/docs/pay", "1", Some("pay-7"), "100 EUR", &[]).await;
     assert_eq!(again.headers()["idempotent-replayed"], "true");
     assert_eq!(
         api.seen.lock().unwrap().len(),
@@ -422,7 +437,7 @@ fn idem_count(metrics: &str, outcome: &str) -> u64 {
         .unwrap_or(0)
 }
 
-/// A keyed POST sent in the background (the first of a pair of duplicates).
+/// A POST with an Idempotency-Key sent in the background (the first of a pair of duplicates).
 fn in_background(
     app: &Arc<TestApp>,
     path: &'static str,
@@ -430,7 +445,7 @@ fn in_background(
     extra: &'static [(&'static str, &'static str)],
 ) -> tokio::task::JoinHandle<reqwest::Response> {
     let app = app.clone();
-    tokio::spawn(async move { keyed(&app, path, "1", Some(key), "A", extra).await })
+    tokio::spawn(async move { with_idempotency_key(&app, path, "1", Some(key), "A", extra).await })
 }
 
 /// While the first request is at the upstream, a duplicate is 409
@@ -450,7 +465,7 @@ async fn a_duplicate_in_flight_is_told_when_to_retry() {
         || up.requests().len() == 1,
     )
     .await;
-    let dup = keyed(&app, "/docs/p", "1", Some("busy"), "A", &[]).await;
+    let dup = with_idempotency_key(&app, "/docs/p", "1", Some("busy"), "A", &[]).await;
     let retry_after: u64 = dup
         .headers()
         .get("retry-after")
@@ -467,7 +482,7 @@ async fn a_duplicate_in_flight_is_told_when_to_retry() {
         "urn:fencegate:problem:idempotency-in-progress"
     );
     assert_eq!(first.await.unwrap().status(), 200);
-    let again = keyed(&app, "/docs/p", "1", Some("busy"), "A", &[]).await;
+    let again = with_idempotency_key(&app, "/docs/p", "1", Some("busy"), "A", &[]).await;
     assert_eq!(again.headers()["idempotent-replayed"], "true");
     assert_eq!(up.requests().len(), 1, "forwarded once");
     let metrics = app.metrics().await;
@@ -501,7 +516,7 @@ async fn a_short_ttl_never_forwards_a_write_twice() {
         .await;
         // Past the TTL, the first still in flight.
         tokio::time::sleep(Duration::from_millis(1300)).await;
-        let dup = keyed(&app, "/docs/t", "1", Some("short"), "A", &[]).await;
+        let dup = with_idempotency_key(&app, "/docs/t", "1", Some("short"), "A", &[]).await;
         assert_eq!(
             up.requests().len(),
             1,
@@ -559,21 +574,21 @@ async fn a_502_after_sending_is_never_forwarded_twice() {
     let app = TestApp::spawn(&store.url, &routes).await;
 
     let body = problem(
-        keyed(&app, "/docs/r", "1", Some("reset"), "A", &[]).await,
+        with_idempotency_key(&app, "/docs/r", "1", Some("reset"), "A", &[]).await,
         502,
     )
     .await;
     assert_eq!(body["type"], "urn:fencegate:problem:upstream-unreachable");
     let head = [(BEHAVIOUR_HEADER, "break-after-head")];
     let body = problem(
-        keyed(&app, "/broken/b", "1", Some("cut"), "A", &head).await,
+        with_idempotency_key(&app, "/broken/b", "1", Some("cut"), "A", &head).await,
         502,
     )
     .await;
     assert_eq!(body["type"], "urn:fencegate:problem:upstream-unreachable");
     for _ in 0..2 {
         let body = problem(
-            keyed(&app, "/docs/r", "1", Some("reset"), "A", &[]).await,
+            with_idempotency_key(&app, "/docs/r", "1", Some("reset"), "A", &[]).await,
             409,
         )
         .await;
@@ -582,7 +597,7 @@ async fn a_502_after_sending_is_never_forwarded_twice() {
             "urn:fencegate:problem:idempotency-outcome-unknown"
         );
         let body = problem(
-            keyed(&app, "/broken/b", "1", Some("cut"), "A", &head).await,
+            with_idempotency_key(&app, "/broken/b", "1", Some("cut"), "A", &head).await,
             409,
         )
         .await;
@@ -613,16 +628,16 @@ async fn an_unsent_request_is_forgotten() {
     let addr = held.addr();
     let app = TestApp::spawn(&store.url, &idem_route(&format!("http://{addr}"), "")).await;
     let body = problem(
-        keyed(&app, "/docs/u", "1", Some("down"), "A", &[]).await,
+        with_idempotency_key(&app, "/docs/u", "1", Some("down"), "A", &[]).await,
         502,
     )
     .await;
     assert_eq!(body["type"], "urn:fencegate:problem:upstream-unreachable");
     let up = Upstream::start_on(held).await;
-    let retry = keyed(&app, "/docs/u", "1", Some("down"), "A", &[]).await;
+    let retry = with_idempotency_key(&app, "/docs/u", "1", Some("down"), "A", &[]).await;
     assert_eq!(retry.status(), 200, "forwarded once the upstream is up");
     assert!(retry.headers().get("idempotent-replayed").is_none());
-    let again = keyed(&app, "/docs/u", "1", Some("down"), "A", &[]).await;
+    let again = with_idempotency_key(&app, "/docs/u", "1", Some("down"), "A", &[]).await;
     assert_eq!(again.headers()["idempotent-replayed"], "true");
     assert_eq!(up.applied().len(), 1, "forwarded once");
 }
@@ -765,7 +780,7 @@ async fn a_running_gateway_purges_expired_records() {
         let up = Upstream::start().await;
         let app = purging_gateway(&store, "single", &up.url()).await;
         assert_eq!(
-            keyed(&app, "/docs/l", "1", Some("live-by-gateway"), "A", &[])
+            with_idempotency_key(&app, "/docs/l", "1", Some("live-by-gateway"), "A", &[])
                 .await
                 .status(),
             200
@@ -788,7 +803,8 @@ async fn a_running_gateway_purges_expired_records() {
             51,
             "{backend:?}: live records stay"
         );
-        let replay = keyed(&app, "/docs/l", "1", Some("live-by-gateway"), "A", &[]).await;
+        let replay =
+            with_idempotency_key(&app, "/docs/l", "1", Some("live-by-gateway"), "A", &[]).await;
         assert_eq!(replay.headers()["idempotent-replayed"], "true");
         assert_eq!(up.applied().len(), 1);
     }
@@ -844,10 +860,10 @@ async fn instances_purging_at_once_skip_locked_rows() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert_eq!(db.count("live-").await, 20, "live records stay");
-    // Both instances still serve keyed writes.
+    // Both instances still serve writes with an Idempotency-Key.
     for (app, key) in [(&a, "after-a"), (&b, "after-b")] {
         assert_eq!(
-            keyed(app, "/docs/s", "1", Some(key), "A", &[])
+            with_idempotency_key(app, "/docs/s", "1", Some(key), "A", &[])
                 .await
                 .status(),
             200
@@ -879,7 +895,7 @@ async fn a_record_left_by_a_crash_before_the_forward_is_never_forwarded() {
         let mut db = Db::open(&store).await;
         db.plant("running", 1, "in_flight", &fp, 30, 3600).await;
         db.plant("crashed", 1, "in_flight", &fp, -1, 3600).await;
-        let running = keyed(&app, "/docs/c", "1", Some("running1"), "A", &[]).await;
+        let running = with_idempotency_key(&app, "/docs/c", "1", Some("running1"), "A", &[]).await;
         assert!(running.headers().contains_key("retry-after"));
         let body = problem(running, 409).await;
         assert_eq!(
@@ -887,7 +903,7 @@ async fn a_record_left_by_a_crash_before_the_forward_is_never_forwarded() {
             "urn:fencegate:problem:idempotency-in-progress"
         );
         let body = problem(
-            keyed(&app, "/docs/c", "1", Some("crashed1"), "A", &[]).await,
+            with_idempotency_key(&app, "/docs/c", "1", Some("crashed1"), "A", &[]).await,
             409,
         )
         .await;
@@ -911,16 +927,16 @@ async fn shared_mode_decides_the_fence_and_the_record_together() {
     let b = purging_gateway(&store, "shared", &up.url()).await;
     assert_eq!(a.put("/docs/f", Some("5"), "plain").await.status(), 200);
     problem(
-        keyed(&b, "/docs/f", "4", Some("stale"), "A", &[]).await,
+        with_idempotency_key(&b, "/docs/f", "4", Some("stale"), "A", &[]).await,
         409,
     )
     .await;
     let mut db = Db::open(&store).await;
     assert_eq!(db.count("stale").await, 0, "a refusal leaves no record");
-    let first = keyed(&b, "/docs/f", "6", Some("stale"), "B", &[]).await;
+    let first = with_idempotency_key(&b, "/docs/f", "6", Some("stale"), "B", &[]).await;
     assert_eq!(first.status(), 200, "the key was not taken");
     assert!(first.headers().get("idempotent-replayed").is_none());
-    let replay = keyed(&a, "/docs/f", "6", Some("stale"), "B", &[]).await;
+    let replay = with_idempotency_key(&a, "/docs/f", "6", Some("stale"), "B", &[]).await;
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     let tokens: Vec<_> = up.applied().iter().map(|w| w.token).collect();
     assert_eq!(tokens, vec![Some(5), Some(6)]);
@@ -956,7 +972,7 @@ async fn single_mode_decides_the_fence_and_the_record_together() {
         })
         .await;
         let body = problem(
-            keyed(&app, "/docs/atom", "7", Some("poisoned"), "A", &[]).await,
+            with_idempotency_key(&app, "/docs/atom", "7", Some("poisoned"), "A", &[]).await,
             503,
         )
         .await;
@@ -975,7 +991,7 @@ async fn single_mode_decides_the_fence_and_the_record_together() {
             Backend::Postgres => "DROP TRIGGER poison ON idempotency",
         })
         .await;
-        let first = keyed(&app, "/docs/atom", "7", Some("poisoned"), "A", &[]).await;
+        let first = with_idempotency_key(&app, "/docs/atom", "7", Some("poisoned"), "A", &[]).await;
         assert_eq!(first.status(), 200, "{backend:?}: the retry is a first use");
         assert_eq!(db.fence("doc:atom").await, Some(7), "{backend:?}");
 
@@ -992,15 +1008,15 @@ async fn single_mode_decides_the_fence_and_the_record_together() {
         })
         .await;
         let body = problem(
-            keyed(&app, "/docs/cold", "5", Some("cold"), "A", &[]).await,
+            with_idempotency_key(&app, "/docs/cold", "5", Some("cold"), "A", &[]).await,
             409,
         )
         .await;
         assert_eq!(body["type"], "urn:fencegate:problem:stale-token");
         assert_eq!(db.count("cold").await, 0, "{backend:?}: no record");
-        let first = keyed(&app, "/docs/cold", "10", Some("cold"), "B", &[]).await;
+        let first = with_idempotency_key(&app, "/docs/cold", "10", Some("cold"), "B", &[]).await;
         assert_eq!(first.status(), 200, "{backend:?}: the key stayed free");
-        let replay = keyed(&app, "/docs/cold", "10", Some("cold"), "B", &[]).await;
+        let replay = with_idempotency_key(&app, "/docs/cold", "10", Some("cold"), "B", &[]).await;
         assert_eq!(replay.headers()["idempotent-replayed"], "true");
         let tokens: Vec<_> = up.applied().iter().map(|w| w.token).collect();
         assert_eq!(tokens, vec![Some(7), Some(10)], "{backend:?}");
@@ -1099,7 +1115,7 @@ async fn cached_plans_never_scan_a_grown_table() {
         for n in from..from + 20 {
             let (path, key) = (format!("/docs/g{}", n % 5), format!("w{n}"));
             for _ in 0..2 {
-                let resp = keyed(app, &path, "1", Some(&key), "A", &[]).await;
+                let resp = with_idempotency_key(app, &path, "1", Some(&key), "A", &[]).await;
                 assert_eq!(resp.status(), 200);
             }
         }
@@ -1145,7 +1161,7 @@ async fn batched_decisions_write_records_only_with_accepted_tokens() {
                 let (record, key, token) = (i % 48, format!("r{}", i % 12), (i * 7) % 13);
                 let idem_key = format!("k{record}");
                 let begin = long_lived(docs_post(&idem_key), i);
-                let decided = store.record_keyed(&key, token, &begin).await.unwrap();
+                let decided = store.decide_with_record(&key, token, &begin).await.unwrap();
                 (record, key, token, decided)
             }));
         }
@@ -1273,7 +1289,7 @@ async fn a_record_inserted_while_its_batch_runs_is_found_live() {
     let store = TestStore::new(Backend::Postgres).await;
     let up = Upstream::start().await;
     let app = TestApp::spawn(&store.url, &idem_route(&up.url(), "")).await;
-    let warm = keyed(&app, "/docs/x", "5", Some("warm"), "warm", &[]).await;
+    let warm = with_idempotency_key(&app, "/docs/x", "5", Some("warm"), "warm", &[]).await;
     assert_eq!(warm.status(), 200);
 
     let mut other = sqlx::PgConnection::connect(&store.url).await.unwrap();
@@ -1287,11 +1303,14 @@ async fn a_record_inserted_while_its_batch_runs_is_found_live() {
     .execute(&mut other)
     .await
     .unwrap();
-    let (resp, ()) = tokio::join!(keyed(&app, "/docs/x", "5", Some("held"), "A", &[]), async {
-        // The batch has started, and waits for this transaction.
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        sqlx::query("COMMIT").execute(&mut other).await.unwrap();
-    });
+    let (resp, ()) = tokio::join!(
+        with_idempotency_key(&app, "/docs/x", "5", Some("held"), "A", &[]),
+        async {
+            // The batch has started, and waits for this transaction.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            sqlx::query("COMMIT").execute(&mut other).await.unwrap();
+        }
+    );
     // The record found is another request's (its fingerprint): 422.
     let body = problem(resp, 422).await;
     assert_eq!(
@@ -1421,25 +1440,29 @@ async fn an_expired_record_is_not_replayed_from_memory() {
         let app = short_lived(&store, "single", &up.url()).await;
         let started = tokio::time::Instant::now();
         for key in ["lost", "kept"] {
-            let first = keyed(&app, "/docs/m", "1", Some(key), "A", &[]).await;
+            let first = with_idempotency_key(&app, "/docs/m", "1", Some(key), "A", &[]).await;
             assert_eq!(first.status(), 200, "{backend:?}");
         }
         // The store loses one record; memory knows both.
         on_store(&store, "DELETE FROM idempotency WHERE idem_key = 'lost'").await;
         for key in ["lost", "kept"] {
-            let replay = keyed(&app, "/docs/m", "1", Some(key), "A", &[]).await;
+            let replay = with_idempotency_key(&app, "/docs/m", "1", Some(key), "A", &[]).await;
             assert_eq!(
                 replay.headers()["idempotent-replayed"],
                 "true",
                 "{backend:?} {key}"
             );
-            problem(keyed(&app, "/docs/m", "1", Some(key), "B", &[]).await, 422).await;
+            problem(
+                with_idempotency_key(&app, "/docs/m", "1", Some(key), "B", &[]).await,
+                422,
+            )
+            .await;
         }
         assert_eq!(up.applied().len(), 2, "{backend:?}");
         // Past the records' 2.5 s.
         tokio::time::sleep_until(started + Duration::from_millis(2900)).await;
         for key in ["lost", "kept"] {
-            let again = keyed(&app, "/docs/m", "1", Some(key), "A", &[]).await;
+            let again = with_idempotency_key(&app, "/docs/m", "1", Some(key), "A", &[]).await;
             assert_eq!(again.status(), 200, "{backend:?} {key}");
             assert!(
                 again.headers().get("idempotent-replayed").is_none(),
@@ -1463,17 +1486,17 @@ async fn another_instance_replays_what_one_completed() {
     let up = Upstream::start().await;
     let a = purging_gateway(&store, "shared", &up.url()).await;
     let b = purging_gateway(&store, "shared", &up.url()).await;
-    let first = keyed(&a, "/docs/s", "3", Some("shared-1"), "A", &[]).await;
+    let first = with_idempotency_key(&a, "/docs/s", "3", Some("shared-1"), "A", &[]).await;
     assert_eq!(first.status(), 200);
-    let from_store = keyed(&b, "/docs/s", "3", Some("shared-1"), "A", &[]).await;
+    let from_store = with_idempotency_key(&b, "/docs/s", "3", Some("shared-1"), "A", &[]).await;
     assert_eq!(from_store.headers()["idempotent-replayed"], "true");
     on_store(&store, "DELETE FROM idempotency").await;
     for app in [&a, &b] {
-        let replay = keyed(app, "/docs/s", "3", Some("shared-1"), "A", &[]).await;
+        let replay = with_idempotency_key(app, "/docs/s", "3", Some("shared-1"), "A", &[]).await;
         assert_eq!(replay.headers()["idempotent-replayed"], "true");
         assert_eq!(replay.headers()["x-upstream"], "recorder");
         problem(
-            keyed(app, "/docs/s", "3", Some("shared-1"), "B", &[]).await,
+            with_idempotency_key(app, "/docs/s", "3", Some("shared-1"), "B", &[]).await,
             422,
         )
         .await;
@@ -1494,18 +1517,18 @@ async fn a_replay_memory_does_not_know_is_served_whatever_the_fence_says() {
     let store = TestStore::new(Backend::Postgres).await;
     let up = Upstream::start().await;
     let app = TestApp::spawn(&store.url, &idem_route(&up.url(), "")).await;
-    let first = keyed(&app, "/docs/x", "5", Some("big"), "A", &big).await;
+    let first = with_idempotency_key(&app, "/docs/x", "5", Some("big"), "A", &big).await;
     assert_eq!(first.status(), 200);
     assert_eq!(first.bytes().await.unwrap().len(), 600_000);
     assert_eq!(app.put("/docs/x", Some("6"), "newer").await.status(), 200);
     for _ in 0..2 {
-        let replay = keyed(&app, "/docs/x", "5", Some("big"), "A", &big).await;
+        let replay = with_idempotency_key(&app, "/docs/x", "5", Some("big"), "A", &big).await;
         assert_eq!(replay.status(), 200, "the write with 5 did happen");
         assert_eq!(replay.headers()["idempotent-replayed"], "true");
         assert_eq!(replay.bytes().await.unwrap().len(), 600_000);
     }
     problem(
-        keyed(&app, "/docs/x", "5", Some("other"), "A", &[]).await,
+        with_idempotency_key(&app, "/docs/x", "5", Some("other"), "A", &[]).await,
         409,
     )
     .await;
@@ -1518,13 +1541,13 @@ async fn a_replay_memory_does_not_know_is_served_whatever_the_fence_says() {
     let a = purging_gateway(&store, "shared", &up.url()).await;
     let b = purging_gateway(&store, "shared", &up.url()).await;
     assert_eq!(
-        keyed(&a, "/docs/y", "5", Some("five"), "A", &[])
+        with_idempotency_key(&a, "/docs/y", "5", Some("five"), "A", &[])
             .await
             .status(),
         200
     );
     assert_eq!(a.put("/docs/y", Some("6"), "newer").await.status(), 200);
-    let replay = keyed(&b, "/docs/y", "5", Some("five"), "A", &[]).await;
+    let replay = with_idempotency_key(&b, "/docs/y", "5", Some("five"), "A", &[]).await;
     assert_eq!(replay.status(), 200, "the write with 5 did happen");
     assert_eq!(replay.headers()["idempotent-replayed"], "true");
     assert_eq!(up.applied().len(), 2);
@@ -1722,12 +1745,16 @@ async fn decisions_records_and_answers_in_one_batch() {
         let [s1, s2, s3, s4] = s;
         vec![
             tokio::spawn(async move {
-                let d = s1.record_keyed("doc:m", 7, &long_lived(lower, 1)).await;
+                let d = s1
+                    .decide_with_record("doc:m", 7, &long_lived(lower, 1))
+                    .await;
                 let d = d.unwrap();
                 (Some(d.highest), d.written)
             }),
             tokio::spawn(async move {
-                let d = s2.record_keyed("doc:m", 9, &long_lived(higher, 1)).await;
+                let d = s2
+                    .decide_with_record("doc:m", 9, &long_lived(higher, 1))
+                    .await;
                 let d = d.unwrap();
                 (Some(d.highest), d.written)
             }),
@@ -1764,7 +1791,7 @@ async fn decisions_records_and_answers_in_one_batch() {
     store.close().await;
 }
 
-/// A keyed first use's decision waits in a batch of records while a plain
+/// A first use of an Idempotency-Key's decision waits in a batch of records while a plain
 /// write's higher token is decided by a fence batch, on another
 /// connection, and commits first: the first use's token is then refused
 /// when its batch runs (the key's highest token comes back, and no record
@@ -1780,13 +1807,15 @@ async fn a_plain_decision_that_commits_first_refuses_a_waiting_first_use() {
     let first = docs_post("first");
     let answers = in_one_batch(&test_store, &store, || {
         let (s1, s2) = (store.clone(), store.clone());
-        let keyed = tokio::spawn(async move {
-            let d = s1.record_keyed("doc:p", 7, &long_lived(first, 1)).await;
+        let with_idempotency_key = tokio::spawn(async move {
+            let d = s1
+                .decide_with_record("doc:p", 7, &long_lived(first, 1))
+                .await;
             let d = d.unwrap();
             (d.highest, d.written)
         });
         let plain = tokio::spawn(async move { (s2.record("doc:p", 9).await.unwrap(), true) });
-        vec![keyed, plain]
+        vec![with_idempotency_key, plain]
     })
     .await;
     assert_eq!(
@@ -1859,7 +1888,7 @@ async fn a_refused_batch_of_records_with_a_decision_runs_again() {
     };
     refuse_once(pg, "INSERT", "true").await;
     let decided = store
-        .record_keyed("doc:x", 7, &long_lived(docs_post("x"), 1))
+        .decide_with_record("doc:x", 7, &long_lived(docs_post("x"), 1))
         .await
         .unwrap();
     assert_eq!((decided.highest, decided.written), (7, true));
@@ -1887,7 +1916,7 @@ async fn batches_that_commit_late_never_forward_twice() {
     let holder = PgHolder::begin(&store.url, "LOCK TABLE idempotency IN EXCLUSIVE MODE").await;
     let held = tokio::time::Instant::now();
     let body = problem(
-        keyed(&app, "/docs/late", "1", Some("late-begin"), "A", &[]).await,
+        with_idempotency_key(&app, "/docs/late", "1", Some("late-begin"), "A", &[]).await,
         503,
     )
     .await;
@@ -1900,7 +1929,8 @@ async fn batches_that_commit_late_never_forward_twice() {
     holder.commit().await;
     let mut seen = Vec::new();
     for _ in 0..10 {
-        let resp = keyed(&app, "/docs/late", "1", Some("late-begin"), "A", &[]).await;
+        let resp =
+            with_idempotency_key(&app, "/docs/late", "1", Some("late-begin"), "A", &[]).await;
         seen.push(resp.status().as_u16());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -1949,7 +1979,8 @@ async fn batches_that_commit_late_never_forward_twice() {
     // lives every duplicate hears "in progress" or gets the answer, and
     // nothing is forwarded again.
     while tokio::time::Instant::now() < started + Duration::from_millis(2200) {
-        let resp = keyed(&app, "/docs/late", "1", Some("late-answer"), "A", &[]).await;
+        let resp =
+            with_idempotency_key(&app, "/docs/late", "1", Some("late-answer"), "A", &[]).await;
         if resp.headers().get("idempotent-replayed").is_some() {
             assert_eq!(resp.headers()["idempotent-replayed"], "true");
             assert_eq!(resp.status(), 200, "the stored answer");
@@ -2009,14 +2040,14 @@ async fn a_record_that_vanishes_after_the_claim_is_claimed_again() {
                  FOR EACH STATEMENT EXECUTE FUNCTION vanish_once();",
         )
         .await;
-        let first = keyed(&app, "/docs/v", "5", Some("gone"), "A", &[]).await;
+        let first = with_idempotency_key(&app, "/docs/v", "5", Some("gone"), "A", &[]).await;
         assert_eq!(
             first.status(),
             200,
             "{mode}: forwarded as the key's first use"
         );
         assert!(first.headers().get("idempotent-replayed").is_none());
-        let replay = keyed(&app, "/docs/v", "5", Some("gone"), "A", &[]).await;
+        let replay = with_idempotency_key(&app, "/docs/v", "5", Some("gone"), "A", &[]).await;
         assert_eq!(replay.status(), 200);
         assert_eq!(replay.headers()["idempotent-replayed"], "true");
         let Db::Pg(c) = &mut db else { unreachable!() };

@@ -275,7 +275,7 @@ fn assert_unavailable_or_busy(refused: &[String]) {
     );
 }
 
-/// A keyed fenced PUT to `app`, to send (or to spawn).
+/// A fenced PUT with an Idempotency-Key to `app`, to send (or to spawn).
 fn keyed_put(
     app: &TestApp,
     path: &str,

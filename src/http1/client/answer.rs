@@ -1,7 +1,7 @@
 //! The bytes of an HTTP/1.1 exchange with an upstream: the request head as
 //! written, the answer head as parsed, and how each body is framed.
 //!
-//! Framing is where a proxy can be made to disagree with its upstream about
+//! AnswerFields is where a proxy can be made to disagree with its upstream about
 //! where one message ends and the next begins, so every rule here is the
 //! strict one:
 //!
@@ -186,7 +186,7 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<AnswerHe
         let count = answer.headers.len();
         // The fields that frame the body, read from the bytes as they pass:
         // asking the header map for them afterwards cost more.
-        let mut framing = Framing::default();
+        let mut framing = AnswerFields::default();
         for (span, field) in spans.iter_mut().zip(answer.headers.iter()) {
             let (name, value) = (field.name.as_bytes(), field.value);
             *span = (at(name), name.len() as u16, at(value), value.len() as u16);
@@ -226,7 +226,7 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<AnswerHe
 
 /// What an answer head's framing fields say (see the module docs).
 #[derive(Default)]
-struct Framing {
+struct AnswerFields {
     /// `Content-Length` and `Transfer-Encoding`.
     body: BodyFields,
     /// `Connection` names `close`.
@@ -235,7 +235,7 @@ struct Framing {
     names_headers: bool,
 }
 
-impl Framing {
+impl AnswerFields {
     /// Takes in one field of the head.
     fn field(&mut self, name: &[u8], value: &[u8]) {
         if self.body.field(name, value) {

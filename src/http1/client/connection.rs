@@ -29,7 +29,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// fit whole; a large body is read in pieces of at least this.
 const READ_ROOM: usize = 16 * 1024;
 
-pub(super) struct Conn {
+pub(super) struct Connection {
     stream: Stream,
     /// Read from the upstream, not yet taken by a head or a body. Empty
     /// between exchanges: anything left over means the upstream sent more
@@ -50,9 +50,9 @@ enum Stream {
     Tls(Box<TlsStream<TcpStream>>),
 }
 
-impl Conn {
+impl Connection {
     /// A new connection to `upstream`.
-    pub(super) async fn connect(upstream: &Upstream) -> Result<Conn, SendError> {
+    pub(super) async fn connect(upstream: &Upstream) -> Result<Connection, SendError> {
         let connected = tokio::time::timeout(CONNECT_TIMEOUT, async {
             let tcp = TcpStream::connect(upstream.address()).await.map_err(|e| {
                 SendError::Connect(format!("cannot connect to {}: {e}", upstream.authority))
@@ -73,7 +73,7 @@ impl Conn {
                     Stream::Tls(Box::new(stream))
                 }
             };
-            Ok(Conn::over(stream))
+            Ok(Connection::over(stream))
         })
         .await;
         match connected {
@@ -85,8 +85,8 @@ impl Conn {
         }
     }
 
-    fn over(stream: Stream) -> Conn {
-        Conn {
+    fn over(stream: Stream) -> Connection {
+        Connection {
             stream,
             read: BytesMut::new(),
             cutoff: Arc::new(Cutoff::default()),
@@ -213,7 +213,7 @@ impl Conn {
     }
 }
 
-impl Drop for Conn {
+impl Drop for Connection {
     /// Says so to the watchdog before the socket closes (the fields are
     /// dropped after this), so that it never resets a descriptor the number
     /// of which a new socket may have taken. The close itself resets the
@@ -246,7 +246,7 @@ mod tests {
 
     /// Writes all of `bytes` without yielding to the runtime (so the
     /// watchdog does not run meanwhile), or fails.
-    fn write_now(conn: &mut Conn, mut bytes: &[u8]) -> io::Result<()> {
+    fn write_now(conn: &mut Connection, mut bytes: &[u8]) -> io::Result<()> {
         let mut cx = Context::from_waker(std::task::Waker::noop());
         while !bytes.is_empty() {
             match conn.poll_write(&mut cx, bytes) {
@@ -265,7 +265,7 @@ mod tests {
     #[tokio::test]
     async fn nothing_is_written_past_the_deadline() {
         let (ours, mut theirs) = super::super::socket_pair().await;
-        let mut conn = Conn::over(Stream::Tcp(ours));
+        let mut conn = Connection::over(Stream::Tcp(ours));
         write_now(&mut conn, b"before").expect("no deadline yet");
         conn.arm(Instant::now() + Duration::from_secs(60), Arc::new(Nobody));
         write_now(&mut conn, b" armed").expect("deadline ahead");
@@ -286,7 +286,7 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[tokio::test]
     async fn unacknowledged_bytes_are_bounded_by_the_time_left() {
-        let user_timeout = |conn: &Conn| {
+        let user_timeout = |conn: &Connection| {
             let mut ms: libc::c_uint = 0;
             let mut len = std::mem::size_of::<libc::c_uint>() as libc::socklen_t;
             // SAFETY: an open socket; the kernel writes one c_uint.
@@ -303,7 +303,7 @@ mod tests {
             ms
         };
         let (ours, _theirs) = super::super::socket_pair().await;
-        let mut conn = Conn::over(Stream::Tcp(ours));
+        let mut conn = Connection::over(Stream::Tcp(ours));
         assert_eq!(user_timeout(&conn), 0, "the kernel's default until armed");
         conn.arm(Instant::now() + Duration::from_secs(2), Arc::new(Nobody));
         let first = user_timeout(&conn);

@@ -22,7 +22,7 @@
 //! outlives its descriptor and can be reused by another socket, so the
 //! reset happens under the cutoff's lock and only while the connection has
 //! not said it is closing, which it says under the same lock before its
-//! socket is closed (see `Conn`'s drop).
+//! socket is closed (see `Connection`'s drop).
 //!
 //! The watchdog is spawned with a connection's first exchange that has a
 //! deadline and lives as long as the connection; exchanges without one

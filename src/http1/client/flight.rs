@@ -42,7 +42,7 @@ use http::Method;
 use http_body::{Body as _, Frame, SizeHint};
 
 use super::answer::{self, RequestFraming};
-use super::connection::Conn;
+use super::connection::Connection;
 use super::{ExchangeError, UpstreamClient, Witness};
 use crate::http1::codec::{self, Decoded, Decoder};
 
@@ -126,7 +126,7 @@ impl RequestWriter {
     /// Writes what there is to write; ready once everything is written.
     pub(super) fn poll_send(
         &mut self,
-        conn: &mut Conn,
+        conn: &mut Connection,
         cx: &mut Context<'_>,
     ) -> Poll<Result<(), ExchangeError>> {
         if self.finished {
@@ -241,7 +241,7 @@ impl RequestWriter {
 
 /// A connection lent to one exchange.
 pub(super) struct Flight {
-    pub(super) conn: Conn,
+    pub(super) conn: Connection,
     pub(super) request: RequestWriter,
     /// `None` until the answer's first byte; then whether the request had
     /// been handed over by then (see the module docs).

@@ -68,7 +68,7 @@ use axum::body::Body;
 use http::{Request, Response};
 
 pub use answer::WireError;
-use connection::Conn;
+use connection::Connection;
 pub use flight::UpstreamBody;
 use flight::{Flight, RequestWriter};
 pub use upstream::{Upstream, UpstreamTls};
@@ -86,7 +86,7 @@ pub struct UpstreamClient {
 }
 
 struct Idle {
-    conn: Conn,
+    conn: Connection,
     since: Instant,
 }
 
@@ -149,7 +149,7 @@ impl UpstreamClient {
     }
 
     /// An idle connection to `upstream` that is still open, if one is kept.
-    fn take_idle(&self, key: &str) -> Option<Conn> {
+    fn take_idle(&self, key: &str) -> Option<Connection> {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let stack = idle.get_mut(key)?;
         while let Some(mut c) = stack.pop() {
@@ -169,7 +169,7 @@ impl UpstreamClient {
 
     /// Returns a connection whose exchange ended normally to its pool (or
     /// closes it, when the pool is full).
-    fn give_back(&self, key: Arc<str>, conn: Conn) {
+    fn give_back(&self, key: Arc<str>, conn: Connection) {
         let mut idle = self.idle.lock().unwrap_or_else(|e| e.into_inner());
         let stack = idle.entry(key).or_default();
         if stack.len() < MAX_IDLE {
@@ -220,7 +220,7 @@ impl UpstreamClient {
                 // Boxed: connecting (TCP, TLS) is the rare case, and its
                 // state would otherwise make every request's future, moved
                 // into its task and out of it, kilobytes larger.
-                None => (Box::pin(Conn::connect(upstream)).await?, false),
+                None => (Box::pin(Connection::connect(upstream)).await?, false),
             };
             if let Some((at, witness)) = &fenced {
                 conn.arm(*at, witness.clone());

@@ -18,7 +18,7 @@ use http_body::{Frame, SizeHint};
 
 /// Why a request's body broke off.
 #[derive(Debug, Clone, Copy, thiserror::Error)]
-pub enum BodyError {
+pub enum RequestBodyError {
     #[error("the client closed the connection before the request body ended")]
     Closed,
     #[error("the request's chunked body is malformed")]
@@ -55,12 +55,12 @@ impl RequestBody {
 
 impl http_body::Body for RequestBody {
     type Data = Bytes;
-    type Error = BodyError;
+    type Error = RequestBodyError;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, RequestBodyError>>> {
         match &mut self.0 {
             Kind::Empty => Poll::Ready(None),
             Kind::Full(_) => {
@@ -119,7 +119,7 @@ pub(super) struct PipeState {
     piece: Option<Bytes>,
     /// How the body ended: `Some(Ok)` read to its end, `Some(Err)` broken
     /// off. Set by the connection only.
-    pub end: Option<Result<(), BodyError>>,
+    pub end: Option<Result<(), RequestBodyError>>,
     /// The body asked for a piece and has none.
     wanted: bool,
     /// The body was dropped: the connection stops passing pieces.
@@ -145,7 +145,7 @@ impl Pipe {
         self.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn poll_piece(&self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, BodyError>>> {
+    fn poll_piece(&self, cx: &mut Context<'_>) -> Poll<Option<Result<Bytes, RequestBodyError>>> {
         let mut state = self.lock();
         if let Some(piece) = state.piece.take() {
             state.wake_conn();
@@ -194,7 +194,7 @@ impl PipeState {
     }
 
     /// The connection's side: the body ended, or broke off.
-    pub fn finish(&mut self, end: Result<(), BodyError>) {
+    pub fn finish(&mut self, end: Result<(), RequestBodyError>) {
         if self.end.is_none() {
             if end.is_ok() {
                 self.rest = SizeHint::with_exact(0);
@@ -255,13 +255,13 @@ mod tests {
             tokio::task::yield_now().await;
             let mut state = pipe.lock();
             if state.wants() {
-                state.finish(Err(BodyError::Closed));
+                state.finish(Err(RequestBodyError::Closed));
                 break;
             }
         }
         let (got, e) = reader.await.unwrap().unwrap_err();
         assert_eq!(got, b"cd");
-        assert!(matches!(e, BodyError::Closed));
+        assert!(matches!(e, RequestBodyError::Closed));
         assert!(pipe.lock().dropped, "the body is gone");
     }
 }

@@ -133,7 +133,7 @@ pub fn parse_head(buf: &mut BytesMut) -> Result<Option<RequestHead>, HeadError> 
     let target = (at(target), target.len() as u16);
     let mut spans = [(0u16, 0u16, 0u16, 0u16); MAX_HEADERS];
     let count = req.headers.len();
-    let mut framing = Framing::default();
+    let mut framing = RequestFields::default();
     for (span, field) in spans.iter_mut().zip(req.headers.iter()) {
         let (name, value) = (field.name.as_bytes(), field.value);
         *span = (at(name), name.len() as u16, at(value), value.len() as u16);
@@ -195,7 +195,7 @@ pub fn parse_head(buf: &mut BytesMut) -> Result<Option<RequestHead>, HeadError> 
 
 /// What a request head's framing fields say (see the module docs).
 #[derive(Default)]
-struct Framing {
+struct RequestFields {
     /// `Content-Length` and `Transfer-Encoding`.
     body: BodyFields,
     /// `Connection` names `close`.
@@ -209,7 +209,7 @@ struct Framing {
     host_valid: bool,
 }
 
-impl Framing {
+impl RequestFields {
     /// Takes in one field of the head.
     fn field(&mut self, name: &[u8], value: &[u8]) {
         if self.body.field(name, value) {

@@ -6,7 +6,7 @@
 //! - **Read head**, under the header-read timeout: it runs from when the
 //!   connection starts waiting for a head, so it bounds an idle keep-alive
 //!   connection as well as a slow one. One timer per connection, moved on
-//!   only when it fires (see [`Conn::read_head`]), not one per request.
+//!   only when it fires (see [`Session::read_head`]), not one per request.
 //! - **Hand over body**: whole when it came with its head; otherwise
 //!   through a [`Pipe`] that this task feeds only when the body asks.
 //! - **Await answer**: the service's future runs in this task, while the
@@ -40,7 +40,7 @@ use http_body::Body as _;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::{Instant, Sleep};
 
-use super::body::{BodyError, Pipe, RequestBody};
+use super::body::{Pipe, RequestBody, RequestBodyError};
 use super::request::{self, AnswerFraming, Asked, HeadError, RequestHead};
 use super::{Drain, Limits, Service};
 use crate::http1::codec::{encode_chunk, Decoded, Decoder, LAST_CHUNK, MAX_HEAD_BYTES};
@@ -64,7 +64,7 @@ where
     I: AsyncRead + AsyncWrite + Unpin,
     S: Service,
 {
-    let mut conn = Conn {
+    let mut conn = Session {
         io,
         buf: BytesMut::with_capacity(READ_ROOM),
         out: Vec::new(),
@@ -134,7 +134,7 @@ where
 }
 
 /// The connection's own state; the request's is in the phases.
-struct Conn<I> {
+struct Session<I> {
     io: I,
     /// Bytes read and not yet used: the next head, a body's bytes,
     /// pipelined requests.
@@ -198,7 +198,7 @@ enum Waited {
     TimedOut,
 }
 
-impl<I: AsyncRead + AsyncWrite + Unpin> Conn<I> {
+impl<I: AsyncRead + AsyncWrite + Unpin> Session<I> {
     /// Reads into the buffer; a read of 0 is the client's close.
     fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         if self.buf.capacity() - self.buf.len() < READ_ROOM / 2 {
@@ -342,19 +342,19 @@ impl<I: AsyncRead + AsyncWrite + Unpin> Conn<I> {
                 Ok(Decoded::More) => {}
                 Err(_) => {
                     self.broken = true;
-                    return state.finish(Err(BodyError::Chunk));
+                    return state.finish(Err(RequestBodyError::Chunk));
                 }
             }
             if self.eof {
                 self.broken = true;
-                return state.finish(Err(BodyError::Closed));
+                return state.finish(Err(RequestBodyError::Closed));
             }
             match self.poll_read(cx) {
                 Poll::Ready(Ok(_)) => {}
                 Poll::Ready(Err(e)) => {
                     tracing::debug!(error = %e, "reading a request body failed");
                     self.broken = true;
-                    return state.finish(Err(BodyError::Io));
+                    return state.finish(Err(RequestBodyError::Io));
                 }
                 Poll::Pending => return,
             }
