@@ -8,6 +8,8 @@ use axum::response::{IntoResponse, Response};
 use http::{header, HeaderValue, StatusCode};
 use serde_json::Value;
 
+use crate::store::StoreError;
+
 /// Media type of problem documents.
 pub const PROBLEM_JSON: &str = "application/problem+json";
 
@@ -364,239 +366,10 @@ impl GatewayError {
     /// The problem document for this error, with [`GatewayError::status`]'s
     /// status.
     pub fn to_problem(&self, retry_after: Duration) -> Problem {
-        use ClientError as C;
         let status = self.status();
         match self {
-            GatewayError::Client(c) => match c {
-                C::NoRoute { path } => Problem::new(
-                    status,
-                    "no-route",
-                    "No route",
-                    format!("no configured route matches the path {path}"),
-                ),
-                C::BadPath(why) => {
-                    Problem::new(status, "bad-path", "Bad request path", *why)
-                }
-                C::AmbiguousPath(why) => Problem::new(
-                    status,
-                    "ambiguous-path",
-                    "Ambiguous path",
-                    format!(
-                        "the path {why}, so it may name another resource at the upstream than the one its key names; send the plain spelling"
-                    ),
-                ),
-                C::AmbiguousKey(e) => Problem::new(
-                    status,
-                    "ambiguous-key",
-                    "Ambiguous resource key",
-                    format!("the resource key cannot be built unambiguously: {e}"),
-                ),
-                C::MethodNotAllowed {
-                    method,
-                    route,
-                    allow,
-                } => Problem::new(
-                    status,
-                    "method-not-allowed",
-                    "Method not allowed",
-                    format!(
-                        "{method} is neither a fenced method of route '{route}' nor a safe method (GET, HEAD, OPTIONS); the gateway forwards no unchecked writes"
-                    ),
-                )
-                .header(header::ALLOW, allow.clone()),
-                C::MissingToken { key } => Problem::new(
-                    status,
-                    "missing-token",
-                    "Fencing token required",
-                    format!("this write needs an X-Fence-Token header for resource '{key}'"),
-                )
-                .with("resource_key", key.as_str()),
-                C::MalformedToken(why) => Problem::new(
-                    status,
-                    "malformed-token",
-                    "Malformed fencing token",
-                    format!("X-Fence-Token must be 1 to 19 ASCII digits: {why}"),
-                ),
-                C::InvalidJwt(why) => Problem::new(
-                    status,
-                    "invalid-token",
-                    "Invalid fencing token",
-                    format!("the X-Fence-Token JWT was refused: {why}"),
-                ),
-                C::JwtForOtherKey {
-                    expected,
-                    presented,
-                } => Problem::new(
-                    status,
-                    "token-for-other-resource",
-                    "Token for another resource",
-                    format!(
-                        "the X-Fence-Token JWT was issued for resource '{presented}', not '{expected}'"
-                    ),
-                )
-                .with("resource_key", expected.as_str()),
-                C::StaleToken {
-                    key,
-                    presented,
-                    highest,
-                } => Problem::new(
-                    status,
-                    "stale-token",
-                    "Stale fencing token",
-                    format!(
-                        "token {presented} is lower than {highest}, the highest token recorded for resource '{key}'; the lock was taken over by a newer holder"
-                    ),
-                )
-                .with("resource_key", key.as_str())
-                .with("presented_token", *presented)
-                .with("highest_token", *highest),
-                C::UnissuedToken {
-                    key,
-                    presented,
-                    highest_issued,
-                } => Problem::new(
-                    status,
-                    "unissued-token",
-                    "Token never issued",
-                    if *highest_issued == 0 {
-                        format!(
-                            "the lock API never granted a fence for '{key}', so no token for it was issued, {presented} included: it is refused and not recorded; acquire the lock first"
-                        )
-                    } else {
-                        format!(
-                            "token {presented} is above {highest_issued}, the highest fence the lock API granted for '{key}': it was never issued, so it is refused and not recorded"
-                        )
-                    },
-                )
-                .with("resource_key", key.as_str())
-                .with("presented_token", *presented)
-                .with("highest_issued", *highest_issued),
-                C::BodyTooLarge { limit } => Problem::new(
-                    status,
-                    "body-too-large",
-                    "Request body too large",
-                    format!("the request body exceeds the limit of {limit} bytes"),
-                ),
-                C::Head(e) => {
-                    use crate::http1::server::HeadError as H;
-                    let (kind, title) = match e {
-                        H::TooLarge => ("head-too-large", "Request head too large"),
-                        H::Timeout => ("head-timeout", "Request head too slow"),
-                        H::UnsupportedCoding => {
-                            ("unsupported-coding", "Unsupported transfer coding")
-                        }
-                        H::Malformed
-                        | H::Length
-                        | H::Coding
-                        | H::Host
-                        | H::BareLf
-                        | H::Chunked(_) => ("bad-request", "Bad request"),
-                    };
-                    Problem::new(status, kind, title, e.to_string())
-                }
-                C::BadRequest(why) => {
-                    Problem::new(status, "bad-request", "Bad request", *why)
-                }
-                C::IdempotencyKey(e @ crate::idempotency::IdempotencyKeyError::Missing) => Problem::new(
-                    status,
-                    "idempotency-key-missing",
-                    "Idempotency-Key required",
-                    e.to_string(),
-                ),
-                C::IdempotencyKey(e) => Problem::new(
-                    status,
-                    "idempotency-key-malformed",
-                    "Malformed Idempotency-Key",
-                    format!("the Idempotency-Key header {e}"),
-                ),
-                C::IdempotencyReused => Problem::new(
-                    status,
-                    "idempotency-key-reused",
-                    "Idempotency-Key reused",
-                    "this Idempotency-Key was used with another request (method, path and query, Content-Type, X-Fence-Token or body differ); use a new key for a new request",
-                ),
-                C::IdempotencyInProgress { retry_after } => Problem::new(
-                    status,
-                    "idempotency-in-progress",
-                    "Request in progress",
-                    "the first request with this Idempotency-Key is still being processed; retry later for its answer",
-                )
-                .retry_after(*retry_after),
-                C::IdempotencyOutcomeUnknown => Problem::new(
-                    status,
-                    "idempotency-outcome-unknown",
-                    "Outcome unknown",
-                    "the first request with this Idempotency-Key may have reached the upstream, but its answer was not stored; it will not be sent again: read the resource to learn what happened, then decide",
-                ),
-                C::ClientGone => Problem::new(
-                    status,
-                    "client-gone",
-                    "Client gone",
-                    "the client left before its write was started; nothing was forwarded",
-                ),
-                C::ProtectedHeader(name) => Problem::new(
-                    status,
-                    "protected-header",
-                    "Protected header named in Connection",
-                    format!(
-                        "the Connection header names '{name}', which the gateway relies on (the fencing token, the Idempotency-Key, the credentials and the route's key parts are forwarded as checked), so it would be removed before forwarding; nothing was forwarded: send the request without '{name}' in Connection"
-                    ),
-                ),
-                C::AmbiguousCredentials => ambiguous_credentials(status),
-                C::AmbiguousHeader { name, shadows } => Problem::new(
-                    status,
-                    "ambiguous-header",
-                    "Ambiguous header name",
-                    match shadows {
-                        Some(checked) => format!(
-                            "the header name '{name}' has '_': CGI, WSGI and Rack read '_' and '-' as one, so the application may read it as '{checked}', which the gateway checked for this write (its fencing token, Idempotency-Key, credentials or resource key); nothing was forwarded: send the request without '{name}'"
-                        ),
-                        None => format!(
-                            "the header name '{name}' has '_': CGI, WSGI and Rack read '_' and '-' as one, so the application may read it in place of another header; fenced writes carry no such names, and nothing was forwarded: send the request without '{name}'"
-                        ),
-                    },
-                ),
-            },
-            GatewayError::Store(crate::store::StoreError::KeyBusy(waited)) => Problem::new(
-                status,
-                "key-busy",
-                "Resource key busy",
-                format!(
-                    "an older write to this resource key is still in flight on another instance; waited {} ms (key_lock_wait_ms); nothing was forwarded",
-                    waited.as_millis()
-                ),
-            )
-            .retry_after(retry_after),
-            GatewayError::Store(crate::store::StoreError::Late) => Problem::new(
-                status,
-                "decision-late",
-                "Decision too late",
-                "the write was admitted, but this instance stalled before it could be forwarded in time (within its in-flight marker, which other instances go by, or within its Idempotency-Key record's time in flight); nothing was forwarded",
-            )
-            .retry_after(retry_after),
-            GatewayError::Store(crate::store::StoreError::ReadOnly(why)) => Problem::new(
-                status,
-                "store-unavailable",
-                "Fence store unavailable",
-                format!(
-                    "the fence store is read-only ({why}): a failover may be in progress; fenced writes wait for a writable primary; nothing was forwarded"
-                ),
-            )
-            .retry_after(retry_after),
-            GatewayError::Store(crate::store::StoreError::NotOwner) => Problem::new(
-                status,
-                "store-unavailable",
-                "Fence store unavailable",
-                "this single-mode instance does not hold the store's single-writer lock on a writable primary (lost with its connection, or during a failover), so it decides no fenced write until it takes the lock again; nothing was forwarded",
-            )
-            .retry_after(retry_after),
-            GatewayError::Store(_) => Problem::new(
-                status,
-                "store-unavailable",
-                "Fence store unavailable",
-                "the fence store could not be reached, so the token cannot be checked; nothing was forwarded",
-            )
-            .retry_after(retry_after),
+            GatewayError::Client(c) => c.to_problem(status),
+            GatewayError::Store(e) => store_problem(e, status).retry_after(retry_after),
             GatewayError::Internal(what) => Problem::new(
                 status,
                 "internal",
@@ -619,6 +392,279 @@ impl GatewayError {
                 ),
             ),
         }
+    }
+}
+
+impl ClientError {
+    /// The problem document of a refusal of the request itself.
+    pub fn to_problem(&self, status: StatusCode) -> Problem {
+        use ClientError as C;
+        match self {
+        C::NoRoute { path } => Problem::new(
+            status,
+            "no-route",
+            "No route",
+            format!("no configured route matches the path {path}"),
+        ),
+        C::BadPath(why) => {
+            Problem::new(status, "bad-path", "Bad request path", *why)
+        }
+        C::AmbiguousPath(why) => Problem::new(
+            status,
+            "ambiguous-path",
+            "Ambiguous path",
+            format!(
+                "the path {why}, so it may name another resource at the upstream than the one its key names; send the plain spelling"
+            ),
+        ),
+        C::AmbiguousKey(e) => Problem::new(
+            status,
+            "ambiguous-key",
+            "Ambiguous resource key",
+            format!("the resource key cannot be built unambiguously: {e}"),
+        ),
+        C::MethodNotAllowed {
+            method,
+            route,
+            allow,
+        } => Problem::new(
+            status,
+            "method-not-allowed",
+            "Method not allowed",
+            format!(
+                "{method} is neither a fenced method of route '{route}' nor a safe method (GET, HEAD, OPTIONS); the gateway forwards no unchecked writes"
+            ),
+        )
+        .header(header::ALLOW, allow.clone()),
+        C::MissingToken { .. }
+                | C::MalformedToken(_)
+                | C::InvalidJwt(_)
+                | C::JwtForOtherKey { .. }
+                | C::StaleToken { .. }
+                | C::UnissuedToken { .. } => self.token_problem(status).unwrap_or_else(|| self.plain(status)),
+        C::BodyTooLarge { limit } => Problem::new(
+            status,
+            "body-too-large",
+            "Request body too large",
+            format!("the request body exceeds the limit of {limit} bytes"),
+        ),
+        C::Head(e) => {
+            use crate::http1::server::HeadError as H;
+            let (kind, title) = match e {
+                H::TooLarge => ("head-too-large", "Request head too large"),
+                H::Timeout => ("head-timeout", "Request head too slow"),
+                H::UnsupportedCoding => {
+                    ("unsupported-coding", "Unsupported transfer coding")
+                }
+                H::Malformed
+                | H::Length
+                | H::Coding
+                | H::Host
+                | H::BareLf
+                | H::Chunked(_) => ("bad-request", "Bad request"),
+            };
+            Problem::new(status, kind, title, e.to_string())
+        }
+        C::BadRequest(why) => {
+            Problem::new(status, "bad-request", "Bad request", *why)
+        }
+        C::IdempotencyKey(_)
+                | C::IdempotencyReused
+                | C::IdempotencyInProgress { .. }
+                | C::IdempotencyOutcomeUnknown => self
+                .idempotency_problem(status)
+                .unwrap_or_else(|| self.plain(status)),
+        C::ClientGone => Problem::new(
+            status,
+            "client-gone",
+            "Client gone",
+            "the client left before its write was started; nothing was forwarded",
+        ),
+        C::ProtectedHeader(name) => Problem::new(
+            status,
+            "protected-header",
+            "Protected header named in Connection",
+            format!(
+                "the Connection header names '{name}', which the gateway relies on (the fencing token, the Idempotency-Key, the credentials and the route's key parts are forwarded as checked), so it would be removed before forwarding; nothing was forwarded: send the request without '{name}' in Connection"
+            ),
+        ),
+        C::AmbiguousCredentials => ambiguous_credentials(status),
+        C::AmbiguousHeader { name, shadows } => Problem::new(
+            status,
+            "ambiguous-header",
+            "Ambiguous header name",
+            match shadows {
+                Some(checked) => format!(
+                    "the header name '{name}' has '_': CGI, WSGI and Rack read '_' and '-' as one, so the application may read it as '{checked}', which the gateway checked for this write (its fencing token, Idempotency-Key, credentials or resource key); nothing was forwarded: send the request without '{name}'"
+                ),
+                None => format!(
+                    "the header name '{name}' has '_': CGI, WSGI and Rack read '_' and '-' as one, so the application may read it in place of another header; fenced writes carry no such names, and nothing was forwarded: send the request without '{name}'"
+                ),
+            },
+        ),
+        }
+    }
+
+    /// A problem that only says what the error says: the answer of a
+    /// group's helper to an error it does not know (none reaches it).
+    fn plain(&self, status: StatusCode) -> Problem {
+        Problem::new(status, "bad-request", "Bad request", self.to_string())
+    }
+
+    /// The problem of a missing, malformed, stale or unissued token.
+    fn token_problem(&self, status: StatusCode) -> Option<Problem> {
+        use ClientError as C;
+        Some(match self {
+        C::MissingToken { key } => Problem::new(
+            status,
+            "missing-token",
+            "Fencing token required",
+            format!("this write needs an X-Fence-Token header for resource '{key}'"),
+        )
+        .with("resource_key", key.as_str()),
+        C::MalformedToken(why) => Problem::new(
+            status,
+            "malformed-token",
+            "Malformed fencing token",
+            format!("X-Fence-Token must be 1 to 19 ASCII digits: {why}"),
+        ),
+        C::InvalidJwt(why) => Problem::new(
+            status,
+            "invalid-token",
+            "Invalid fencing token",
+            format!("the X-Fence-Token JWT was refused: {why}"),
+        ),
+        C::JwtForOtherKey {
+            expected,
+            presented,
+        } => Problem::new(
+            status,
+            "token-for-other-resource",
+            "Token for another resource",
+            format!(
+                "the X-Fence-Token JWT was issued for resource '{presented}', not '{expected}'"
+            ),
+        )
+        .with("resource_key", expected.as_str()),
+        C::StaleToken {
+            key,
+            presented,
+            highest,
+        } => Problem::new(
+            status,
+            "stale-token",
+            "Stale fencing token",
+            format!(
+                "token {presented} is lower than {highest}, the highest token recorded for resource '{key}'; the lock was taken over by a newer holder"
+            ),
+        )
+        .with("resource_key", key.as_str())
+        .with("presented_token", *presented)
+        .with("highest_token", *highest),
+        C::UnissuedToken {
+            key,
+            presented,
+            highest_issued,
+        } => Problem::new(
+            status,
+            "unissued-token",
+            "Token never issued",
+            if *highest_issued == 0 {
+                format!(
+                    "the lock API never granted a fence for '{key}', so no token for it was issued, {presented} included: it is refused and not recorded; acquire the lock first"
+                )
+            } else {
+                format!(
+                    "token {presented} is above {highest_issued}, the highest fence the lock API granted for '{key}': it was never issued, so it is refused and not recorded"
+                )
+            },
+        )
+        .with("resource_key", key.as_str())
+        .with("presented_token", *presented)
+        .with("highest_issued", *highest_issued),
+            _ => return None,
+        })
+    }
+
+    /// The problem of an Idempotency-Key the request or its record refuses.
+    fn idempotency_problem(&self, status: StatusCode) -> Option<Problem> {
+        use ClientError as C;
+        Some(match self {
+        C::IdempotencyKey(e @ crate::idempotency::IdempotencyKeyError::Missing) => Problem::new(
+            status,
+            "idempotency-key-missing",
+            "Idempotency-Key required",
+            e.to_string(),
+        ),
+        C::IdempotencyKey(e) => Problem::new(
+            status,
+            "idempotency-key-malformed",
+            "Malformed Idempotency-Key",
+            format!("the Idempotency-Key header {e}"),
+        ),
+        C::IdempotencyReused => Problem::new(
+            status,
+            "idempotency-key-reused",
+            "Idempotency-Key reused",
+            "this Idempotency-Key was used with another request (method, path and query, Content-Type, X-Fence-Token or body differ); use a new key for a new request",
+        ),
+        C::IdempotencyInProgress { retry_after } => Problem::new(
+            status,
+            "idempotency-in-progress",
+            "Request in progress",
+            "the first request with this Idempotency-Key is still being processed; retry later for its answer",
+        )
+        .retry_after(*retry_after),
+        C::IdempotencyOutcomeUnknown => Problem::new(
+            status,
+            "idempotency-outcome-unknown",
+            "Outcome unknown",
+            "the first request with this Idempotency-Key may have reached the upstream, but its answer was not stored; it will not be sent again: read the resource to learn what happened, then decide",
+        ),
+            _ => return None,
+        })
+    }
+}
+
+/// The problem document of a store that could not decide; every one
+/// says to retry (the caller adds `Retry-After`).
+fn store_problem(e: &StoreError, status: StatusCode) -> Problem {
+    match e {
+    StoreError::KeyBusy(waited) => Problem::new(
+        status,
+        "key-busy",
+        "Resource key busy",
+        format!(
+            "an older write to this resource key is still in flight on another instance; waited {} ms (key_lock_wait_ms); nothing was forwarded",
+            waited.as_millis()
+        ),
+    ),
+    StoreError::Late => Problem::new(
+        status,
+        "decision-late",
+        "Decision too late",
+        "the write was admitted, but this instance stalled before it could be forwarded in time (within its in-flight marker, which other instances go by, or within its Idempotency-Key record's time in flight); nothing was forwarded",
+    ),
+    StoreError::ReadOnly(why) => Problem::new(
+        status,
+        "store-unavailable",
+        "Fence store unavailable",
+        format!(
+            "the fence store is read-only ({why}): a failover may be in progress; fenced writes wait for a writable primary; nothing was forwarded"
+        ),
+    ),
+    StoreError::NotOwner => Problem::new(
+        status,
+        "store-unavailable",
+        "Fence store unavailable",
+        "this single-mode instance does not hold the store's single-writer lock on a writable primary (lost with its connection, or during a failover), so it decides no fenced write until it takes the lock again; nothing was forwarded",
+    ),
+    _ => Problem::new(
+        status,
+        "store-unavailable",
+        "Fence store unavailable",
+        "the fence store could not be reached, so the token cannot be checked; nothing was forwarded",
+    ),
     }
 }
 

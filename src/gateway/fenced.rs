@@ -103,7 +103,7 @@ impl FencedWrite {
             };
             let rest = async move {
                 let (forwarded, ended) = write
-                    .decide_keyed_and_forward(&state, peer, first, &answer)
+                    .decide_with_record_and_forward(&state, peer, first, &answer)
                     .await;
                 books.settle(&state, forwarded, &ended);
                 let _ = answer.send(ended);

@@ -13,7 +13,7 @@ use axum::response::Response;
 use super::accounting::Ended;
 use super::detach::ClientPresence;
 use super::error::{ClientError, GatewayError, UpstreamError};
-use super::fence::RecordCheck;
+use super::fence::{Admission, RecordCheck};
 use super::fenced::FencedWrite;
 use super::forward::forward;
 use super::live::GatedRoute;
@@ -82,7 +82,7 @@ impl FencedWrite {
     /// A first use of an `Idempotency-Key`: check the fence and write the
     /// key's record, forward, and store the answer before returning it.
     /// Answers whether the write was forwarded, and the result.
-    pub(super) async fn decide_keyed_and_forward(
+    pub(super) async fn decide_with_record_and_forward(
         mut self: Box<Self>,
         state: &GatewayState,
         peer: Downstream,
@@ -112,8 +112,56 @@ impl FencedWrite {
             }
         }
         let decided = Instant::now();
-        let issued_only = self.route.token == TokenKind::Issued;
         let store_timeout = state.fence.store.timeout();
+        let claimed = self.claim(state, &first, id, store_timeout).await;
+        let Claimed {
+            admission,
+            record_until,
+            expires,
+            attempt,
+        } = match claimed {
+            Ok(c) => c,
+            Err(ended) => return (false, ended),
+        };
+        state.metrics.decision_time.observe(decided.elapsed());
+        let record = Some((record_until, store_timeout));
+        if let Err(e) = self.may_start(&admission, client, record) {
+            // Nothing was sent: the key's record goes.
+            state.forgets.later(id(), attempt, expires);
+            return (false, Err(e));
+        }
+        // Phase: forward, then store the answer before returning it.
+        let result = forward(state, &self.route, self.req, peer, Some(admission)).await;
+        let end = FirstEnd {
+            id: id(),
+            attempt,
+            fingerprint: first.fingerprint,
+            expires,
+        };
+        (
+            true,
+            Box::pin(idempotency_answer(
+                state,
+                &self.route,
+                end,
+                &first.settings,
+                result,
+            ))
+            .await,
+        )
+    }
+
+    /// Claims the key's record together with the fence decision: the
+    /// admission and the record once the fence admits the write, or how
+    /// the request ends (a duplicate told what the record says, a refusal).
+    async fn claim<'a>(
+        &mut self,
+        state: &GatewayState,
+        first: &'a FirstUse,
+        id: impl Fn() -> RecordId<'a>,
+        store_timeout: Duration,
+    ) -> Result<Claimed, Ended> {
+        let issued_only = self.route.token == TokenKind::Issued;
         // A claim that finds a live record whose read then finds none: the
         // record went in between (its own first use was refused before
         // anything was sent and forgot it, or it expired). Nothing holds
@@ -123,12 +171,12 @@ impl FencedWrite {
         let mut claims = 1;
         // Whether a record of a request never sent was taken back (once).
         let mut took_back = false;
-        let (admission, record_until, expires, attempt) = loop {
+        loop {
             let arrival = match self.arrival(state) {
                 Ok(a) => a,
                 Err(e) => {
                     let record = (id(), first.fingerprint);
-                    return (false, Box::pin(unless_recorded(state, record, e)).await);
+                    return Err(Box::pin(unless_recorded(state, record, e)).await);
                 }
             };
             let attempt: i64 = rand::random();
@@ -161,12 +209,12 @@ impl FencedWrite {
                     admission,
                     record_until,
                 }) => {
-                    break (
+                    return Ok(Claimed {
                         admission,
                         record_until,
-                        idempotency::cached_until(begun, lives),
+                        expires: idempotency::cached_until(begun, lives),
                         attempt,
-                    )
+                    })
                 }
                 // A live record of the key: tell what it says. When it is
                 // the record of a request this instance never sent (whose
@@ -177,73 +225,41 @@ impl FencedWrite {
                 // now is 503 again.
                 Ok(RecordCheck::Duplicate) => {
                     match Box::pin(recorded(state, begin.id, &first.fingerprint)).await {
-                        Ok(RecordSays::Ended(ended)) => return (false, ended),
+                        Ok(RecordSays::Ended(ended)) => return Err(ended),
                         Ok(RecordSays::Unsent(unsent)) if !took_back => {
                             took_back = true;
                             if let Err(e) = state.forgets.take_back(begin.id, unsent).await {
-                                return (false, Err(e.into()));
+                                return Err(Err(e.into()));
                             }
                             continue;
                         }
                         Ok(RecordSays::Unsent(_)) => {
                             let e = "the key's record of a request never sent outlived its forget";
-                            return (false, Err(StoreError::Other(e.into()).into()));
+                            return Err(Err(StoreError::Other(e.into()).into()));
                         }
                         Ok(RecordSays::Nothing) if claims < MAX_CLAIMS => {
                             claims += 1;
                             continue;
                         }
                         Ok(RecordSays::Nothing) => {
-                            return (
-                                false,
-                                Err(StoreError::Other(
-                                    "the key's idempotency record vanished twice while it was read"
-                                        .into(),
-                                )
-                                .into()),
-                            )
+                            let e = "the key's idempotency record vanished twice while it was read";
+                            return Err(Err(StoreError::Other(e.into()).into()));
                         }
-                        Err(e) => return (false, Err(e)),
+                        Err(e) => return Err(Err(e)),
                     }
                 }
                 Ok(RecordCheck::Refused(e)) => {
                     let record = (begin.id, first.fingerprint);
-                    return (false, Box::pin(unless_recorded(state, record, e)).await);
+                    return Err(Box::pin(unless_recorded(state, record, e)).await);
                 }
                 Err(e) => {
                     // Nothing was forwarded; the record may have been
                     // written all the same (see `check_with_record`).
                     state.forgets.later(begin.id, attempt, begun + lives);
-                    return (false, Err(e));
+                    return Err(Err(e));
                 }
             }
-        };
-        state.metrics.decision_time.observe(decided.elapsed());
-        let record = Some((record_until, store_timeout));
-        if let Err(e) = self.may_start(&admission, client, record) {
-            // Nothing was sent: the key's record goes.
-            state.forgets.later(id(), attempt, expires);
-            return (false, Err(e));
         }
-        // Phase: forward, then store the answer before returning it.
-        let result = forward(state, &self.route, self.req, peer, Some(admission)).await;
-        let end = FirstEnd {
-            id: id(),
-            attempt,
-            fingerprint: first.fingerprint,
-            expires,
-        };
-        (
-            true,
-            Box::pin(idempotency_answer(
-                state,
-                &self.route,
-                end,
-                &first.settings,
-                result,
-            ))
-            .await,
-        )
     }
 
     pub(super) fn record_id<'a>(&'a self, key: &'a str) -> RecordId<'a> {
@@ -439,6 +455,18 @@ pub(super) async fn idempotency_answer(
 
 /// How often a first use claims its key's record when the live record its
 /// claim found has gone by the time it is read (see
-/// `decide_keyed_and_forward`). The claim after taking back a record of a
+/// `decide_with_record_and_forward`). The claim after taking back a record of a
 /// request never sent does not count.
 pub(super) const MAX_CLAIMS: u32 = 2;
+
+/// A claimed record of a first use: its admission, and what the end of the
+/// write needs of the record.
+struct Claimed {
+    admission: Admission,
+    /// When the record stops being in flight.
+    record_until: Instant,
+    /// A local lower bound of the record's expiry.
+    expires: Instant,
+    /// The record's attempt: what the write's later changes to it match.
+    attempt: i64,
+}
