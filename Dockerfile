@@ -22,7 +22,7 @@ RUN mkdir src benches crates/fencegate-client/src \
     && echo 'fn main() {}' > src/main.rs \
     && touch src/lib.rs crates/fencegate-client/src/lib.rs \
     && echo 'fn main() {}' > benches/hot_paths.rs \
-    && cargo build --release --locked \
+    && cargo build --profile dist --locked \
     && rm -rf src crates/fencegate-client/src
 
 # 2. The real sources. Migrations are embedded at compile time, so they are
@@ -34,13 +34,13 @@ COPY crates ./crates
 COPY migrations ./migrations
 # The OpenAPI document is compiled in (admin GET /openapi.json).
 COPY docs/openapi.json ./docs/openapi.json
-RUN rm -rf target/release/.fingerprint/fencegate-* \
-        target/release/deps/fencegate-* \
-        target/release/deps/libfencegate-* \
-        target/release/deps/fencegate_client-* \
-        target/release/deps/libfencegate_client-* \
-    && cargo build --release --locked \
-    && cp target/release/fencegate /usr/local/bin/fencegate
+RUN rm -rf target/dist/.fingerprint/fencegate-* \
+        target/dist/deps/fencegate-* \
+        target/dist/deps/libfencegate-* \
+        target/dist/deps/fencegate_client-* \
+        target/dist/deps/libfencegate_client-* \
+    && cargo build --profile dist --locked \
+    && cp target/dist/fencegate /usr/local/bin/fencegate
 
 # ---------------------------------------------------------------- runtime ---
 FROM debian:bookworm-slim AS runtime

@@ -10,7 +10,7 @@
 # three proxies in turn, each round in a new order; per run, req/s and CPU per
 # request by process (util.py split), and the host's steal and the longest
 # late wake-up (util.py pulse). Then each proxy's median req/s and its ratio
-# to nginx's. FENCEGATE defaults to target/release/fencegate (built if
+# to nginx's. FENCEGATE defaults to target/dist/fencegate (built if
 # missing). Needs nginx and wrk.
 set -euo pipefail
 
@@ -29,9 +29,9 @@ while [ $# -gt 0 ]; do
         *) break ;;
     esac
 done
-FG_BIN="${1:-$REPO/target/release/fencegate}"
+FG_BIN="${1:-$REPO/target/dist/fencegate}"
 if [ ! -x "$FG_BIN" ]; then
-    (cd "$REPO" && cargo build --release --locked >&2)
+    (cd "$REPO" && cargo build --profile dist --locked >&2)
 fi
 (cd "$REPO/bench/floor" && cargo build --release --quiet >&2)
 FLOOR_BIN="$REPO/bench/floor/target/release/floor"

@@ -46,7 +46,7 @@
 #      cpu-clock -g` (software clock: works in VMs without PMU access),
 #      reported as the kernel/user split and the top user-space symbols.
 #
-# BINARY defaults to a release build with line tables (built into
+# BINARY defaults to a dist build with line tables (built into
 # target/profile-build), so perf can name inlined frames. Needs perf
 # (Debian: linux-perf), nginx and wrk. Raw outputs stay in the printed
 # temp dir.
@@ -71,10 +71,10 @@ while [ $# -gt 0 ]; do
 done
 BIN="${1:-}"
 if [ -z "$BIN" ]; then
-    echo "building release with line tables into target/profile-build" >&2
-    (cd "$REPO" && CARGO_PROFILE_RELEASE_DEBUG=line-tables-only \
-        cargo build --release --target-dir target/profile-build >&2)
-    BIN="$REPO/target/profile-build/release/fencegate"
+    echo "building dist with line tables into target/profile-build" >&2
+    (cd "$REPO" && CARGO_PROFILE_DIST_DEBUG=line-tables-only \
+        cargo build --profile dist --target-dir target/profile-build >&2)
+    BIN="$REPO/target/profile-build/dist/fencegate"
 fi
 
 if [ "$SCENARIO" = instructions ]; then

@@ -658,7 +658,7 @@ def markdown(res, svg_link):
         "```",
         "",
         "The script installs what is missing (`apt-get install nginx wrk postgresql-client`, "
-        "`cargo install oha --locked`), builds `cargo build --release` and `bench/pace`, starts nginx and "
+        "`cargo install oha --locked`), builds `cargo build --profile dist` and `bench/pace`, starts nginx and "
         "fencegate on free 127.0.0.1 ports in a temp dir, creates and drops the database "
         "`fg_bench_<pid>`, and cleans everything up on exit. Stop other work on the machine "
         "first: a parallel build or test run shows up directly in these numbers.",

@@ -101,9 +101,9 @@ LOADAVG_START="$(cut -d' ' -f1-3 /proc/loadavg)"
 # ---------------------------------------------------------------------------
 # Build
 # ---------------------------------------------------------------------------
-log "cargo build --release"
-cargo build --release >&2
-FG="$REPO/target/release/fencegate"
+log "cargo build --profile dist"
+cargo build --profile dist >&2
+FG="$REPO/target/dist/fencegate"
 [ -x "$FG" ] || die "$FG was not built"
 log "building bench/pace (the open-loop latency runs)"
 (cd "$BENCH/pace" && cargo build --release --locked --quiet >&2)

@@ -1,9 +1,12 @@
 //! Databases for tests: a fresh Postgres database per test on the shared
-//! server (or `DATABASE_URL`), or a SQLite file in a temp dir.
+//! server (`DATABASE_URL`, or see [`shared_servers`]), or a SQLite file in a
+//! temp dir.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use sqlx::{Connection, PgConnection};
+
+use super::shared_servers;
 
 /// Which fence store a test runs against.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -12,10 +15,11 @@ pub enum Backend {
     Postgres,
 }
 
-/// The server that tests create their databases on.
+/// The server that tests create their databases on: `DATABASE_URL`, by
+/// default user postgres on 127.0.0.1:5432, or the tests' own when nothing
+/// answers there.
 pub fn admin_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_string())
+    shared_servers::POSTGRES.url()
 }
 
 /// The single-writer lock's first key (`classid` in `pg_locks`, "FGAT");
@@ -83,8 +87,9 @@ async fn connect_admin() -> PgConnection {
         Ok(c) => c,
         Err(e) => panic!(
             "cannot reach Postgres at {url}: {e}\n\
-             Start it with: pg_ctlcluster --skip-systemctl-redirect $(ls /etc/postgresql) main start\n\
-             (or point DATABASE_URL at a Postgres server where this user may CREATE DATABASE)"
+             point DATABASE_URL at a Postgres server where this user may CREATE DATABASE, \
+             or unset it: with nothing answering on 127.0.0.1:5432 the tests start a \
+             Postgres of their own (Debian's postgresql package)"
         ),
     }
 }

@@ -14,6 +14,7 @@ pub mod redis;
 pub mod reply_loss;
 pub mod sessions;
 pub mod setups;
+pub mod shared_servers;
 pub mod upstream;
 
 /// One test per fence store of the case `$case(Backend)`, under the names

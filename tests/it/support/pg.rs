@@ -1,12 +1,21 @@
 //! A private Postgres server, for tests that stop, restart, replicate and
-//! promote it. Never the shared one.
+//! promote it; and the one the tests share when no other answers
+//! ([`PrivatePg::start_for_the_run`]).
 //!
 //! Every server is stopped when its `PrivatePg` is dropped, also when a test
-//! panics (`pg_ctl stop -m immediate`), and its data directory removed.
+//! panics (`pg_ctl stop -m immediate`), and its data directory removed; the
+//! shared one, once the test process has exited.
 
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::{Duration, Instant};
+
+use super::shared_servers;
+
+/// initdb's options of every server here but a standby's.
+const INITDB: &[&str] = &["--auth=trust", "-E", "UTF8"];
+
+const STOP_IMMEDIATE: &[&str] = &["-m", "immediate", "-w", "stop"];
 
 pub struct PrivatePg {
     pub port: u16,
@@ -37,21 +46,26 @@ pub fn free_port() -> u16 {
         .expect("free port")
 }
 
-/// Runs a Postgres tool as the `postgres` user (initdb refuses root).
-fn as_postgres(bin: &std::path::Path, tool: &str, args: &[&str]) -> std::process::Output {
+/// A Postgres tool to run as the `postgres` user (initdb refuses root).
+fn postgres_tool(bin: &std::path::Path, tool: &str) -> Command {
     assert!(
         bin.join(tool).exists(),
         "{tool} is missing from {}: apt-get install postgresql",
         bin.display()
     );
     let is_root = unsafe { libc::geteuid() } == 0;
-    let mut cmd = if is_root {
+    if is_root {
         let mut c = Command::new("runuser");
         c.args(["-u", "postgres", "--"]).arg(bin.join(tool));
         c
     } else {
         Command::new(bin.join(tool))
-    };
+    }
+}
+
+/// Runs a Postgres tool as the `postgres` user.
+fn as_postgres(bin: &std::path::Path, tool: &str, args: &[&str]) -> std::process::Output {
+    let mut cmd = postgres_tool(bin, tool);
     cmd.args(args).output().unwrap_or_else(|e| {
         panic!(
             "run {tool}: {e} (running as root needs runuser, from util-linux, and a postgres user)"
@@ -83,10 +97,24 @@ impl PrivatePg {
 
     /// A server with `settings` (name, value) added to its postgresql.conf.
     pub fn start_with(settings: &[(&str, &str)]) -> PrivatePg {
-        let pg = Self::new_data(pg_bin(), "initdb", &["--auth=trust", "-E", "UTF8"]);
+        let pg = Self::new_data(pg_bin(), "initdb", INITDB);
         pg.configure(settings);
         pg.start_again();
         pg
+    }
+
+    /// A server for the rest of this process, which its tests share
+    /// (see [`shared_servers`]); returns its URL. No guard stops it: the
+    /// watchdog armed before it starts does, once the process has exited,
+    /// and removes its files.
+    pub fn start_for_the_run() -> String {
+        let pg = Self::new_data(pg_bin(), "initdb", INITDB);
+        shared_servers::at_exit(&pg.stop_immediate_command(), pg._dir.path());
+        pg.start_again();
+        let url = pg.url();
+        // Its Drop would stop it now.
+        std::mem::forget(pg);
+        url
     }
 
     /// A streaming standby of `primary`, made with `pg_basebackup -R` and
@@ -209,7 +237,14 @@ impl PrivatePg {
 
     /// A crash: `pg_ctl stop -m immediate`.
     pub fn stop_immediate(&self) {
-        let _ = self.pg_ctl(&["-m", "immediate", "-w", "stop"]);
+        let _ = self.pg_ctl(STOP_IMMEDIATE);
+    }
+
+    /// `stop_immediate`'s command, for a watchdog to run.
+    fn stop_immediate_command(&self) -> Command {
+        let mut cmd = postgres_tool(&self.bin, "pg_ctl");
+        cmd.arg("-D").arg(&self.data).args(STOP_IMMEDIATE);
+        cmd
     }
 
     /// `pg_ctl` with `args` on this server's data directory.

@@ -1,11 +1,13 @@
-//! Redis for tests: the shared server (`REDIS_URL`, for tests that only
-//! use unique lock names), or a private `redis-server` child process (for
-//! tests that FLUSHALL, stop, pause, restart, replicate or promote it), a
-//! private Sentinel group ([`SentinelGroup`]), and a TCP proxy the test
-//! switches from one server to another ([`SwitchProxy`], a VIP's stand-in).
+//! Redis for tests: the shared server (`REDIS_URL`, or see
+//! [`shared_servers`], for tests that only use unique lock names), or a
+//! private `redis-server` child process (for tests that FLUSHALL, stop,
+//! pause, restart, replicate or promote it), a private Sentinel group
+//! ([`SentinelGroup`]), and a TCP proxy the test switches from one server to
+//! another ([`SwitchProxy`], a VIP's stand-in).
 //!
 //! Every process here is a child killed by its guard's `Drop`, so a failing
-//! test leaves none behind; every wait is bounded.
+//! test leaves none behind, but for the shared server when the tests started
+//! it, killed once the test process has exited; every wait is bounded.
 
 use std::net::TcpListener;
 use std::path::Path;
@@ -15,10 +17,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::sessions::Sessions;
+use super::shared_servers;
 
-/// The shared Redis: `REDIS_URL`, by default `redis://127.0.0.1:6379`.
+/// The shared Redis: `REDIS_URL`, by default `redis://127.0.0.1:6379`, or
+/// the tests' own when nothing answers there.
 pub fn shared_redis_url() -> String {
-    std::env::var("REDIS_URL").unwrap_or_else(|_| "redis://127.0.0.1:6379".to_string())
+    shared_servers::REDIS.url()
 }
 
 /// The shared Redis's URL, after checking that it answers PING.
@@ -27,9 +31,8 @@ pub fn require_shared_redis() -> String {
     if let Err(e) = ping(&url, Duration::from_secs(2)) {
         panic!(
             "cannot reach the shared Redis at {url}: {e}\n\
-             start it with: redis-server --daemonize yes --bind 127.0.0.1 -::1 --port 6379 \
-             --save \"\" --appendonly no --dir /var/lib/redis --logfile /var/log/redis/ci.log\n\
-             (or point REDIS_URL at a Redis server)"
+             point REDIS_URL at a Redis server, or unset it: with nothing answering on \
+             127.0.0.1:6379 the tests start a Redis of their own (Debian's redis-server package)"
         );
     }
     url
@@ -100,6 +103,21 @@ impl PrivateRedis {
             }
         }
         panic!("redis-server did not start: {last}");
+    }
+
+    /// A server for the rest of this process, which its tests share (see
+    /// [`shared_servers`]); returns its URL. No guard kills it: a watchdog
+    /// does, once the process has exited, and removes its directory.
+    pub fn start_for_the_run() -> String {
+        let redis = Self::start();
+        let pid = redis.child.as_ref().expect("a started server").id();
+        let mut kill = Command::new("kill");
+        kill.args(["-KILL", &pid.to_string()]);
+        shared_servers::at_exit(&kill, redis.dir.path());
+        let url = redis.url();
+        // Its Drop would kill it now.
+        std::mem::forget(redis);
+        url
     }
 
     /// A replica of `master` (`--replicaof`), once its link to the master
