@@ -82,24 +82,11 @@ pub(super) fn account(
                 Ok(_) => Some(Outcome::Replayed),
                 Err(e) => refusal_outcome(e),
             };
-            if with_idempotency_key {
-                let idem = match result {
-                    _ if forwarded => Some(IdempotencyOutcome::First),
-                    Ok(_) => Some(IdempotencyOutcome::Replayed),
-                    Err(GatewayError::Client(ClientError::IdempotencyReused)) => {
-                        Some(IdempotencyOutcome::Reused)
-                    }
-                    Err(GatewayError::Client(ClientError::IdempotencyInProgress { .. })) => {
-                        Some(IdempotencyOutcome::InProgress)
-                    }
-                    Err(GatewayError::Client(ClientError::IdempotencyOutcomeUnknown)) => {
-                        Some(IdempotencyOutcome::OutcomeUnknown)
-                    }
-                    Err(_) => None,
-                };
-                if let Some(o) = idem {
-                    route.metrics.idempotency(o);
-                }
+            if let Some(o) = with_idempotency_key
+                .then(|| idempotency_outcome(forwarded, result))
+                .flatten()
+            {
+                route.metrics.idempotency(o);
             }
             decided = outcome;
             if let Some(outcome) = outcome {
@@ -149,6 +136,33 @@ pub(super) fn account(
         path: path.unwrap_or_default(),
     };
     state.refusals.note(seen, e);
+    log_failure(e);
+}
+
+/// The Idempotency-Key outcome of a fenced write with a key, when it has
+/// one (a refusal of the fence has none).
+fn idempotency_outcome(
+    forwarded: bool,
+    result: &Result<Response, GatewayError>,
+) -> Option<IdempotencyOutcome> {
+    match result {
+        _ if forwarded => Some(IdempotencyOutcome::First),
+        Ok(_) => Some(IdempotencyOutcome::Replayed),
+        Err(GatewayError::Client(ClientError::IdempotencyReused)) => {
+            Some(IdempotencyOutcome::Reused)
+        }
+        Err(GatewayError::Client(ClientError::IdempotencyInProgress { .. })) => {
+            Some(IdempotencyOutcome::InProgress)
+        }
+        Err(GatewayError::Client(ClientError::IdempotencyOutcomeUnknown)) => {
+            Some(IdempotencyOutcome::OutcomeUnknown)
+        }
+        Err(_) => None,
+    }
+}
+
+/// The log line of a request that failed: at the level its cause deserves.
+fn log_failure(e: &GatewayError) {
     match e {
         GatewayError::Store(err @ crate::store::StoreError::KeyBusy(_)) => {
             tracing::info!(error = %err, "resource key busy; answering 503")

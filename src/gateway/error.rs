@@ -448,23 +448,7 @@ impl ClientError {
             "Request body too large",
             format!("the request body exceeds the limit of {limit} bytes"),
         ),
-        C::Head(e) => {
-            use crate::http1::server::HeadError as H;
-            let (kind, title) = match e {
-                H::TooLarge => ("head-too-large", "Request head too large"),
-                H::Timeout => ("head-timeout", "Request head too slow"),
-                H::UnsupportedCoding => {
-                    ("unsupported-coding", "Unsupported transfer coding")
-                }
-                H::Malformed
-                | H::Length
-                | H::Coding
-                | H::Host
-                | H::BareLf
-                | H::Chunked(_) => ("bad-request", "Bad request"),
-            };
-            Problem::new(status, kind, title, e.to_string())
-        }
+        C::Head(e) => head_problem(e, status),
         C::BadRequest(why) => {
             Problem::new(status, "bad-request", "Bad request", *why)
         }
@@ -624,6 +608,20 @@ impl ClientError {
             _ => return None,
         })
     }
+}
+
+/// The problem document of a request head the server refused.
+fn head_problem(e: &crate::http1::server::HeadError, status: StatusCode) -> Problem {
+    use crate::http1::server::HeadError as H;
+    let (kind, title) = match e {
+        H::TooLarge => ("head-too-large", "Request head too large"),
+        H::Timeout => ("head-timeout", "Request head too slow"),
+        H::UnsupportedCoding => ("unsupported-coding", "Unsupported transfer coding"),
+        H::Malformed | H::Length | H::Coding | H::Host | H::BareLf | H::Chunked(_) => {
+            ("bad-request", "Bad request")
+        }
+    };
+    Problem::new(status, kind, title, e.to_string())
 }
 
 /// The problem document of a store that could not decide; every one

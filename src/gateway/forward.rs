@@ -82,42 +82,50 @@ pub(super) async fn forward(
             let body = Body::new(RelayBody::new(body, exchange));
             Ok(Response::from_parts(parts, body))
         }
-        Ok(Err(e)) => {
-            // Nothing sent (the connection or its TLS handshake failed): the
-            // key may open. Anything else: the upstream may have received
-            // part or all of the request and be working on it; dropping the
-            // exchange keeps the key closed to other tokens until the
-            // deadline.
-            if e.nothing_sent() {
-                if let Some(x) = &exchange {
-                    x.not_sent();
-                }
-            }
-            drop(exchange);
-            if outcome.as_ref().is_some_and(BodyOutcome::too_large) {
-                // Already counted as `forwarded`: the upstream saw the start
-                // of the body before it was cut off.
-                return Err(ClientError::BodyTooLarge {
-                    limit: state.max_body_bytes,
-                }
-                .into());
-            }
-            if outcome.as_ref().is_some_and(BodyOutcome::client_failed) {
-                return Err(
-                    ClientError::BadRequest("the client broke off the request body").into(),
-                );
-            }
-            Err(UpstreamError::Unreachable {
-                route: route.name.clone(),
-                detail: e.to_string(),
-                sent: !e.nothing_sent(),
-            }
-            .into())
-        }
+        Ok(Err(e)) => Err(failed(state, route, e, exchange, outcome.as_ref())),
         Err(_) => Err(UpstreamError::Timeout {
             route: route.name.clone(),
             timeout: route.timeout,
         }
         .into()),
     }
+}
+
+/// What a forward that failed before its answer's head came ends in; a
+/// fenced write's exchange is told whether anything was sent.
+fn failed(
+    state: &GatewayState,
+    route: &GatedRoute,
+    e: crate::http1::client::SendError,
+    exchange: Option<Arc<Exchange>>,
+    outcome: Option<&BodyOutcome>,
+) -> GatewayError {
+    // Nothing sent (the connection or its TLS handshake failed): the
+    // key may open. Anything else: the upstream may have received
+    // part or all of the request and be working on it; dropping the
+    // exchange keeps the key closed to other tokens until the
+    // deadline.
+    if e.nothing_sent() {
+        if let Some(x) = &exchange {
+            x.not_sent();
+        }
+    }
+    drop(exchange);
+    if outcome.is_some_and(BodyOutcome::too_large) {
+        // Already counted as `forwarded`: the upstream saw the start
+        // of the body before it was cut off.
+        return ClientError::BodyTooLarge {
+            limit: state.max_body_bytes,
+        }
+        .into();
+    }
+    if outcome.is_some_and(BodyOutcome::client_failed) {
+        return ClientError::BadRequest("the client broke off the request body").into();
+    }
+    UpstreamError::Unreachable {
+        route: route.name.clone(),
+        detail: e.to_string(),
+        sent: !e.nothing_sent(),
+    }
+    .into()
 }

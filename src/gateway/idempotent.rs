@@ -216,36 +216,14 @@ impl FencedWrite {
                         attempt,
                     })
                 }
-                // A live record of the key: tell what it says. When it is
-                // the record of a request this instance never sent (whose
-                // client was told 503) and is forgetting, it is forgotten
-                // now and the key claimed again, once: the client's retry
-                // is the key's first use, not "in progress" until the
-                // background forget lands. A store that cannot forget it
-                // now is 503 again.
                 Ok(RecordCheck::Duplicate) => {
-                    match Box::pin(recorded(state, begin.id, &first.fingerprint)).await {
-                        Ok(RecordSays::Ended(ended)) => return Err(ended),
-                        Ok(RecordSays::Unsent(unsent)) if !took_back => {
-                            took_back = true;
-                            if let Err(e) = state.forgets.take_back(begin.id, unsent).await {
-                                return Err(Err(e.into()));
-                            }
-                            continue;
-                        }
-                        Ok(RecordSays::Unsent(_)) => {
-                            let e = "the key's record of a request never sent outlived its forget";
-                            return Err(Err(StoreError::Other(e.into()).into()));
-                        }
-                        Ok(RecordSays::Nothing) if claims < MAX_CLAIMS => {
-                            claims += 1;
-                            continue;
-                        }
-                        Ok(RecordSays::Nothing) => {
-                            let e = "the key's idempotency record vanished twice while it was read";
-                            return Err(Err(StoreError::Other(e.into()).into()));
-                        }
-                        Err(e) => return Err(Err(e)),
+                    let again = Again {
+                        claims: &mut claims,
+                        took_back: &mut took_back,
+                    };
+                    if let Some(ended) = duplicate(state, begin.id, &first.fingerprint, again).await
+                    {
+                        return Err(ended);
                     }
                 }
                 Ok(RecordCheck::Refused(e)) => {
@@ -277,6 +255,50 @@ pub(super) struct FirstUse {
     pub(super) settings: crate::config::IdempotencySettings,
     pub(super) key: String,
     pub(super) fingerprint: [u8; 32],
+}
+
+/// Whether a claim may be made again, and what was tried already.
+struct Again<'a> {
+    /// Claims made for this request.
+    claims: &'a mut u32,
+    /// Whether a record of a request never sent was taken back (once).
+    took_back: &'a mut bool,
+}
+
+/// A claim found a live record of the key: how the request ends, as the
+/// record says; `None` to claim the key again. When it is the record of a
+/// request this instance never sent (whose client was told 503) and is
+/// forgetting, it is forgotten now and the key claimed again, once: the
+/// client's retry is the key's first use, not "in progress" until the
+/// background forget lands. A store that cannot forget it now is 503
+/// again.
+async fn duplicate(
+    state: &GatewayState,
+    id: RecordId<'_>,
+    fingerprint: &[u8; 32],
+    again: Again<'_>,
+) -> Option<Ended> {
+    match Box::pin(recorded(state, id, fingerprint)).await {
+        Ok(RecordSays::Ended(ended)) => Some(ended),
+        Ok(RecordSays::Unsent(unsent)) if !*again.took_back => {
+            *again.took_back = true;
+            let taken = state.forgets.take_back(id, unsent).await;
+            taken.err().map(|e| Err(e.into()))
+        }
+        Ok(RecordSays::Unsent(_)) => {
+            let e = "the key's record of a request never sent outlived its forget";
+            Some(Err(StoreError::Other(e.into()).into()))
+        }
+        Ok(RecordSays::Nothing) if *again.claims < MAX_CLAIMS => {
+            *again.claims += 1;
+            None
+        }
+        Ok(RecordSays::Nothing) => {
+            let e = "the key's idempotency record vanished twice while it was read";
+            Some(Err(StoreError::Other(e.into()).into()))
+        }
+        Err(e) => Some(Err(e)),
+    }
 }
 
 /// What a key's record says to a request ([`recorded`]).
