@@ -94,28 +94,7 @@ impl Application {
         };
         let store = FenceStore::open(&config.store).await?;
         let metrics = Metrics::new();
-        let mut fence = Fence::new(store.clone(), config.store.cache_keys);
-        let longest = config
-            .routes
-            .iter()
-            .map(|r| r.timeout)
-            .max()
-            .unwrap_or_default();
-        if let Some(recorded) = store.begin_run(longest).await? {
-            // The previous single-mode instance crashed (or lost the store
-            // in a failover and has not stopped): its forwards may still
-            // reach the upstream until its longest route timeout (the one
-            // it recorded, which a new config cannot shorten), and it may
-            // have admitted writes until its lease on the lock ran out
-            // after its last confirmation (see `store::OWNER_LEASE`).
-            let wait =
-                longest.max(recorded) + std::time::Duration::from_secs(1) + store.writer_lease();
-            tracing::warn!(
-                wait_ms = wait.as_millis() as u64,
-                "the previous instance on this store did not stop cleanly; fenced writes wait until its writes can no longer arrive"
-            );
-            fence = fence.with_quarantine(std::time::Instant::now() + wait);
-        }
+        let fence = open_fence(&config, &store).await?;
         let mut tasks: Vec<tokio::task::JoinHandle<()>> =
             fence.watch_resets().into_iter().collect();
         // Expired Idempotency-Key records go, on every instance and whether
@@ -392,6 +371,33 @@ impl Stop {
     fn now(&self) {
         self.0.send_replace(true);
     }
+}
+
+/// The fence on `store`, held back after an unclean stop of the previous
+/// instance until that instance's writes can no longer arrive.
+async fn open_fence(config: &Config, store: &FenceStore) -> Result<Fence, StartError> {
+    let mut fence = Fence::new(store.clone(), config.store.cache_keys);
+    let longest = config
+        .routes
+        .iter()
+        .map(|r| r.timeout)
+        .max()
+        .unwrap_or_default();
+    if let Some(recorded) = store.begin_run(longest).await? {
+        // The previous single-mode instance crashed (or lost the store
+        // in a failover and has not stopped): its forwards may still
+        // reach the upstream until its longest route timeout (the one
+        // it recorded, which a new config cannot shorten), and it may
+        // have admitted writes until its lease on the lock ran out
+        // after its last confirmation (see `store::OWNER_LEASE`).
+        let wait = longest.max(recorded) + std::time::Duration::from_secs(1) + store.writer_lease();
+        tracing::warn!(
+            wait_ms = wait.as_millis() as u64,
+            "the previous instance on this store did not stop cleanly; fenced writes wait until its writes can no longer arrive"
+        );
+        fence = fence.with_quarantine(std::time::Instant::now() + wait);
+    }
+    Ok(fence)
 }
 
 /// Builds the lock service for the configured backend.

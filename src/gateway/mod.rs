@@ -202,16 +202,7 @@ fn admit(
     // Phase: match route.
     let (route, captures) = match match_route(&live.routes, req.uri().path()) {
         Ok(m) => m,
-        Err(e) => {
-            // A write no route matches may well be an odd spelling of a
-            // fenced resource (`/docs//x` for `/docs/{id}`): say so.
-            let write = !is_safe(req.method());
-            let strict = live.routes.iter().any(|r| r.paths == PathsMode::Strict);
-            if let (true, true, Some(why)) = (write, strict, routing::ambiguity(req.uri().path())) {
-                return refused(None, false, ClientError::AmbiguousPath(why).into());
-            }
-            return refused(None, false, e);
-        }
+        Err(e) => return refused(None, false, unmatched(live, &req, e)),
     };
     // Phase: framing and size, before anything touches the store; then
     // the headers the gateway relies on, which must reach the upstream as
@@ -234,21 +225,9 @@ fn admit(
         }
         return Admitted::PassThrough { route, req };
     }
-    // Phase: resource key. Only fenced writes need it, and only for them
-    // does a path spelling that could name another resource matter.
-    if route.paths == PathsMode::Strict {
-        if let Some(why) = routing::ambiguity(req.uri().path()) {
-            return refused(Some(&route), true, ClientError::AmbiguousPath(why).into());
-        }
-    }
-    let source = routing::KeySource {
-        captures: &captures,
-        query: req.uri().query(),
-        headers: req.headers(),
-    };
-    let key = match route.key.render(&source) {
+    let key = match resource_key(&route, &captures, &req) {
         Ok(k) => k,
-        Err(e) => return refused(Some(&route), true, ClientError::from(e).into()),
+        Err(e) => return refused(Some(&route), true, e),
     };
     // Phase: read token.
     if let Some(a) = access.as_mut() {
@@ -338,6 +317,41 @@ fn read_token(
             }
         }
     }
+}
+
+/// Why no route matched: a write no route matches may well be an odd
+/// spelling of a fenced resource (`/docs//x` for `/docs/{id}`), and then
+/// the answer says so.
+fn unmatched(live: &Live, req: &Request<Body>, e: GatewayError) -> GatewayError {
+    let write = !is_safe(req.method());
+    let strict = live.routes.iter().any(|r| r.paths == PathsMode::Strict);
+    match (write, strict, routing::ambiguity(req.uri().path())) {
+        (true, true, Some(why)) => ClientError::AmbiguousPath(why).into(),
+        _ => e,
+    }
+}
+
+/// Phase: resource key. Only fenced writes need it, and only for them
+/// does a path spelling that could name another resource matter.
+fn resource_key(
+    route: &Route,
+    captures: &routing::Captures,
+    req: &Request<Body>,
+) -> Result<String, GatewayError> {
+    if route.paths == PathsMode::Strict {
+        if let Some(why) = routing::ambiguity(req.uri().path()) {
+            return Err(ClientError::AmbiguousPath(why).into());
+        }
+    }
+    let source = routing::KeySource {
+        captures,
+        query: req.uri().query(),
+        headers: req.headers(),
+    };
+    route
+        .key
+        .render(&source)
+        .map_err(|e| ClientError::from(e).into())
 }
 
 /// Phase: find the first route whose pattern matches, and its resource key.
