@@ -609,151 +609,212 @@ impl Validator<'_> {
         let mut names = HashSet::new();
         let mut routes = Vec::new();
         for (i, r) in raw.into_iter().enumerate() {
-            let at = |k: &str| format!("routes[{i}].{k}");
-            let name = match r.name {
-                Some(n) if !n.trim().is_empty() => n,
-                Some(_) => {
-                    self.problem(at("name"), "must not be empty");
-                    String::new()
-                }
-                None => {
-                    self.problem(at("name"), "missing: every route needs a name");
-                    String::new()
-                }
-            };
-            if !name.is_empty() && !names.insert(name.clone()) {
-                self.problem(at("name"), format!("duplicate route name '{name}'"));
-            }
-            let path = r.path.unwrap_or_default();
-            let key_case = self.choice(
-                &at("key_case"),
-                r.key_case,
-                "a key case",
-                "\"preserve\" or \"lower\"",
-                KeyCase::Preserve,
-            );
-            let paths = self.choice(
-                &at("paths"),
-                r.paths,
-                "a path policy",
-                "\"strict\" or \"as-is\"",
-                PathsMode::Strict,
-            );
-            let pattern = if path.is_empty() {
-                self.problem(at("path"), "missing: every route needs a path pattern");
-                None
-            } else if is_reserved(&path) {
-                self.problem(
-                    at("path"),
-                    format!(
-                        "'{path}' is under {RESERVED_PREFIX}/, which is reserved for the gateway"
-                    ),
-                );
-                None
-            } else {
-                match PathPattern::parse(&path) {
-                    Ok(p) if key_case == KeyCase::Lower => Some(p.ignoring_case()),
-                    Ok(p) => Some(p),
-                    Err(why) => {
-                        self.problem(at("path"), format!("'{path}' {why}"));
-                        None
-                    }
-                }
-            };
-            let key = match (&r.key, &pattern) {
-                (None, _) => {
-                    self.problem(
-                        at("key"),
-                        "missing: every route needs a resource key template",
-                    );
-                    None
-                }
-                (Some(k), Some(p)) => match KeyTemplate::parse(k, p) {
-                    Ok(t) if key_case == KeyCase::Lower => Some(t.lower_cased()),
-                    Ok(t) => Some(t),
-                    Err(why) => {
-                        self.problem(at("key"), format!("'{k}' {why}"));
-                        None
-                    }
-                },
-                (Some(_), None) => None,
-            };
-            let ca = r.upstream_ca_file.map(|p| relative_to(&base, &p));
-            let upstream = match r.upstream.as_deref() {
-                None => {
-                    self.problem(at("upstream"), "missing: every route needs an upstream URL");
-                    None
-                }
-                Some(u) => match Upstream::parse(u, ca.as_deref()) {
-                    Ok(up) => Some(up),
-                    Err(why) => {
-                        self.problem(at("upstream"), format!("'{u}' {why}"));
-                        None
-                    }
-                },
-            };
-            let mut fenced = Vec::new();
-            for m in &r.methods {
-                match Method::from_bytes(m.as_bytes()) {
-                    Ok(method) if m.bytes().all(|b| b.is_ascii_uppercase()) => {
-                        if !fenced.contains(&method) {
-                            fenced.push(method)
-                        }
-                    }
-                    _ => self.problem(
-                        at("methods"),
-                        format!("'{m}' is not an HTTP method in upper case, like \"PUT\""),
-                    ),
-                }
-            }
-            if r.methods.is_empty() {
-                self.problem(at("methods"), "must list at least one fenced method");
-            }
-            let token = self.choice(
-                &at("token"),
-                r.token,
-                "a token kind",
-                "\"integer\", \"jwt\" or \"issued\"",
-                TokenKind::Integer,
-            );
-            let timeout =
-                Duration::from_millis(self.positive(&at("timeout_ms"), r.timeout_ms, 3_600_000));
-            let policy = self.choice(
-                &at("idempotency"),
-                r.idempotency,
-                "an idempotency policy",
-                "\"off\", \"optional\" or \"required\"",
-                IdempotencyPolicy::Off,
-            );
-            // A key is remembered for at most 30 days; an answer stored is
-            // at most 64 MiB.
-            let ttl_s = self.positive(&at("idempotency_ttl_s"), r.idempotency_ttl_s, 30 * 86_400);
-            let max_answer = self.positive(
-                &at("idempotency_max_response_bytes"),
-                r.idempotency_max_response_bytes,
-                64 * 1024 * 1024,
-            );
-            let idempotency = (policy != IdempotencyPolicy::Off).then(|| IdempotencySettings {
-                required: policy == IdempotencyPolicy::Required,
-                ttl: Duration::from_secs(ttl_s),
-                max_response_bytes: max_answer as usize,
-            });
-            if let (Some(pattern), Some(key), Some(upstream)) = (pattern, key, upstream) {
-                routes.push(Route {
-                    name,
-                    path,
-                    pattern,
-                    key,
-                    upstream,
-                    fenced_methods: fenced,
-                    token,
-                    paths,
-                    idempotency,
-                    timeout,
-                });
+            if let Some(route) = self.route(&base, i, r, &mut names) {
+                routes.push(route);
             }
         }
         routes
+    }
+
+    /// `routes[i]`, when it has every part a route needs; its problems
+    /// are collected either way.
+    fn route(
+        &mut self,
+        base: &Path,
+        i: usize,
+        r: RawRoute,
+        names: &mut HashSet<String>,
+    ) -> Option<Route> {
+        let at = |k: &str| format!("routes[{i}].{k}");
+        let name = self.route_name(i, r.name, names);
+        let path = r.path.unwrap_or_default();
+        let key_case = self.choice(
+            &at("key_case"),
+            r.key_case,
+            "a key case",
+            "\"preserve\" or \"lower\"",
+            KeyCase::Preserve,
+        );
+        let paths = self.choice(
+            &at("paths"),
+            r.paths,
+            "a path policy",
+            "\"strict\" or \"as-is\"",
+            PathsMode::Strict,
+        );
+        let pattern = self.route_pattern(i, &path, key_case);
+        let key = self.route_key(i, r.key.as_deref(), pattern.as_ref(), key_case);
+        let ca = r.upstream_ca_file.map(|p| relative_to(base, &p));
+        let upstream = match r.upstream.as_deref() {
+            None => {
+                self.problem(at("upstream"), "missing: every route needs an upstream URL");
+                None
+            }
+            Some(u) => match Upstream::parse(u, ca.as_deref()) {
+                Ok(up) => Some(up),
+                Err(why) => {
+                    self.problem(at("upstream"), format!("'{u}' {why}"));
+                    None
+                }
+            },
+        };
+        let fenced = self.route_methods(i, &r.methods);
+        let token = self.choice(
+            &at("token"),
+            r.token,
+            "a token kind",
+            "\"integer\", \"jwt\" or \"issued\"",
+            TokenKind::Integer,
+        );
+        let timeout =
+            Duration::from_millis(self.positive(&at("timeout_ms"), r.timeout_ms, 3_600_000));
+        let idempotency = self.route_idempotency(
+            i,
+            r.idempotency,
+            r.idempotency_ttl_s,
+            r.idempotency_max_response_bytes,
+        );
+        Some(Route {
+            name,
+            path,
+            pattern: pattern?,
+            key: key?,
+            upstream: upstream?,
+            fenced_methods: fenced,
+            token,
+            paths,
+            idempotency,
+            timeout,
+        })
+    }
+
+    /// `routes[i].name`: present, not blank, unique.
+    fn route_name(
+        &mut self,
+        i: usize,
+        name: Option<String>,
+        names: &mut HashSet<String>,
+    ) -> String {
+        let at = format!("routes[{i}].name");
+        let name = match name {
+            Some(n) if !n.trim().is_empty() => n,
+            Some(_) => {
+                self.problem(at.clone(), "must not be empty");
+                String::new()
+            }
+            None => {
+                self.problem(at.clone(), "missing: every route needs a name");
+                String::new()
+            }
+        };
+        if !name.is_empty() && !names.insert(name.clone()) {
+            self.problem(at, format!("duplicate route name '{name}'"));
+        }
+        name
+    }
+
+    /// `routes[i].path`, outside the reserved prefix.
+    fn route_pattern(&mut self, i: usize, path: &str, key_case: KeyCase) -> Option<PathPattern> {
+        let at = format!("routes[{i}].path");
+        if path.is_empty() {
+            self.problem(at, "missing: every route needs a path pattern");
+            return None;
+        }
+        if is_reserved(path) {
+            self.problem(
+                at,
+                format!("'{path}' is under {RESERVED_PREFIX}/, which is reserved for the gateway"),
+            );
+            return None;
+        }
+        match PathPattern::parse(path) {
+            Ok(p) if key_case == KeyCase::Lower => Some(p.ignoring_case()),
+            Ok(p) => Some(p),
+            Err(why) => {
+                self.problem(at, format!("'{path}' {why}"));
+                None
+            }
+        }
+    }
+
+    /// `routes[i].key`, a template over the route's pattern.
+    fn route_key(
+        &mut self,
+        i: usize,
+        key: Option<&str>,
+        pattern: Option<&PathPattern>,
+        key_case: KeyCase,
+    ) -> Option<KeyTemplate> {
+        let at = format!("routes[{i}].key");
+        match (key, pattern) {
+            (None, _) => {
+                self.problem(at, "missing: every route needs a resource key template");
+                None
+            }
+            (Some(k), Some(p)) => match KeyTemplate::parse(k, p) {
+                Ok(t) if key_case == KeyCase::Lower => Some(t.lower_cased()),
+                Ok(t) => Some(t),
+                Err(why) => {
+                    self.problem(at, format!("'{k}' {why}"));
+                    None
+                }
+            },
+            (Some(_), None) => None,
+        }
+    }
+
+    /// `routes[i].methods`: the fenced methods, each once, in upper case.
+    fn route_methods(&mut self, i: usize, methods: &[String]) -> Vec<Method> {
+        let at = format!("routes[{i}].methods");
+        let mut fenced = Vec::new();
+        for m in methods {
+            match Method::from_bytes(m.as_bytes()) {
+                Ok(method) if m.bytes().all(|b| b.is_ascii_uppercase()) => {
+                    if !fenced.contains(&method) {
+                        fenced.push(method)
+                    }
+                }
+                _ => self.problem(
+                    at.clone(),
+                    format!("'{m}' is not an HTTP method in upper case, like \"PUT\""),
+                ),
+            }
+        }
+        if methods.is_empty() {
+            self.problem(at, "must list at least one fenced method");
+        }
+        fenced
+    }
+
+    /// `routes[i].idempotency` and its limits; `None` when it is off.
+    fn route_idempotency(
+        &mut self,
+        i: usize,
+        policy: Choice<IdempotencyPolicy>,
+        ttl_s: u64,
+        max_answer: u64,
+    ) -> Option<IdempotencySettings> {
+        let at = |k: &str| format!("routes[{i}].{k}");
+        let policy = self.choice(
+            &at("idempotency"),
+            policy,
+            "an idempotency policy",
+            "\"off\", \"optional\" or \"required\"",
+            IdempotencyPolicy::Off,
+        );
+        // A key is remembered for at most 30 days; an answer stored is
+        // at most 64 MiB.
+        let ttl_s = self.positive(&at("idempotency_ttl_s"), ttl_s, 30 * 86_400);
+        let max_answer = self.positive(
+            &at("idempotency_max_response_bytes"),
+            max_answer,
+            64 * 1024 * 1024,
+        );
+        (policy != IdempotencyPolicy::Off).then(|| IdempotencySettings {
+            required: policy == IdempotencyPolicy::Required,
+            ttl: Duration::from_secs(ttl_s),
+            max_response_bytes: max_answer as usize,
+        })
     }
 }
 

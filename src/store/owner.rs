@@ -239,30 +239,6 @@ pub(super) async fn watch(
     // What was logged last: a state is logged when it changes, not on
     // every tick.
     let mut said = String::new();
-    fn say(me: &OwnerLock, said: &mut String, why: String, error: bool) {
-        if why != *said {
-            if error {
-                tracing::error!("single-writer lock: {why}; fenced writes answer 503");
-            } else {
-                tracing::warn!("single-writer lock: {why}; fenced writes answer 503");
-            }
-            *said = why.clone();
-        }
-        me.revoke(why);
-    }
-    // The lock was taken on a new session, asked at `asked`.
-    fn taken_again(me: &OwnerLock, view: &ServerView, said: &mut String, asked: Instant) {
-        // Before the confirmation: a decision that sees the lock held must
-        // see the new generation too.
-        let generation = me.generation.fetch_add(1, Ordering::AcqRel) + 1;
-        view.saw(None);
-        me.confirm(asked);
-        tracing::info!(
-            generation,
-            "single-writer lock taken again on a writable primary; fenced writes resume"
-        );
-        said.clear();
-    }
     loop {
         tick.tick().await;
         if let Some(c) = conn.take() {
@@ -335,35 +311,75 @@ pub(super) async fn watch(
             continue;
         }
         next_try = Instant::now() + OWNER_RETRY;
-        let asked = Instant::now();
-        match try_lock(&opts, timeout).await {
-            Ok(Attempt::Taken(c)) => {
-                conn = Some(c);
-                taken_again(&me, &view, &mut said, asked);
-            }
-            Ok(Attempt::HeldElsewhere) => say(
-                &me,
-                &mut said,
-                "another session holds it: another fencegate instance in \"single\" mode, or this instance's previous session until the server notices it is gone".into(),
-                true,
-            ),
-            Err(StoreError::ReadOnly(ro)) => {
-                view.saw(Some(ro));
-                say(
-                    &me,
-                    &mut said,
-                    format!("not taken: {ro}; waiting for a writable primary"),
-                    false,
-                );
-            }
-            Err(e) => say(
-                &me,
-                &mut said,
-                format!("not taken: the store is unreachable ({e})"),
-                false,
-            ),
-        }
+        conn = retake(&me, &opts, timeout, &view, &mut said).await;
     }
+}
+
+/// Stops decisions for `why`, logged when it differs from what was said
+/// last.
+fn say(me: &OwnerLock, said: &mut String, why: String, error: bool) {
+    if why != *said {
+        if error {
+            tracing::error!("single-writer lock: {why}; fenced writes answer 503");
+        } else {
+            tracing::warn!("single-writer lock: {why}; fenced writes answer 503");
+        }
+        *said = why.clone();
+    }
+    me.revoke(why);
+}
+/// The lock was taken on a new session, asked at `asked`.
+fn taken_again(me: &OwnerLock, view: &ServerView, said: &mut String, asked: Instant) {
+    // Before the confirmation: a decision that sees the lock held must
+    // see the new generation too.
+    let generation = me.generation.fetch_add(1, Ordering::AcqRel) + 1;
+    view.saw(None);
+    me.confirm(asked);
+    tracing::info!(
+        generation,
+        "single-writer lock taken again on a writable primary; fenced writes resume"
+    );
+    said.clear();
+}
+
+/// One attempt to take the lock again on a new session: the session, when
+/// it is taken; what stops it otherwise is said.
+async fn retake(
+    me: &OwnerLock,
+    opts: &PgConnectOptions,
+    timeout: Duration,
+    view: &ServerView,
+    said: &mut String,
+) -> Option<PgConnection> {
+    let asked = Instant::now();
+    match try_lock(opts, timeout).await {
+        Ok(Attempt::Taken(c)) => {
+            taken_again(me, view, said, asked);
+            return Some(c);
+        }
+        Ok(Attempt::HeldElsewhere) => say(
+            me,
+            said,
+            "another session holds it: another fencegate instance in \"single\" mode, or this instance's previous session until the server notices it is gone".into(),
+            true,
+        ),
+        Err(StoreError::ReadOnly(ro)) => {
+            view.saw(Some(ro));
+            say(
+                me,
+                said,
+                format!("not taken: {ro}; waiting for a writable primary"),
+                false,
+            );
+        }
+        Err(e) => say(
+            me,
+            said,
+            format!("not taken: the store is unreachable ({e})"),
+            false,
+        ),
+    }
+    None
 }
 
 /// One check of the lock's session, owning the connection so that a

@@ -95,27 +95,11 @@ async fn run_code(args: RunArgs) -> u8 {
         Err(code) => return code,
     };
 
-    let program = &args.command[0];
-    let mut command = tokio::process::Command::new(program);
-    command
-        .args(&args.command[1..])
-        .env("FENCEGATE_LOCK", name)
-        .env("FENCEGATE_FENCE", keeper.fence().to_string())
-        .env("FENCEGATE_FENCE_TOKEN", keeper.token())
-        .process_group(0)
-        .kill_on_drop(false);
-    let mut child = match command.spawn() {
+    let mut child = match spawn(&args, &keeper) {
         Ok(c) => c,
-        Err(e) => {
-            eprintln!(
-                "fencegate: lock run: cannot run {}: {e}",
-                program.to_string_lossy()
-            );
+        Err(code) => {
             release(keeper, name).await;
-            return match e.kind() {
-                std::io::ErrorKind::NotFound => exit::COMMAND_NOT_FOUND,
-                _ => exit::CANNOT_EXECUTE,
-            };
+            return code;
         }
     };
     // CMD leads its own group: its pid is the group's id. Never 0 or
@@ -179,6 +163,30 @@ async fn run_code(args: RunArgs) -> u8 {
     // Usually refused: the lease is gone.
     let _ = keeper.release().await;
     exit::LOST
+}
+
+/// Starts CMD in a process group of its own, told the lock, its fence and
+/// token in its environment; the exit code when it cannot start.
+fn spawn(args: &RunArgs, keeper: &LeaseKeeper) -> Result<Child, u8> {
+    let program = &args.command[0];
+    let mut command = tokio::process::Command::new(program);
+    command
+        .args(&args.command[1..])
+        .env("FENCEGATE_LOCK", &args.name)
+        .env("FENCEGATE_FENCE", keeper.fence().to_string())
+        .env("FENCEGATE_FENCE_TOKEN", keeper.token())
+        .process_group(0)
+        .kill_on_drop(false);
+    command.spawn().map_err(|e| {
+        eprintln!(
+            "fencegate: lock run: cannot run {}: {e}",
+            program.to_string_lossy()
+        );
+        match e.kind() {
+            std::io::ErrorKind::NotFound => exit::COMMAND_NOT_FOUND,
+            _ => exit::CANNOT_EXECUTE,
+        }
+    })
 }
 
 /// Takes the lock, waiting up to `wait` in all: the keeper, or the exit

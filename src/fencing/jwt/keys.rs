@@ -155,28 +155,13 @@ impl JwtKeys {
             }
         }
 
-        let mut signing_kid = None;
-        if let Some(kid) = &settings.signing_kid {
-            if !first_index.contains_key(kid.as_str()) {
-                problem(
-                    "tokens.signing_kid".into(),
-                    "names no key in tokens.keys".into(),
-                );
-            } else if broken.contains(kid.as_str()) {
-                // Its own problems are reported above.
-            } else if let Some(key) = keys.get(kid) {
-                if key.encoding.is_some() {
-                    signing_kid = Some(kid.clone());
-                } else {
-                    problem(
-                        "tokens.signing_kid".into(),
-                        format!(
-                            "key '{kid}' has no private_key_file; the signing key needs its private key"
-                        ),
-                    );
-                }
+        let signing_kid = match signing_kid(settings, &first_index, &broken, &keys) {
+            Ok(kid) => kid,
+            Err(why) => {
+                problem("tokens.signing_kid".into(), why);
+                None
             }
-        }
+        };
 
         if !problems.is_empty() {
             return Err(problems);
@@ -189,6 +174,31 @@ impl JwtKeys {
                 signing_kid,
             }),
         })
+    }
+}
+
+/// `signing_kid`, when it names a loaded key with a private key; its
+/// problem otherwise (none when its entry's own problems are reported).
+fn signing_kid(
+    settings: &TokensSettings,
+    first_index: &HashMap<&str, usize>,
+    broken: &HashSet<&str>,
+    keys: &HashMap<String, LoadedKey>,
+) -> Result<Option<String>, String> {
+    let Some(kid) = &settings.signing_kid else {
+        return Ok(None);
+    };
+    if !first_index.contains_key(kid.as_str()) {
+        return Err("names no key in tokens.keys".into());
+    }
+    match keys.get(kid) {
+        // Its own problems are reported with its entry.
+        _ if broken.contains(kid.as_str()) => Ok(None),
+        Some(key) if key.encoding.is_some() => Ok(Some(kid.clone())),
+        Some(_) => Err(format!(
+            "key '{kid}' has no private_key_file; the signing key needs its private key"
+        )),
+        None => Ok(None),
     }
 }
 
@@ -216,109 +226,13 @@ fn load_key(
         return Err(problems);
     };
 
-    let (decoding, encoding) = match alg {
-        KeyAlg::Hs256 => {
-            for (field, path) in [
-                ("private_key_file", &key.private_key_file),
-                ("public_key_file", &key.public_key_file),
-            ] {
-                if path.is_some() {
-                    problems.push((
-                        format!("{prefix}.{field}"),
-                        "HS256 keys take their secret from secret_env, not from a PEM file"
-                            .to_owned(),
-                    ));
-                }
-            }
-            let secret = match key.secret_env.as_deref() {
-                None | Some("") => {
-                    problems.push((
-                        format!("{prefix}.secret_env"),
-                        "HS256 keys need secret_env, the environment variable holding the secret"
-                            .to_owned(),
-                    ));
-                    None
-                }
-                Some(var) => match env(var) {
-                    None => {
-                        problems
-                            .push((format!("{prefix}.secret_env"), format!("{var} is not set")));
-                        None
-                    }
-                    Some(value) if value.len() < MIN_HS256_SECRET_LEN => {
-                        problems.push((
-                            format!("{prefix}.secret_env"),
-                            format!(
-                                "{var} holds {} bytes; HS256 needs a secret of at least {MIN_HS256_SECRET_LEN} bytes",
-                                value.len()
-                            ),
-                        ));
-                        None
-                    }
-                    Some(value) => Some(value),
-                },
-            };
-            match secret {
-                Some(secret) if problems.is_empty() => (
-                    DecodingKey::from_secret(secret.as_bytes()),
-                    Some(EncodingKey::from_secret(secret.as_bytes())),
-                ),
-                _ => return Err(problems),
-            }
-        }
-        KeyAlg::EdDsa | KeyAlg::Es256 => {
-            if key.secret_env.is_some() {
-                problems.push((
-                    format!("{prefix}.secret_env"),
-                    format!(
-                        "only HS256 keys use secret_env; {} keys use private_key_file and public_key_file",
-                        alg.name()
-                    ),
-                ));
-            }
-            let decoding = match &key.public_key_file {
-                None => {
-                    problems.push((
-                        format!("{prefix}.public_key_file"),
-                        format!(
-                            "{} keys need a public key file (PEM) to verify tokens",
-                            alg.name()
-                        ),
-                    ));
-                    None
-                }
-                Some(path) => match load_public(alg, path) {
-                    Ok(k) => Some(k),
-                    Err(why) => {
-                        problems.push((format!("{prefix}.public_key_file"), why));
-                        None
-                    }
-                },
-            };
-            let encoding = match &key.private_key_file {
-                None => None,
-                Some(path) => match load_private(alg, path) {
-                    Ok(k) => Some(k),
-                    Err(why) => {
-                        problems.push((format!("{prefix}.private_key_file"), why));
-                        None
-                    }
-                },
-            };
-            if let (Some(dec), Some(enc)) = (&decoding, &encoding) {
-                if !pair_matches(alg, enc, dec) {
-                    problems.push((
-                        format!("{prefix}.private_key_file"),
-                        "does not match public_key_file: it is not the private half of that public key"
-                            .to_owned(),
-                    ));
-                }
-            }
-            match decoding {
-                Some(decoding) if problems.is_empty() => (decoding, encoding),
-                _ => return Err(problems),
-            }
-        }
+    let pair = match alg {
+        KeyAlg::Hs256 => hs256_pair(key, prefix, env, &mut problems),
+        KeyAlg::EdDsa | KeyAlg::Es256 => pem_pair(alg, key, prefix, &mut problems),
+    };
+    let (decoding, encoding) = match pair {
+        Some(pair) if problems.is_empty() => pair,
+        _ => return Err(problems),
     };
 
     let mut validation = Validation::new(alg.jwt());
@@ -335,6 +249,118 @@ fn load_key(
         encoding,
         validation,
     })
+}
+
+/// What verifies and signs with an HS256 key: its secret, from the
+/// environment variable `secret_env` names.
+fn hs256_pair(
+    key: &KeySettings,
+    prefix: &str,
+    env: &dyn Fn(&str) -> Option<String>,
+    problems: &mut Vec<(String, String)>,
+) -> Option<(DecodingKey, Option<EncodingKey>)> {
+    for (field, path) in [
+        ("private_key_file", &key.private_key_file),
+        ("public_key_file", &key.public_key_file),
+    ] {
+        if path.is_some() {
+            problems.push((
+                format!("{prefix}.{field}"),
+                "HS256 keys take their secret from secret_env, not from a PEM file".to_owned(),
+            ));
+        }
+    }
+    let secret = match key.secret_env.as_deref() {
+        None | Some("") => {
+            problems.push((
+                format!("{prefix}.secret_env"),
+                "HS256 keys need secret_env, the environment variable holding the secret"
+                    .to_owned(),
+            ));
+            None
+        }
+        Some(var) => match env(var) {
+            None => {
+                problems.push((format!("{prefix}.secret_env"), format!("{var} is not set")));
+                None
+            }
+            Some(value) if value.len() < MIN_HS256_SECRET_LEN => {
+                problems.push((
+                    format!("{prefix}.secret_env"),
+                    format!(
+                        "{var} holds {} bytes; HS256 needs a secret of at least {MIN_HS256_SECRET_LEN} bytes",
+                        value.len()
+                    ),
+                ));
+                None
+            }
+            Some(value) => Some(value),
+        },
+    };
+    secret.map(|secret| {
+        (
+            DecodingKey::from_secret(secret.as_bytes()),
+            Some(EncodingKey::from_secret(secret.as_bytes())),
+        )
+    })
+}
+
+/// What verifies and signs with an EdDSA or ES256 key: its PEM files, the
+/// private one optional, and checked to be the public one's other half.
+fn pem_pair(
+    alg: KeyAlg,
+    key: &KeySettings,
+    prefix: &str,
+    problems: &mut Vec<(String, String)>,
+) -> Option<(DecodingKey, Option<EncodingKey>)> {
+    if key.secret_env.is_some() {
+        problems.push((
+            format!("{prefix}.secret_env"),
+            format!(
+                "only HS256 keys use secret_env; {} keys use private_key_file and public_key_file",
+                alg.name()
+            ),
+        ));
+    }
+    let decoding = match &key.public_key_file {
+        None => {
+            problems.push((
+                format!("{prefix}.public_key_file"),
+                format!(
+                    "{} keys need a public key file (PEM) to verify tokens",
+                    alg.name()
+                ),
+            ));
+            None
+        }
+        Some(path) => match load_public(alg, path) {
+            Ok(k) => Some(k),
+            Err(why) => {
+                problems.push((format!("{prefix}.public_key_file"), why));
+                None
+            }
+        },
+    };
+    let encoding = match &key.private_key_file {
+        None => None,
+        Some(path) => match load_private(alg, path) {
+            Ok(k) => Some(k),
+            Err(why) => {
+                problems.push((format!("{prefix}.private_key_file"), why));
+                None
+            }
+        },
+    };
+    if let (Some(dec), Some(enc)) = (&decoding, &encoding) {
+        if !pair_matches(alg, enc, dec) {
+            problems.push((
+                format!("{prefix}.private_key_file"),
+                "does not match public_key_file: it is not the private half of that public key"
+                    .to_owned(),
+            ));
+        }
+    }
+    decoding.map(|decoding| (decoding, encoding))
 }
 
 /// Reads a file for a key, with the error in the problem's words.
