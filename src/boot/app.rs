@@ -255,7 +255,7 @@ impl Core {
     /// Starts the traffic listener's worker threads, each with its own
     /// gateway state and upstream pool; the reserved prefix (the lock API)
     /// is served by a router on this runtime, where the store's connections
-    /// live (see `server` and `traffic`).
+    /// live (see `http1::server` and `traffic`).
     fn start_traffic(
         &self,
         listener: TcpListener,

@@ -15,7 +15,7 @@
 //! and in shared mode never later than the write's in-flight marker's end)
 //! bounds the *whole* exchange, not just the wait for the response head:
 //! when it passes, both body wrappers cut their streams, and the upstream
-//! connection resets itself (`upstream`'s cutoff, which also covers bodies
+//! connection resets itself (`http1::client::cutoff`, which also covers bodies
 //! nobody polls: a client that stopped reading, an upstream that stopped
 //! reading), so nothing of this write moves in either direction afterwards,
 //! and the connection then tells the exchange, which lets the key open.
@@ -27,7 +27,7 @@
 //! place that knows ([`Witness`]): whether the request was written in full,
 //! and whether the upstream's TCP had acknowledged all of it when its
 //! answer began (an answer before that is an early answer: see
-//! `upstream::flight`). The response body wrapper (`proxy::RelayBody`)
+//! `http1::client::flight`). The response body wrapper (`proxy::RelayBody`)
 //! reports the answer's normal end, which also covers a client that left:
 //! the answer is then drained to its end, within a limit. The [`Exchange`]
 //! holds the gate's admission; whoever completes the normal ending
@@ -57,7 +57,7 @@ pub struct Exchange {
     /// Where a hold is counted (`fencegate_held_keys_total`). The copy of
     /// the route of the worker the write came in on, as the write's
     /// accounting holds it: its reference count is not one that every
-    /// traffic worker writes (see `reload::WorkerLive`).
+    /// traffic worker writes (see `gateway::live::WorkerLive`).
     route: Arc<GatedRoute>,
 }
 

@@ -58,7 +58,7 @@ pub(super) async fn forward(
             .map_err(|_| ClientError::BadRequest("the request cannot be forwarded as given"))?;
 
     // Dropped at the deadline, the exchange's connection resets (see
-    // `upstream::tcp`): nothing of it queued is delivered afterwards.
+    // `http1::client::tcp`): nothing of it queued is delivered afterwards.
     let sent = tokio::time::timeout_at(
         deadline.into(),
         state.client.send(
@@ -77,7 +77,7 @@ pub(super) async fn forward(
         Ok(Ok(resp)) => {
             route.metrics.upstream_latency(started.elapsed());
             // Hop-by-hop fields of the answer are consumed by the upstream
-            // client (see `upstream::wire`).
+            // client (see `http1::client::answer`).
             let (parts, body) = resp.into_parts();
             let body = Body::new(RelayBody::new(body, exchange));
             Ok(Response::from_parts(parts, body))

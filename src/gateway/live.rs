@@ -25,7 +25,7 @@ impl GatedRoute {
     }
 
     /// A copy for one traffic worker, with its own upstream pool key and
-    /// `Host` value (see `reload::WorkerLive`); the same metrics.
+    /// `Host` value (see `gateway::live::WorkerLive`); the same metrics.
     pub fn worker_copy(&self) -> Self {
         Self {
             route: Route {

@@ -58,7 +58,7 @@ impl Downstream {
 ///   that carries one was refused before it got here
 ///   (`gateway::check_headers`), so only pass-through requests lose them.
 /// - `X-Forwarded-Host` is the gateway's own: the client's `Host`, which
-///   the server validated (`server::wire`); a client's `X-Forwarded-Host`
+///   the server validated (`http1::server::request`); a client's `X-Forwarded-Host`
 ///   is replaced by it, or dropped when there is none (an HTTP/1.0
 ///   request without `Host`), never forwarded as sent.
 pub fn upstream_request(
@@ -141,7 +141,7 @@ pin_project_lite::pin_project! {
     /// enforced on what is actually read (a lying `Content-Length` or an
     /// endless chunked body is cut off the same way). For a fenced write it
     /// cuts the body off at the exchange's deadline. (When the upstream
-    /// has the body is its connection's to tell: see `upstream::flight`.)
+    /// has the body is its connection's to tell: see `http1::client::flight`.)
     pub struct LimitedBody {
         #[pin]
         inner: Body,

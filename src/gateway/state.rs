@@ -39,7 +39,7 @@ pub struct GatewayState {
     /// batcher's channel, so it stays on its worker. Each worker has its own
     /// `Arc` of it: every fenced write's exchange clones it, and a clone of
     /// the runtime's own handle would write to the count all workers share
-    /// (see `reload::WorkerLive`).
+    /// (see `gateway::live::WorkerLive`).
     pub store_runtime: Arc<tokio::runtime::Handle>,
     /// Unsent first uses' records being forgotten; shared by every worker,
     /// so that a retry on any of them takes its record back at once.

@@ -85,7 +85,7 @@ pub struct BodyFields {
     /// often repeated, `Some(None)` for an invalid or ambiguous one.
     pub length: Option<Option<u64>>,
     /// A `Content-Length` field holds a list (`5, 5`), which a request may
-    /// not (see the server's `wire`).
+    /// not (see the server's `request`).
     pub length_listed: bool,
     /// `Transfer-Encoding`: whether its last coding, over all its fields,
     /// is chunked.

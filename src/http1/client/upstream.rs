@@ -92,7 +92,7 @@ impl Upstream {
     }
 
     /// A copy for one traffic worker: its own pool key and `Host` value,
-    /// which every request clones (see `reload::WorkerLive`).
+    /// which every request clones (see `gateway::live::WorkerLive`).
     pub fn worker_copy(&self) -> Upstream {
         Upstream {
             pool_key: std::sync::Arc::from(&*self.pool_key),

@@ -27,7 +27,7 @@
 //!   HTTP/1.0 request may lack it (HTTP/1.0 has no Host): the gateway
 //!   never routes by it and sets the upstream's `Host` from its config.
 //! - A chunked body is decoded by the strict [`Decoder`] (see
-//!   `upstream::wire`); one malformed before the service sees its request
+//!   `http1::client::answer`); one malformed before the service sees its request
 //!   is 400 at once, and the connection closes.
 //! - A head is at most [`MAX_HEAD_BYTES`] with at most [`MAX_HEADERS`]
 //!   fields, else 431.
