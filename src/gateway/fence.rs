@@ -47,6 +47,18 @@ impl Admission {
     }
 }
 
+/// What the fence decides about: a fenced write's key and token, how long
+/// its forward may take (`hold`, the route's timeout), and whether the
+/// route accepts only tokens the lock API granted (`issued_only`, `token =
+/// "issued"`: a higher one is refused before anything is recorded).
+#[derive(Clone, Copy)]
+pub struct Write<'a> {
+    pub key: &'a str,
+    pub token: i64,
+    pub hold: Duration,
+    pub issued_only: bool,
+}
+
 /// A fenced write that is the first use of an `Idempotency-Key`, decided
 /// together with its in-flight record.
 pub enum RecordCheck {
@@ -182,21 +194,20 @@ impl Fence {
             .map_err(|s| stale(key, token, s.highest))
     }
 
-    /// Decides a fenced write of `token` that [`Fence::arrive`] let through.
-    /// On success the returned admission must live until the upstream is
-    /// done with the write. `hold` is how long the forward may take (the
-    /// route's timeout).
-    /// `issued_only`: the route accepts only tokens the lock API granted
-    /// (`token = "issued"`); a higher one is refused before anything is
-    /// recorded.
+    /// Decides a fenced write that [`Fence::arrive`] let through. On
+    /// success the returned admission must live until the upstream is done
+    /// with the write.
     pub async fn check(
         &self,
-        key: &str,
+        write: Write<'_>,
         mut arrival: Arrival,
-        token: i64,
-        hold: Duration,
-        issued_only: bool,
     ) -> Result<Admission, GatewayError> {
+        let Write {
+            key,
+            token,
+            hold,
+            issued_only,
+        } = write;
         // The issued and shared-mode steps are boxed: they are the larger
         // futures, and inline they would make every decision's future (and
         // the write's task, which moves it) as large as they are.
@@ -259,13 +270,16 @@ impl Fence {
     /// too late, duplicates hear "outcome unknown", the safe side.
     pub async fn check_with_record(
         &self,
-        key: &str,
+        write: Write<'_>,
         mut arrival: Arrival,
-        token: i64,
-        hold: Duration,
-        issued_only: bool,
         record: &Begin<'_>,
     ) -> Result<RecordCheck, GatewayError> {
+        let Write {
+            key,
+            token,
+            hold,
+            issued_only,
+        } = write;
         if issued_only {
             arrival = match self.check_issued(key, arrival, token).await {
                 Ok(a) => a,

@@ -13,7 +13,7 @@ use tokio::sync::oneshot;
 use super::accounting::{Access, Ended, PendingAccount};
 use super::detach::{spawn_on, ClientPresence, DetachOnDrop};
 use super::error::{ClientError, GatewayError};
-use super::fence::Admission;
+use super::fence::{Admission, Write};
 use super::forward::forward;
 use super::live::GatedRoute;
 use super::proxy::Downstream;
@@ -131,6 +131,16 @@ impl FencedWrite {
         }
     }
 
+    /// What the fence decides about this write.
+    pub(super) fn write(&self) -> Write<'_> {
+        Write {
+            key: &self.key,
+            token: self.token,
+            hold: self.route.timeout,
+            issued_only: self.route.token == TokenKind::Issued,
+        }
+    }
+
     /// The write's arrival at the gate: the one the admit phase already
     /// took, or a new one.
     pub(super) fn arrival(&mut self, state: &GatewayState) -> Result<Arrival, GatewayError> {
@@ -156,14 +166,7 @@ impl FencedWrite {
             Err(e) => return (false, Err(e)),
         };
         let decided = Instant::now();
-        let issued_only = self.route.token == TokenKind::Issued;
-        let check = state.fence.check(
-            &self.key,
-            arrival,
-            self.token,
-            self.route.timeout,
-            issued_only,
-        );
+        let check = state.fence.check(self.write(), arrival);
         let admission = match check.await {
             Ok(a) => a,
             Err(e) => return (false, Err(e)),

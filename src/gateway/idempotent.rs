@@ -19,7 +19,6 @@ use super::forward::forward;
 use super::live::GatedRoute;
 use super::proxy::Downstream;
 use super::state::GatewayState;
-use crate::config::TokenKind;
 use crate::idempotency::{self, Cached};
 use crate::metrics::IdempotencyOutcome;
 use crate::store::{Begin, Found, RecordId, StoreError, StoredAnswer};
@@ -161,7 +160,6 @@ impl FencedWrite {
         id: impl Fn() -> RecordId<'a>,
         store_timeout: Duration,
     ) -> Result<Claimed, Ended> {
-        let issued_only = self.route.token == TokenKind::Issued;
         // A claim that finds a live record whose read then finds none: the
         // record went in between (its own first use was refused before
         // anything was sent and forgot it, or it expired). Nothing holds
@@ -196,14 +194,7 @@ impl FencedWrite {
             // lifetime, a local lower bound of its expiry.
             let begun = Instant::now();
             let lives = Duration::from_millis(begin.in_flight.max(begin.ttl).as_millis() as u64);
-            let check = Box::pin(state.fence.check_with_record(
-                &self.key,
-                arrival,
-                self.token,
-                self.route.timeout,
-                issued_only,
-                &begin,
-            ));
+            let check = Box::pin(state.fence.check_with_record(self.write(), arrival, &begin));
             match check.await {
                 Ok(RecordCheck::Admitted {
                     admission,
