@@ -199,15 +199,14 @@ impl Fence {
     /// with the write.
     pub async fn check(
         &self,
-        write: Write<'_>,
-        mut arrival: Arrival,
-    ) -> Result<Admission, GatewayError> {
-        let Write {
+        Write {
             key,
             token,
             hold,
             issued_only,
-        } = write;
+        }: Write<'_>,
+        mut arrival: Arrival,
+    ) -> Result<Admission, GatewayError> {
         // The issued and shared-mode steps are boxed: they are the larger
         // futures, and inline they would make every decision's future (and
         // the write's task, which moves it) as large as they are.
@@ -270,16 +269,15 @@ impl Fence {
     /// too late, duplicates hear "outcome unknown", the safe side.
     pub async fn check_with_record(
         &self,
-        write: Write<'_>,
-        mut arrival: Arrival,
-        record: &Begin<'_>,
-    ) -> Result<RecordCheck, GatewayError> {
-        let Write {
+        Write {
             key,
             token,
             hold,
             issued_only,
-        } = write;
+        }: Write<'_>,
+        mut arrival: Arrival,
+        record: &Begin<'_>,
+    ) -> Result<RecordCheck, GatewayError> {
         if issued_only {
             arrival = match self.check_issued(key, arrival, token).await {
                 Ok(a) => a,
