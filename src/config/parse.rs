@@ -16,16 +16,8 @@ impl Config {
         self.locks.enabled && !self.auth.enabled() && !self.server.listen.ip().is_loopback()
     }
 
-    /// Loads a config file with overrides from the process environment.
-    pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        // `vars_os`, not `vars`: the latter panics on a variable that is not
-        // UTF-8, and an unrelated variable must not crash the gateway.
-        let env = std::env::vars_os()
-            .filter_map(|(k, v)| Some((k.into_string().ok()?, v.into_string().ok()?)));
-        Self::load_with_env(path, env)
-    }
-
-    /// Loads a config file with overrides from the given variables.
+    /// Loads a config file with overrides from the given variables (the
+    /// process's: `boot::load::process_env`).
     pub fn load_with_env(
         path: &Path,
         env: impl IntoIterator<Item = (String, String)>,

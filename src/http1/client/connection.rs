@@ -58,7 +58,17 @@ impl Connection {
                 SendError::Connect(format!("cannot connect to {}: {e}", upstream.authority))
             })?;
             tcp::configure(&tcp);
+            let https = upstream.scheme == http::uri::Scheme::HTTPS;
             let stream = match &upstream.tls {
+                // Fail closed: an https upstream whose trust was never
+                // loaded (see `Upstream::load_tls`) is never spoken to in
+                // plain text.
+                None if https => {
+                    return Err(SendError::Connect(format!(
+                        "{} is https, but its TLS was not loaded",
+                        upstream.authority
+                    )))
+                }
                 None => Stream::Tcp(tcp),
                 Some(tls) => {
                     let stream = tokio_rustls::TlsConnector::from(tls.config.clone())
@@ -236,6 +246,32 @@ fn past_deadline() -> io::Error {
 mod tests {
     use super::*;
     use tokio::io::AsyncReadExt;
+
+    /// An https upstream whose TLS was never loaded is refused before a
+    /// byte goes out: never spoken to in plain text.
+    #[tokio::test]
+    async fn an_https_upstream_without_its_tls_gets_no_plain_byte() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let upstream =
+            Upstream::parse(&format!("https://127.0.0.1:{port}"), None).expect("a valid URL");
+        let refused = match Connection::connect(&upstream).await {
+            Ok(_) => panic!("connected to an https upstream without TLS"),
+            Err(e) => e.to_string(),
+        };
+        assert!(refused.contains("TLS was not loaded"), "{refused}");
+        let (mut theirs, _) = listener.accept().await.expect("accept");
+        // Every upstream socket closes with a reset (`tcp`): the read ends
+        // with it, or with the end of the stream, and nothing before.
+        let mut got = Vec::new();
+        match theirs.read_to_end(&mut got).await {
+            Ok(_) => {}
+            Err(e) => assert_eq!(e.kind(), io::ErrorKind::ConnectionReset, "{e}"),
+        }
+        assert!(got.is_empty(), "the upstream received {got:?}");
+    }
 
     struct Nobody;
     impl Witness for Nobody {
