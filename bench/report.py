@@ -403,6 +403,7 @@ def build(a):
         "date": now.strftime("%Y-%m-%d %H:%M %Z"),
         "machine": machine(),
         "commit": a.commit,
+        "profile": a.profile,
         "dirty": int(a.dirty),
         "command": a.command,
         "mode": a.mode,
@@ -565,7 +566,7 @@ def markdown(res, svg_link):
         f"- **Date:** {meta['date']}",
         f"- **Machine:** {mach['nproc']} cores, {mach['cpu']}, {mach['memory_gib']} GiB memory, "
         f"Linux {mach['kernel']}",
-        f"- **Commit:** `{meta['commit']}`{dirty}",
+        f"- **Commit:** `{meta['commit']}`{dirty}, built with the `{meta['profile']}` profile",
         f"- **Command:** `{meta['command']}` ({meta['mode']} run: {meta['duration_s']} s per scenario, "
         f"{meta['conns']} connections, {meta['nkeys']:,} keys)",
         f"- **Tools:** {v['wrk']}; bench/pace; {v['oha']}; {v['nginx']}; {v['pgbench']}; "
@@ -655,6 +656,7 @@ def markdown(res, svg_link):
         "bash bench/run.sh            # full run, a few minutes; writes BENCHMARKS.md and bench/throughput.svg",
         "bash bench/run.sh --smoke    # ~1 s per scenario, proves the harness works; writes nothing",
         "BENCH_KEEP=1 bash bench/run.sh --smoke   # keep the temp dir: configs, logs, raw tool outputs",
+        "BENCH_PROFILE=release bash bench/run.sh --no-write   # the quick start's profile instead of dist",
         "```",
         "",
         "The script installs what is missing (`apt-get install nginx wrk postgresql-client`, "
@@ -687,6 +689,7 @@ def main():
     p.add_argument("--nkeys", type=int, default=10000)
     p.add_argument("--mem-keys", type=int, default=1000000)
     p.add_argument("--commit", default="unknown")
+    p.add_argument("--profile", default="dist")
     p.add_argument("--dirty", default="0")
     p.add_argument("--command", default="bash bench/run.sh")
     p.add_argument("--oha-version", default="oha")

@@ -101,9 +101,12 @@ LOADAVG_START="$(cut -d' ' -f1-3 /proc/loadavg)"
 # ---------------------------------------------------------------------------
 # Build
 # ---------------------------------------------------------------------------
-log "cargo build --profile dist"
-cargo build --profile dist >&2
-FG="$REPO/target/dist/fencegate"
+# BENCH_PROFILE=release measures the quick start's build instead of the
+# shipped one (the Dockerfile's `dist`).
+PROFILE="${BENCH_PROFILE:-dist}"
+log "cargo build --profile $PROFILE"
+cargo build --profile "$PROFILE" >&2
+FG="$REPO/target/$PROFILE/fencegate"
 [ -x "$FG" ] || die "$FG was not built"
 log "building bench/pace (the open-loop latency runs)"
 (cd "$BENCH/pace" && cargo build --release --locked --quiet >&2)
@@ -574,7 +577,7 @@ forget_pid "$MEM_PID"
 CMDLINE="bash bench/run.sh${*:+ $*}"
 REPORT_ARGS=(--out "$OUT" --mode "$MODE" --duration "$DURATION" --threads "$THREADS"
     --conns "$CONNS" --nkeys "$NKEYS" --mem-keys "$MEM_KEYS" --commit "$COMMIT"
-    --dirty "$DIRTY" --command "$CMDLINE"
+    --profile "$PROFILE" --dirty "$DIRTY" --command "$CMDLINE"
     --oha-version "$(oha --version 2>&1 | head -n1)"
     --wrk-version "$(wrk -v 2>&1 | head -n1 | awk '{print $1, $2}')"
     --nginx-version "$(nginx -v 2>&1 | head -n1 | sed 's/^nginx version: //')"

@@ -847,27 +847,18 @@ mod tests {
     }
 
     #[test]
-    fn outcomes_index_their_counters() {
-        for (i, o) in Outcome::ALL.iter().enumerate() {
-            assert_eq!(*o as usize, i, "{o:?} is out of order in Outcome::ALL");
+    fn every_counted_kind_indexes_its_counters() {
+        fn in_order<T: Copy + std::fmt::Debug>(all: &[T], index: impl Fn(T) -> usize) {
+            for (i, v) in all.iter().enumerate() {
+                assert_eq!(index(*v), i, "{v:?} is out of order in its ALL");
+            }
         }
-    }
-
-    #[test]
-    fn upstream_failures_index_their_counters() {
-        for (i, k) in UpstreamFailure::ALL.iter().enumerate() {
-            assert_eq!(
-                *k as usize, i,
-                "{k:?} is out of order in UpstreamFailure::ALL"
-            );
-        }
-    }
-
-    #[test]
-    fn hold_reasons_index_their_counters() {
-        for (i, r) in HoldReason::ALL.iter().enumerate() {
-            assert_eq!(*r as usize, i, "{r:?} is out of order in HoldReason::ALL");
-        }
+        in_order(&Outcome::ALL, |o| o as usize);
+        in_order(&IdempotencyOutcome::ALL, |o| o as usize);
+        in_order(&UpstreamFailure::ALL, |k| k as usize);
+        in_order(&HoldReason::ALL, |r| r as usize);
+        in_order(&ReloadResult::ALL, |r| r as usize);
+        in_order(&LockEvent::ALL, |e| e as usize);
     }
 
     #[test]

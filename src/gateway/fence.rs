@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use crate::fencing::gate::{Arrival, Gate, NotAdmitted, Permit, Ticket};
 use crate::gateway::error::{ClientError, GatewayError};
-use crate::store::{Begin, Entered, FenceStore, InFlight, StoreError};
+use crate::store::{Begin, Entered, Entry, FenceStore, InFlight, StoreError};
 
 /// The right to forward one fenced write; drop it when the upstream is done
 /// with the write (see `exchange`).
@@ -199,18 +199,14 @@ impl Fence {
     /// with the write.
     pub async fn check(
         &self,
-        Write {
-            key,
-            token,
-            hold,
-            issued_only,
-        }: Write<'_>,
+        write: Write<'_>,
         mut arrival: Arrival,
     ) -> Result<Admission, GatewayError> {
+        let (key, token, hold) = (write.key, write.token, write.hold);
         // The issued and shared-mode steps are boxed: they are the larger
         // futures, and inline they would make every decision's future (and
         // the write's task, which moves it) as large as they are.
-        if issued_only {
+        if write.issued_only {
             arrival = Box::pin(self.check_issued(key, arrival, token)).await?;
         }
         if let FenceStore::Postgres(pg) = &self.store {
@@ -269,16 +265,12 @@ impl Fence {
     /// too late, duplicates hear "outcome unknown", the safe side.
     pub async fn check_with_record(
         &self,
-        Write {
-            key,
-            token,
-            hold,
-            issued_only,
-        }: Write<'_>,
+        write: Write<'_>,
         mut arrival: Arrival,
         record: &Begin<'_>,
     ) -> Result<RecordCheck, GatewayError> {
-        if issued_only {
+        let (key, token, hold) = (write.key, write.token, write.hold);
+        if write.issued_only {
             arrival = match self.check_issued(key, arrival, token).await {
                 Ok(a) => a,
                 Err(e) => return Ok(RecordCheck::Refused(e)),
@@ -429,7 +421,14 @@ impl Fence {
         // the marker's write and the forward's start (a forward that would
         // run past the marker is not started: see `must_end_by`).
         let marker = hold + MARKER_SLACK;
-        let entered = pg.enter(key, token, marker, record).await;
+        let entered = pg
+            .enter(Entry {
+                key,
+                token,
+                hold: marker,
+                record,
+            })
+            .await;
         let lock = match entered {
             Ok(Entered::Stale(highest)) => {
                 ticket.settle(Some(highest));

@@ -79,6 +79,59 @@ pub fn prefix_end(prefix: &str) -> Option<String> {
     None
 }
 
+/// One page of a prefix listing: what its statement binds as `$1`..`$4`.
+struct Window<'a> {
+    prefix: &'a str,
+    /// [`prefix_end`] of the prefix: the range's upper bound.
+    end: Option<String>,
+    /// The key the page continues after.
+    after: Option<&'a str>,
+    /// One more row than the page holds: whether there is a next page.
+    take: i64,
+}
+
+impl<'a> Window<'a> {
+    fn new(prefix: &'a str, after: Option<&'a str>, limit: usize) -> Self {
+        Window {
+            prefix,
+            end: prefix_end(prefix),
+            after,
+            take: i64::try_from(limit).unwrap_or(i64::MAX - 1) + 1,
+        }
+    }
+
+    /// The page's statements over `column`, for Postgres and SQLite, after
+    /// each backend's `SELECT`.
+    fn sql(pg_select: &str, sqlite_select: &str, column: &str) -> (String, String) {
+        let c = column;
+        (
+            format!(
+                "{pg_select} WHERE {c} COLLATE \"C\" >= $1 \
+                   AND ($2::text IS NULL OR {c} COLLATE \"C\" < $2) \
+                   AND ($3::text IS NULL OR {c} COLLATE \"C\" > $3) \
+                 ORDER BY {c} COLLATE \"C\" LIMIT $4"
+            ),
+            format!(
+                "{sqlite_select} WHERE {c} >= ?1 \
+                   AND (?2 IS NULL OR {c} < ?2) AND (?3 IS NULL OR {c} > ?3) \
+                 ORDER BY {c} LIMIT ?4"
+            ),
+        )
+    }
+}
+
+/// Binds a [`Window`] to a statement from [`Window::sql`] (a macro: the
+/// query types differ between backends and between `query`/`query_scalar`).
+macro_rules! bind_window {
+    ($query:expr, $window:expr) => {
+        $query
+            .bind($window.prefix)
+            .bind($window.end.as_deref())
+            .bind($window.after)
+            .bind($window.take)
+    };
+}
+
 const PG_RECORD: &str = "\
 SELECT f.resource_key, f.highest_token, f.updated_at,
        r.at, r.by_client, r.reason, r.from_token, r.to_token
@@ -161,32 +214,14 @@ impl FenceStore {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Page<FenceRecord>, StoreError> {
-        let end = prefix_end(prefix);
-        // One more than asked: whether there is a next page.
-        let take = limit as i64 + 1;
-        let timeout = self.timeout();
-        let items = bounded(timeout, StoreError::Timeout, async {
-            let pg = format!(
-                "{PG_RECORD} WHERE f.resource_key COLLATE \"C\" >= $1 \
-                   AND ($2::text IS NULL OR f.resource_key COLLATE \"C\" < $2) \
-                   AND ($3::text IS NULL OR f.resource_key COLLATE \"C\" > $3) \
-                 ORDER BY f.resource_key COLLATE \"C\" LIMIT $4"
-            );
-            let sqlite = format!(
-                "{SQLITE_RECORD} WHERE f.resource_key >= ?1 \
-                   AND (?2 IS NULL OR f.resource_key < ?2) \
-                   AND (?3 IS NULL OR f.resource_key > ?3) \
-                 ORDER BY f.resource_key LIMIT ?4"
-            );
+        let window = Window::new(prefix, after, limit);
+        let (pg, sqlite) = Window::sql(PG_RECORD, SQLITE_RECORD, "f.resource_key");
+        let items = bounded(self.timeout(), StoreError::Timeout, async {
             let found = on_backend!(
                 self,
                 ((pg, pg_at), (sqlite, sqlite_at)),
                 |pool, (sql, at)| {
-                    let query = sqlx::query(&sql)
-                        .bind(prefix)
-                        .bind(end.as_deref())
-                        .bind(after)
-                        .bind(take);
+                    let query = bind_window!(sqlx::query(&sql), window);
                     records(query.fetch_all(pool).await?, at)?
                 }
             );
@@ -294,24 +329,13 @@ impl FenceStore {
         after: Option<&str>,
         limit: usize,
     ) -> Result<Page<String>, StoreError> {
-        let end = prefix_end(prefix);
-        let take = limit as i64 + 1;
-        let timeout = self.timeout();
-        let items: Vec<String> = bounded(timeout, StoreError::Timeout, async {
-            let pg = "SELECT name FROM locks WHERE name COLLATE \"C\" >= $1 \
-                        AND ($2::text IS NULL OR name COLLATE \"C\" < $2) \
-                        AND ($3::text IS NULL OR name COLLATE \"C\" > $3) \
-                      ORDER BY name COLLATE \"C\" LIMIT $4";
-            let sqlite = "SELECT name FROM locks WHERE name >= ?1 \
-                            AND (?2 IS NULL OR name < ?2) AND (?3 IS NULL OR name > ?3) \
-                          ORDER BY name LIMIT ?4";
+        let window = Window::new(prefix, after, limit);
+        let (pg, sqlite) = Window::sql("SELECT name FROM locks", "SELECT name FROM locks", "name");
+        let items: Vec<String> = bounded(self.timeout(), StoreError::Timeout, async {
             Ok(on_backend!(self, (pg, sqlite), |pool, sql| {
-                let query = sqlx::query_scalar(sql)
-                    .bind(prefix)
-                    .bind(end.as_deref())
-                    .bind(after)
-                    .bind(take);
-                query.fetch_all(pool).await?
+                bind_window!(sqlx::query_scalar(&sql), window)
+                    .fetch_all(pool)
+                    .await?
             }))
         })
         .await?;

@@ -79,6 +79,17 @@ pub(super) enum Ruling {
     Wait(Duration),
 }
 
+/// A fenced write that asks to be admitted in shared mode.
+pub struct Entry<'a> {
+    pub key: &'a str,
+    pub token: i64,
+    /// How long the write's in-flight marker lasts.
+    pub hold: Duration,
+    /// The first use of an Idempotency-Key: its record and the admission
+    /// are one statement.
+    pub record: Option<&'a super::Begin<'a>>,
+}
+
 /// What `enter` decided.
 pub enum Entered {
     /// Admitted: keep the [`InFlight`] until the write has finished at the
@@ -193,17 +204,15 @@ impl Admissions {
         }
     }
 
-    /// Admits a fenced write of `token` on `key`, waiting for older writers
-    /// on any instance for up to `key_lock_wait_ms`. `hold` is the length
-    /// of the marker. With `record`, the first use of an Idempotency-Key,
-    /// the admission and the record are one statement.
-    pub async fn enter(
-        &self,
-        key: &str,
-        token: i64,
-        hold: Duration,
-        record: Option<&super::Begin<'_>>,
-    ) -> Result<Entered, StoreError> {
+    /// Admits a fenced write, waiting for older writers on any instance for
+    /// up to `key_lock_wait_ms`.
+    pub async fn enter(&self, entry: Entry<'_>) -> Result<Entered, StoreError> {
+        let Entry {
+            key,
+            token,
+            hold,
+            record,
+        } = entry;
         let give_up = Instant::now() + self.wait;
         let record = record.map(|r| std::sync::Arc::new(BeginItem::of(r)));
         let mut nap = FIRST_POLL;

@@ -47,7 +47,7 @@ use std::time::Duration;
 use crate::config::{StoreBackend, StoreConfig, StoreMode};
 
 pub use admin::{prefix_end, FenceRecord, Page, ResetRecord};
-pub use admissions::{Entered, InFlight};
+pub use admissions::{Entered, Entry, InFlight};
 pub use owner::OWNER_LEASE;
 pub use postgres::PgStore;
 pub use readiness::ReadOnly;
@@ -215,11 +215,27 @@ impl FenceStore {
     /// Single mode: raises the recorded longest route timeout (see
     /// [`FenceStore::begin_run`]) before a reload lets writes run as long.
     pub async fn raise_run_bound(&self, longest_timeout: Duration) -> Result<(), StoreError> {
-        match self {
-            Self::Postgres(s) if s.is_shared() => Ok(()),
-            Self::Postgres(s) => s.raise_run_bound(longest_timeout).await,
-            Self::Sqlite(s) => s.raise_run_bound(longest_timeout).await,
+        if self.is_shared() {
+            return Ok(());
         }
+        self.check_writer()?;
+        let longest = millis(longest_timeout);
+        bounded(self.timeout(), StoreError::Timeout, async {
+            sql::on_backend!(
+                self,
+                (
+                    "UPDATE gateway_state \
+                     SET longest_timeout_ms = greatest(longest_timeout_ms, $1) WHERE id = 1",
+                    "UPDATE gateway_state \
+                     SET longest_timeout_ms = max(longest_timeout_ms, ?1) WHERE id = 1"
+                ),
+                |pool, sql| {
+                    sqlx::query(sql).bind(longest).execute(pool).await?;
+                }
+            );
+            Ok(())
+        })
+        .await
     }
 
     /// Single mode: records a clean stop (nothing in flight).

@@ -223,31 +223,22 @@ impl PgStore {
         }
     }
 
-    /// Shared mode: admits a fenced write of `token` on `key` across every
-    /// instance (see `admissions`).
-    /// On success the returned [`InFlight`](super::admissions::InFlight) must be kept until the write
-    /// has finished at the upstream; `hold` bounds how long a crashed
-    /// instance's write may be assumed in flight.
-    /// `record`: a first use of an `Idempotency-Key`, whose in-flight
+    /// Shared mode: admits a fenced write across every instance (see
+    /// `admissions`). On success the returned
+    /// [`InFlight`](super::admissions::InFlight) must be kept until the
+    /// write has finished at the upstream; `entry.hold` bounds how long a
+    /// crashed instance's write may be assumed in flight.
+    /// `entry.record`: a first use of an `Idempotency-Key`, whose in-flight
     /// record is written in the same statement (`fencegate_enter_keyed`,
     /// migrations/postgres/0010), so in the same transaction and commit as
     /// the fence's marker; [`Entered::Duplicate`] when a live record of the
     /// key exists.
-    pub async fn enter(
-        &self,
-        key: &str,
-        token: i64,
-        hold: Duration,
-        record: Option<&super::Begin<'_>>,
-    ) -> Result<Entered, StoreError> {
+    pub async fn enter(&self, entry: super::Entry<'_>) -> Result<Entered, StoreError> {
         let admissions = self
             .admissions
             .as_ref()
             .ok_or_else(|| StoreError::Other("enter() needs mode = \"shared\"".into()))?;
-        admissions
-            .enter(key, token, hold, record)
-            .await
-            .map_err(|e| self.explain(e))
+        admissions.enter(entry).await.map_err(|e| self.explain(e))
     }
 
     /// Marks the store as in use by a running single-mode instance; returns
@@ -277,24 +268,6 @@ impl PgStore {
             .execute(&self.pool)
             .await?;
             Ok(before.and_then(|(running, ms)| running.then(|| super::from_millis(ms))))
-        })
-        .await
-    }
-
-    /// Raises the running instance's recorded longest route timeout to
-    /// `longest_timeout` (see `FenceStore::begin_run`), before a reload
-    /// lets writes run that long.
-    pub async fn raise_run_bound(&self, longest_timeout: Duration) -> Result<(), StoreError> {
-        self.check_owner()?;
-        bounded(self.timeout, StoreError::Timeout, async {
-            sqlx::query(
-                "UPDATE gateway_state \
-                 SET longest_timeout_ms = greatest(longest_timeout_ms, $1) WHERE id = 1",
-            )
-            .bind(super::millis(longest_timeout))
-            .execute(&self.pool)
-            .await?;
-            Ok(())
         })
         .await
     }

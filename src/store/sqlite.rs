@@ -121,20 +121,6 @@ impl SqliteStore {
         .await
     }
 
-    /// See `PgStore::raise_run_bound`.
-    pub async fn raise_run_bound(&self, longest_timeout: Duration) -> Result<(), StoreError> {
-        bounded(self.timeout, StoreError::Timeout, async {
-            sqlx::query(
-                "UPDATE gateway_state SET longest_timeout_ms = max(longest_timeout_ms, ?1) WHERE id = 1",
-            )
-            .bind(super::millis(longest_timeout))
-            .execute(&self.pool)
-            .await?;
-            Ok(())
-        })
-        .await
-    }
-
     /// See `PgStore::end_run`.
     pub async fn end_run(&self) -> Result<(), StoreError> {
         bounded(self.timeout, StoreError::Timeout, async {

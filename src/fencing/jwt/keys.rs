@@ -377,20 +377,44 @@ fn io_reason(e: &std::io::Error) -> String {
     }
 }
 
-fn load_public(alg: KeyAlg, path: &Path) -> Result<DecodingKey, String> {
+/// The PEM file at `path`, its key parsed for `alg` by `ed` or `ec`, and
+/// what the file should hold, in words ("an Ed25519 public key").
+fn pem_key<K>(
+    alg: KeyAlg,
+    path: &Path,
+    half: &str,
+    ed: impl FnOnce(&[u8]) -> jsonwebtoken::errors::Result<K>,
+    ec: impl FnOnce(&[u8]) -> jsonwebtoken::errors::Result<K>,
+) -> Result<(Vec<u8>, Option<K>, String), String> {
     let pem = read_pem(path)?;
     let (key, what) = match alg {
-        KeyAlg::EdDsa => (DecodingKey::from_ed_pem(&pem), "an Ed25519 public key"),
-        KeyAlg::Es256 => (DecodingKey::from_ec_pem(&pem), "a P-256 public key"),
-        KeyAlg::Hs256 => unreachable!("HS256 keys have no PEM files"),
+        KeyAlg::EdDsa => (ed(&pem), "an Ed25519"),
+        KeyAlg::Es256 => (ec(&pem), "a P-256"),
+        KeyAlg::Hs256 => {
+            return Err(format!(
+                "{}: HS256 keys are secrets, not PEM files",
+                path.display()
+            ))
+        }
     };
+    Ok((pem, key.ok(), format!("{what} {half} key")))
+}
+
+fn load_public(alg: KeyAlg, path: &Path) -> Result<DecodingKey, String> {
+    let (_, key, what) = pem_key(
+        alg,
+        path,
+        "public",
+        DecodingKey::from_ed_pem,
+        DecodingKey::from_ec_pem,
+    )?;
     let not_it = || {
         format!(
             "{} is not {what} in PEM form ('BEGIN PUBLIC KEY'; make it with `openssl pkey -in PRIVATE.pem -pubout`)",
             path.display()
         )
     };
-    let key = key.map_err(|_| not_it())?;
+    let key = key.ok_or_else(not_it)?;
     // jsonwebtoken checks the key only when it first verifies (and its Ed25519
     // verifier slices the first 32 bytes without a length check): check now.
     if alg == KeyAlg::EdDsa && key.as_bytes().len() != 32 {
@@ -405,12 +429,13 @@ fn load_public(alg: KeyAlg, path: &Path) -> Result<DecodingKey, String> {
 }
 
 fn load_private(alg: KeyAlg, path: &Path) -> Result<EncodingKey, String> {
-    let pem = read_pem(path)?;
-    let (key, what) = match alg {
-        KeyAlg::EdDsa => (EncodingKey::from_ed_pem(&pem), "an Ed25519 private key"),
-        KeyAlg::Es256 => (EncodingKey::from_ec_pem(&pem), "a P-256 private key"),
-        KeyAlg::Hs256 => unreachable!("HS256 keys have no PEM files"),
-    };
+    let (pem, key, what) = pem_key(
+        alg,
+        path,
+        "private",
+        EncodingKey::from_ed_pem,
+        EncodingKey::from_ec_pem,
+    )?;
     let not_it = || {
         let sec1 = String::from_utf8_lossy(&pem).contains("-----BEGIN EC PRIVATE KEY-----");
         if sec1 {
@@ -426,7 +451,7 @@ fn load_private(alg: KeyAlg, path: &Path) -> Result<EncodingKey, String> {
             )
         }
     };
-    let key = key.map_err(|_| not_it())?;
+    let key = key.ok_or_else(not_it)?;
     // Parsing the PEM does not parse the key (nor check its curve): sign once.
     match jsonwebtoken::crypto::sign(PROBE_MESSAGE, &key, alg.jwt()) {
         Ok(_) => Ok(key),
