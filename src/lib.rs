@@ -18,6 +18,13 @@
 //!
 //! * [`http1`]: our HTTP/1.1, both sides: the listeners' server and the
 //!   upstream client, sharing one codec. Imports nothing of the crate.
+//! * [`http2`]: HTTP/2 on the traffic listener, through the `h2` crate:
+//!   each stream one call of the service an HTTP/1.1 connection calls,
+//!   and the guards against HTTP/2's own abuses. Imports `http1` (the
+//!   service contract, the drain).
+//! * [`listener`]: the accept loop, the connection limit, the worker
+//!   threads, the TLS handshake, and which HTTP a connection speaks.
+//!   Imports `http1` and `http2`.
 //! * [`fencing`]: the vocabulary: the token grammar, JWT fence tokens,
 //!   path patterns and resource-key templates, the per-key gate. Imports
 //!   nothing of the crate.
@@ -27,7 +34,7 @@
 //! * [`demo`]: a toy document store to try the gateway against.
 //! * [`config`]: TOML and environment overrides, validated into plain
 //!   data. Imports `fencing` (patterns, templates, key settings), `http1`
-//!   (an upstream's URL parts) and `auth`.
+//!   (an upstream's URL parts), `http2` (its settings) and `auth`.
 //! * [`store`]: the fence store (SQLite or Postgres), group commit, shared
 //!   mode's admissions, and what keeps decisions right through a Postgres
 //!   failover. Imports `config`.
@@ -62,7 +69,9 @@ pub mod demo;
 pub mod fencing;
 pub mod gateway;
 pub mod http1;
+pub mod http2;
 pub mod idempotency;
+pub mod listener;
 pub mod locks;
 pub mod metrics;
 pub mod store;

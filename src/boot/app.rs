@@ -15,6 +15,7 @@ use crate::config::{Config, ConfigError, LockBackendConfig};
 use crate::gateway::fence::Fence;
 use crate::gateway::GatewayState;
 use crate::http1::server::{self, Limits};
+use crate::listener::{self, Protocols, Workers};
 use crate::locks::api::LockApiState;
 use crate::locks::notify::Notifier;
 use crate::locks::redlock::Redlock;
@@ -68,6 +69,8 @@ struct Core {
     /// stop on shutdown.
     tasks: Vec<tokio::task::JoinHandle<()>>,
     limits: Limits,
+    /// What the traffic listener speaks besides HTTP/1.1.
+    speaks: Protocols,
     /// `[server] workers`: threads serving the traffic listener.
     workers: usize,
     /// `[server.tls]`, when the traffic listener speaks HTTPS.
@@ -173,6 +176,9 @@ impl Application {
                     max_connections: config.server.max_connections,
                     shutdown_grace: config.server.shutdown_grace,
                 },
+                speaks: Protocols {
+                    http2: config.server.http2,
+                },
             },
         })
     }
@@ -223,7 +229,7 @@ impl Application {
                 return Err(StartError::Workers(e));
             }
         };
-        let admin = tokio::spawn(server::serve(
+        let admin = tokio::spawn(listener::serve(
             listeners.admin,
             server::RouterService {
                 router: admin::router(core.admin_state.clone()),
@@ -256,11 +262,7 @@ impl Core {
     /// gateway state and upstream pool; the reserved prefix (the lock API)
     /// is served by a router on this runtime, where the store's connections
     /// live (see `http1::server` and `traffic`).
-    fn start_traffic(
-        &self,
-        listener: TcpListener,
-        stop: &Stop,
-    ) -> std::io::Result<server::Workers> {
+    fn start_traffic(&self, listener: TcpListener, stop: &Stop) -> std::io::Result<Workers> {
         let reserved = traced(crate::boot::traffic::reserved_router(self.locks.clone()));
         let services = (0..self.workers)
             .map(|_| Traffic {
@@ -275,10 +277,11 @@ impl Core {
             })
             .collect();
         let gate = self.gate.clone();
-        server::Workers::start(
+        Workers::start(
             listener,
             services,
             self.tls.as_ref().map(|t| t.serving()),
+            self.speaks,
             self.limits,
             stop.stopped(),
             move || settled(gate.clone()),

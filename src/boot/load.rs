@@ -53,7 +53,7 @@ pub fn complete(mut config: Config, env: &[(String, String)]) -> Result<Loaded, 
     let mut problem = |key: String, why: String| problems.push(ConfigProblem { key, why });
     let tls = match &config.server.tls {
         None => None,
-        Some(files) => match Tls::load(files) {
+        Some(files) => match Tls::load(files, config.server.http2.is_some()) {
             Ok(t) => Some(Arc::new(t)),
             Err(why) => {
                 problem("server.tls".into(), why);

@@ -66,6 +66,10 @@ fn fixed(c: &Config) -> Vec<(&'static str, String)> {
         ),
         ("server.workers", s.workers.to_string()),
         ("server.tls (on or off)", s.tls.is_some().to_string()),
+        (
+            "server.http2 (and its h2_* limits)",
+            format!("{:?}", s.http2),
+        ),
         ("[store]", format!("{:?}", c.store)),
         ("[locks]", format!("{:?}", c.locks)),
         ("[demo]", format!("{:?}", c.demo)),

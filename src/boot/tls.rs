@@ -3,8 +3,9 @@
 //! connection into an HTTPS one with, optionally, a verified client identity.
 //!
 //! The crypto provider is rustls' `ring` (a pure build: no cmake, no C
-//! toolchain beyond what `ring` itself needs). Only HTTP/1.1 is offered
-//! (ALPN `http/1.1`).
+//! toolchain beyond what `ring` itself needs). ALPN offers `h2` then
+//! `http/1.1` when `[server] http2` is on, and only `http/1.1` when it is
+//! off (a restart setting, so a reload never changes what is offered).
 //!
 //! Reloading swaps the whole `ServerConfig` for new connections; connections
 //! already open keep the config they were accepted with. Files that fail to
@@ -28,6 +29,8 @@ use crate::config::{ClientAuth, TlsConfig};
 /// the listener gives new connections.
 pub struct Tls {
     files: RwLock<TlsConfig>,
+    /// ALPN offers `h2` (`[server] http2`).
+    http2: bool,
     serving: Arc<ServerTls>,
 }
 
@@ -39,10 +42,11 @@ impl std::fmt::Debug for Tls {
 
 impl Tls {
     /// Loads the files; an error names the file and what is wrong with it.
-    pub fn load(files: &TlsConfig) -> Result<Self, String> {
-        let config = build(files)?;
+    pub fn load(files: &TlsConfig, http2: bool) -> Result<Self, String> {
+        let config = build(files, http2)?;
         Ok(Self {
             files: RwLock::new(files.clone()),
+            http2,
             serving: Arc::new(ServerTls::new(config)),
         })
     }
@@ -60,7 +64,7 @@ impl Tls {
     /// Re-reads the files for new connections; on failure the current ones
     /// stay and the error says why.
     pub fn reload(&self) -> Result<(), String> {
-        self.serving.replace(build(&self.files())?);
+        self.serving.replace(build(&self.files(), self.http2)?);
         Ok(())
     }
 
@@ -72,7 +76,7 @@ impl Tls {
     }
 }
 
-fn build(files: &TlsConfig) -> Result<Arc<ServerConfig>, String> {
+fn build(files: &TlsConfig, http2: bool) -> Result<Arc<ServerConfig>, String> {
     let provider = Arc::new(rustls::crypto::ring::default_provider());
     let certs = read_certs(&files.cert_file)?;
     let key = PrivateKeyDer::from_pem_file(&files.key_file)
@@ -107,7 +111,11 @@ fn build(files: &TlsConfig) -> Result<Arc<ServerConfig>, String> {
             files.key_file.display()
         )
     })?;
-    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    config.alpn_protocols = if http2 {
+        vec![b"h2".to_vec(), b"http/1.1".to_vec()]
+    } else {
+        vec![b"http/1.1".to_vec()]
+    };
     Ok(Arc::new(config))
 }
 

@@ -150,6 +150,10 @@ pub struct ServerConfig {
     /// so a request's client and upstream connections are driven by one
     /// thread without cross-thread wake-ups. Defaults to the number of CPUs.
     pub workers: usize,
+    /// `[server] http2`: HTTP/2 on the traffic listener (ALPN `h2` on TLS,
+    /// prior knowledge on plaintext), with its `h2_*` limits; `None`:
+    /// HTTP/1.1 only.
+    pub http2: Option<crate::http2::Settings>,
 }
 
 /// `[log]`: how the gateway logs.

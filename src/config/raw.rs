@@ -70,6 +70,9 @@ pub(super) struct RawServer {
     pub(super) shutdown_grace_ms: u64,
     pub(super) workers: Option<u64>,
     pub(super) tls: Option<RawTls>,
+    pub(super) http2: bool,
+    pub(super) h2_max_concurrent_streams: u64,
+    pub(super) h2_max_header_list_bytes: u64,
 }
 
 #[derive(Debug, Deserialize)]
@@ -124,6 +127,9 @@ impl Default for RawServer {
             shutdown_grace_ms: 30_000,
             workers: None,
             tls: None,
+            http2: true,
+            h2_max_concurrent_streams: 256,
+            h2_max_header_list_bytes: crate::http1::codec::MAX_HEAD_BYTES as u64,
         }
     }
 }

@@ -435,6 +435,18 @@ impl Validator<'_> {
                 Some(n) => self.positive("server.workers", n, 1024) as usize,
                 None => std::thread::available_parallelism().map_or(1, |n| n.get()),
             },
+            http2: raw.http2.then(|| crate::http2::Settings {
+                max_concurrent_streams: self.positive(
+                    "server.h2_max_concurrent_streams",
+                    raw.h2_max_concurrent_streams,
+                    u32::MAX.into(),
+                ) as u32,
+                max_header_list_bytes: self.positive(
+                    "server.h2_max_header_list_bytes",
+                    raw.h2_max_header_list_bytes,
+                    16 << 20,
+                ) as u32,
+            }),
         }
     }
 

@@ -31,6 +31,7 @@
 //!   place.
 //! * [`error`]: errors by origin, and their one mapping to problem
 //!   documents.
+//! * [`grpc`]: a refusal as a gRPC client reads one (`grpc-status`).
 //! * [`refusals`]: the bounded ring of recent refusals the dashboard shows.
 //! * [`live`]: what a request reads of the running config.
 //!
@@ -44,6 +45,7 @@ pub mod exchange;
 pub mod fence;
 mod fenced;
 mod forward;
+pub mod grpc;
 mod idempotent;
 pub mod live;
 pub mod proxy;
@@ -77,6 +79,7 @@ use proxy::Downstream;
 pub async fn respond(state: Arc<GatewayState>, req: Request<Body>, peer: Downstream) -> Response {
     let retry_after = state.retry_after;
     let has_body = declares_body(req.headers());
+    let grpc = grpc::is_grpc(req.headers());
     let live = state.live.load();
     let mut access = live.access_log.then(|| Access::of(&req));
     let result = match admit(&state, &live, req, &mut access) {
@@ -118,6 +121,7 @@ pub async fn respond(state: Arc<GatewayState>, req: Request<Body>, peer: Downstr
     };
     match result {
         Ok(resp) => resp,
+        Err(e) if grpc => e.to_problem(retry_after).into_grpc(),
         Err(e) => {
             let mut resp = e.to_problem(retry_after).into_response();
             if has_body {

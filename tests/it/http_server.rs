@@ -663,7 +663,8 @@ async fn every_405_carries_allow() {
 }
 
 /// What the gateway does not speak, on purpose (docs/internals/http1.md,
-/// "Refused on purpose"): HTTP/0.9 and versions but 1.0 and 1.1 are 400; CONNECT and
+/// "Refused on purpose"): HTTP/0.9 and versions but 1.0 and 1.1 are 400
+/// (HTTP/2 comes by its preface or ALPN: tests/it/http2.rs); CONNECT and
 /// `OPTIONS *` name no route (404): nothing is forwarded and no tunnel is
 /// opened; an `Upgrade` is hop-by-hop and dropped, so the upstream sees a
 /// plain request (and a `101` from it would be 502).
@@ -677,7 +678,6 @@ async fn http09_connect_and_upgrades_are_not_served() {
             400,
             "bad-request",
         ),
-        (b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n", 400, "bad-request"),
     ] {
         refused_with(&app, raw, status, kind).await;
     }

@@ -18,6 +18,7 @@ mod failover_redis;
 mod group_commit;
 mod handover;
 mod headers;
+mod http2;
 mod http_server;
 mod idempotency;
 mod jwt_tokens;

@@ -1,29 +1,15 @@
-//! The HTTP/1.1 server of both listeners: the accept loop, connections
-//! served by an HTTP/1.1 of our own ([`session`]: a connection's phases;
-//! [`request`]: request heads read and answer heads written; [`body`]: a
-//! request's body as the service reads it; [`tls`]: handshakes), and the
-//! traffic listener's worker threads.
+//! The HTTP/1.1 server: what a listener's connections are served with
+//! ([`session`]: a connection's phases; [`request`]: request heads read and
+//! answer heads written; [`body`]: a request's body as the service reads
+//! it; [`tls`]: the acceptor's config and the client's identity), and the
+//! contract every connection's service keeps, whatever HTTP it speaks
+//! ([`Service`], [`MakeService`], [`Limits`], [`Drain`]). The accept loop
+//! and the worker threads are `listener`'s.
 //!
-//! Three protections are the accept loop's and the connection's: a
-//! header-read timeout (slow-loris clients, idle keep-alive connections), a
-//! connection limit (a flood waits in the kernel backlog instead of
-//! exhausting memory or file descriptors), and a bounded graceful drain.
 //! An HTTP/1.1 of our own rather than hyper's server: one task per
-//! connection as before, but a head parsed once into the request, a body
-//! that came with its head handed over whole, and one timer per
-//! connection instead of one per request (see BENCHMARKS.md).
-//!
-//! The traffic listener runs on [`Workers`]: `[server] workers` threads (one
-//! per CPU by default), each with a current-thread runtime. One acceptor takes connections (within the
-//! connection limit) and hands them round-robin to the workers; from then on
-//! everything a connection's requests do (parse, forward on the worker's
-//! pooled upstream connections, relay the answer) happens on that worker's
-//! thread. On one shared multi-thread runtime the client side and the
-//! upstream side of a request usually land on different threads, and the
-//! cross-thread wake-ups (futex, IPIs) cost more than the proxying itself;
-//! see BENCHMARKS.md. Handing off accepted connections, rather than giving
-//! each worker its own `SO_REUSEPORT` socket, keeps the connection limit
-//! exact and spreads even a handful of connections evenly.
+//! connection, a head parsed once into the request, a body that came with
+//! its head handed over whole, and one timer per connection instead of one
+//! per request (see docs/internals/http1.md).
 
 use std::future::{poll_fn, Future};
 use std::net::SocketAddr;
@@ -37,8 +23,7 @@ use axum::extract::ConnectInfo;
 use axum::response::Response;
 use axum::Router;
 use http::Request;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{mpsc, oneshot, Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Notify;
 use tower::ServiceExt;
 
 pub mod body;
@@ -68,7 +53,7 @@ pub struct ConnInfo {
 /// What answers one connection's requests, one at a time. Its future runs
 /// in the connection's task; a request's body is a [`RequestBody`] inside
 /// the [`Body`].
-pub trait Service: Send + 'static {
+pub trait Service: Send + Sync + 'static {
     /// Unboxed: the traffic listener's answer is made with no allocation
     /// and no copy of its (large) future.
     fn call(&self, req: Request<Body>) -> impl Future<Output = Response> + Send + 'static;
@@ -133,109 +118,6 @@ impl Service for RouterConnection {
     }
 }
 
-/// Serves `service` on `listener` until `shutdown` resolves, then lets
-/// in-flight requests finish for up to `limits.shutdown_grace`.
-pub async fn serve(
-    listener: TcpListener,
-    service: impl MakeService,
-    limits: Limits,
-    shutdown: impl Future<Output = ()>,
-) {
-    let drain = Arc::new(Drain::default());
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
-    accept(listener, slots, shutdown, |stream, peer, permit| {
-        connection(stream, peer, &service, limits, &drain, permit, None);
-    })
-    .await;
-    drain.finish(limits).await;
-}
-
-/// Accepts connections until `shutdown` resolves, each with a slot of
-/// `slots`, and gives them to `take`.
-async fn accept(
-    listener: TcpListener,
-    slots: Arc<Semaphore>,
-    shutdown: impl Future<Output = ()>,
-    mut take: impl FnMut(TcpStream, SocketAddr, OwnedSemaphorePermit),
-) {
-    tokio::pin!(shutdown);
-    loop {
-        // Take a connection slot before accepting, so that at the limit new
-        // connections queue in the backlog rather than being accepted and
-        // starved.
-        let permit = tokio::select! {
-            p = slots.clone().acquire_owned() => match p {
-                Ok(p) => p,
-                Err(_) => break,
-            },
-            _ = &mut shutdown => break,
-        };
-        let (stream, peer) = tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok(a) => a,
-                Err(e) => {
-                    // Typically EMFILE: back off instead of spinning.
-                    tracing::warn!(error = %e, "accept failed");
-                    tokio::time::sleep(Duration::from_millis(50)).await;
-                    continue;
-                }
-            },
-            _ = &mut shutdown => break,
-        };
-        let _ = stream.set_nodelay(true);
-        take(stream, peer, permit);
-    }
-}
-
-/// Serves one connection in a task of the current runtime; its slot is
-/// freed when it ends. With `tls`, the handshake runs first, in the same
-/// task and bounded by the header-read timeout (a client that stalls its
-/// handshake is a slow-loris client too).
-fn connection(
-    stream: TcpStream,
-    peer: SocketAddr,
-    service: &impl MakeService,
-    limits: Limits,
-    drain: &Arc<Drain>,
-    permit: OwnedSemaphorePermit,
-    tls: Option<&Arc<tls::ServerTls>>,
-) {
-    let drain = drain.clone();
-    let Some(tls) = tls else {
-        let service = service.make(ConnInfo { peer, tls: None });
-        tokio::spawn(async move {
-            session::serve(stream, service, limits, drain).await;
-            drop(permit);
-        });
-        return;
-    };
-    let acceptor = tls.acceptor();
-    // Made after the handshake, which tells who the client is; the
-    // service factory is cloned into the task for that.
-    let make = service.clone();
-    tokio::spawn(async move {
-        let handshake =
-            tokio::time::timeout(limits.header_read_timeout, acceptor.accept(stream)).await;
-        let stream = match handshake {
-            Ok(Ok(s)) => s,
-            Ok(Err(e)) => {
-                tracing::debug!(error = %e, %peer, "TLS handshake failed");
-                return;
-            }
-            Err(_) => {
-                tracing::debug!(%peer, "TLS handshake timed out");
-                return;
-            }
-        };
-        let info = ConnInfo {
-            peer,
-            tls: Some(tls::peer_of(stream.get_ref().1)),
-        };
-        session::serve(stream, make.make(info), limits, drain).await;
-        drop(permit);
-    });
-}
-
 /// The graceful drain of one runtime's connections: once started, an idle
 /// connection ends at once and a busy one after its answer.
 ///
@@ -244,7 +126,7 @@ fn connection(
 /// polled per request for the drain's sake (a watcher future polled with
 /// every poll of the connection cost hundreds of instructions a request).
 #[derive(Default)]
-pub(crate) struct Drain {
+pub struct Drain {
     started: AtomicBool,
     /// The tasks of the open connections, woken when the drain starts.
     conns: Mutex<slab::Slab<Waker>>,
@@ -253,7 +135,7 @@ pub(crate) struct Drain {
 }
 
 /// A connection's place in its [`Drain`], for as long as it is open.
-struct Entered {
+pub struct Entered {
     drain: Arc<Drain>,
     key: usize,
 }
@@ -266,12 +148,12 @@ impl Drain {
     }
 
     /// Whether the drain has started.
-    fn started(&self) -> bool {
+    pub fn started(&self) -> bool {
         self.started.load(Ordering::Acquire)
     }
 
     /// Registers the calling task as an open connection.
-    async fn enter(self: &Arc<Self>) -> Entered {
+    pub async fn enter(self: &Arc<Self>) -> Entered {
         let waker = poll_fn(|cx| Poll::Ready(cx.waker().clone())).await;
         let key = self.conns().insert(waker);
         Entered {
@@ -282,7 +164,7 @@ impl Drain {
 
     /// Starts the drain, then waits until every connection has ended, for
     /// up to the grace period.
-    async fn finish(&self, limits: Limits) {
+    pub async fn finish(&self, limits: Limits) {
         self.started.store(true, Ordering::Release);
         for (_, waker) in self.conns().iter() {
             waker.wake_by_ref();
@@ -313,137 +195,6 @@ impl Drop for Entered {
         conns.remove(self.key);
         if conns.is_empty() {
             self.drain.empty.notify_waiters();
-        }
-    }
-}
-
-/// Keeps a near timer pending on a worker's runtime, so that the runtime
-/// never parks with no timer due soon.
-///
-/// tokio's timer wheel wakes the runtime's driver (a write to its eventfd,
-/// and a later `epoll_wait` that returns only for it) whenever a timer is
-/// registered that is due before the earliest one the driver knew of when
-/// it last parked, or when it parked with none at all: and a worker with
-/// no request in flight has none, so the route timeout of the next request
-/// it takes paid that wake. With this tick pending, the driver always parks
-/// with a timer at most `TIMER_FLOOR` away, and the request timers (the
-/// route timeout, the header-read timeout: seconds) are later than it.
-async fn timer_floor() {
-    let mut tick = tokio::time::interval(TIMER_FLOOR);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-    }
-}
-
-/// See [`timer_floor`]: shorter than any request timer worth a wake, long
-/// enough that the tick itself costs nothing.
-const TIMER_FLOOR: Duration = Duration::from_millis(500);
-
-/// An accepted connection on its way to a worker.
-type HandOff = (std::net::TcpStream, SocketAddr, OwnedSemaphorePermit);
-
-/// The traffic listener's worker threads; see the module docs.
-pub struct Workers {
-    /// The acceptor, on the runtime that started the workers.
-    acceptor: tokio::task::JoinHandle<()>,
-    /// One per thread: completes when that thread has finished serving and
-    /// its in-flight writes are done (or the grace period ran out).
-    done: Vec<oneshot::Receiver<()>>,
-}
-
-impl Workers {
-    /// Starts one thread per service, and an acceptor task on the current
-    /// runtime that hands them `listener`'s connections in turn. When
-    /// `shutdown` resolves the acceptor stops; each thread then drains its
-    /// connections and keeps its runtime alive until `settled` resolves or
-    /// the grace period ends: a fenced write it runs must not be cut off
-    /// halfway by the runtime going away.
-    pub fn start<M: MakeService, D>(
-        listener: TcpListener,
-        services: Vec<M>,
-        tls: Option<Arc<tls::ServerTls>>,
-        limits: Limits,
-        shutdown: impl Future<Output = ()> + Send + 'static,
-        settled: impl Fn() -> D,
-    ) -> std::io::Result<Self>
-    where
-        D: Future<Output = ()> + Send + 'static,
-    {
-        let mut handoffs = Vec::with_capacity(services.len());
-        let mut done = Vec::with_capacity(services.len());
-        for (i, service) in services.into_iter().enumerate() {
-            let runtime = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()?;
-            let (give, mut take) = mpsc::unbounded_channel::<HandOff>();
-            let (tx, rx) = oneshot::channel();
-            let settle = settled();
-            let tls = tls.clone();
-            std::thread::Builder::new()
-                .name(format!("fencegate-worker-{i}"))
-                .spawn(move || {
-                    runtime.block_on(async move {
-                        tokio::spawn(timer_floor());
-                        let drain = Arc::new(Drain::default());
-                        // Ends when the acceptor stops (shutdown).
-                        while let Some((stream, peer, permit)) = take.recv().await {
-                            // Registers the socket with this thread's runtime.
-                            match TcpStream::from_std(stream) {
-                                Ok(s) => connection(
-                                    s,
-                                    peer,
-                                    &service,
-                                    limits,
-                                    &drain,
-                                    permit,
-                                    tls.as_ref(),
-                                ),
-                                Err(e) => {
-                                    tracing::warn!(error = %e, "worker cannot take a connection")
-                                }
-                            }
-                        }
-                        drain.finish(limits).await;
-                        let _ = tokio::time::timeout(limits.shutdown_grace, settle).await;
-                    });
-                    let _ = tx.send(());
-                })?;
-            handoffs.push(give);
-            done.push(rx);
-        }
-        let slots = Arc::new(Semaphore::new(limits.max_connections));
-        let mut next = 0;
-        let acceptor = tokio::spawn(accept(
-            listener,
-            slots,
-            shutdown,
-            move |stream, peer, permit| {
-                let Ok(stream) = stream.into_std() else {
-                    return;
-                };
-                // A worker whose thread died is skipped; its slot comes back
-                // with the dropped permit.
-                let mut handoff = (stream, peer, permit);
-                for _ in 0..handoffs.len() {
-                    let worker = &handoffs[next];
-                    next = (next + 1) % handoffs.len();
-                    match worker.send(handoff) {
-                        Ok(()) => return,
-                        Err(mpsc::error::SendError(back)) => handoff = back,
-                    }
-                }
-                tracing::error!("no worker thread is running; connection dropped");
-            },
-        ));
-        Ok(Self { acceptor, done })
-    }
-
-    /// Waits until the acceptor and every worker thread have finished.
-    pub async fn finished(self) {
-        let _ = self.acceptor.await;
-        for d in self.done {
-            let _ = d.await;
         }
     }
 }

@@ -74,6 +74,29 @@ pub enum HeadError {
     Chunked(ChunkError),
     #[error("the request head did not arrive within the header-read timeout")]
     Timeout,
+    /// The connection opened with HTTP/2's connection preface (RFC 9113
+    /// §3.4): a listener that speaks HTTP/2 takes the connection over; one
+    /// that does not refuses it as any other malformed head.
+    #[error("the connection opened with HTTP/2's preface, and HTTP/2 is off on this listener")]
+    Http2Preface,
+}
+
+impl HeadError {
+    /// The status a refusal of the head answers with.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            HeadError::TooLarge => StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE,
+            HeadError::Timeout => StatusCode::REQUEST_TIMEOUT,
+            HeadError::UnsupportedCoding => StatusCode::NOT_IMPLEMENTED,
+            HeadError::Malformed
+            | HeadError::Length
+            | HeadError::Coding
+            | HeadError::Host
+            | HeadError::BareLf
+            | HeadError::Chunked(_)
+            | HeadError::Http2Preface => StatusCode::BAD_REQUEST,
+        }
+    }
 }
 
 /// A request head, parsed.
@@ -90,6 +113,10 @@ pub struct RequestHead {
     /// before it sends the body.
     pub expect_continue: bool,
 }
+
+/// The first line of HTTP/2's connection preface: a request line to an
+/// HTTP/1.1 parser, with a version it refuses.
+const PREFACE_LINE: &[u8] = b"PRI * HTTP/2.0\r\n";
 
 /// Parses the request head at the start of `buf`, taking its bytes out.
 /// `None`: not all of it has arrived.
@@ -109,6 +136,9 @@ pub fn parse_head(buf: &mut BytesMut) -> Result<Option<RequestHead>, HeadError> 
         }
         Ok(httparse::Status::Partial) => return Ok(None),
         Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
+        Err(httparse::Error::Version) if buf.starts_with(PREFACE_LINE) => {
+            return Err(HeadError::Http2Preface)
+        }
         Err(_) => return Err(HeadError::Malformed),
     };
     if len > MAX_HEAD_BYTES {
@@ -239,7 +269,7 @@ impl RequestFields {
 /// percent-encodings; an IPv4 address is one) or a bracketed IP literal,
 /// then an optional port of digits. No userinfo (`@`), no whitespace, no
 /// path; not empty (an `http` URI has a host, RFC 9110 §4.2.1).
-fn valid_host(value: &[u8]) -> bool {
+pub fn valid_host(value: &[u8]) -> bool {
     let (host, port) = match value {
         [b'[', rest @ ..] => {
             let Some(close) = rest.iter().position(|&b| b == b']') else {

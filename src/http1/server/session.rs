@@ -57,9 +57,25 @@ const LINGER: Duration = Duration::from_secs(1);
 /// What `Expect: 100-continue` is answered with when the body is wanted.
 const CONTINUE: &[u8] = b"HTTP/1.1 100 Continue\r\n\r\n";
 
+/// How a connection's HTTP/1.1 ended.
+pub enum Served<I, S> {
+    /// The connection is over.
+    Ended,
+    /// It opened with HTTP/2's preface, and `http2` said to hand such a
+    /// connection back: here it is, with the bytes read from it so far.
+    Http2 { io: I, read: BytesMut, service: S },
+}
+
 /// Serves HTTP/1.1 on `io` until the client leaves, a request asks for the
-/// end, the server drains, or something fails.
-pub(super) async fn serve<I, S>(io: I, service: S, limits: Limits, drain: Arc<Drain>)
+/// end, the server drains, or something fails. With `http2`, a connection
+/// that opens with HTTP/2's preface is handed back instead.
+pub async fn serve<I, S>(
+    io: I,
+    service: S,
+    limits: Limits,
+    drain: Arc<Drain>,
+    http2: bool,
+) -> Served<I, S>
 where
     I: AsyncRead + AsyncWrite + Unpin,
     S: Service,
@@ -77,14 +93,27 @@ where
         sleep: pin!(tokio::time::sleep(limits.header_read_timeout)),
         armed: false,
     };
+    // The first head of the connection: the only place a preface can be.
+    let mut first = true;
     loop {
         // Phase: read head.
         let deadline = Instant::now() + limits.header_read_timeout;
         let head = match conn.read_head(&mut timer, deadline, &drain).await {
             Ok(Some(head)) => head,
-            Ok(None) => return,
-            Err(e) => return conn.refuse(service.refuse(e)).await,
+            Ok(None) => return Served::Ended,
+            Err(HeadError::Http2Preface) if http2 && first => {
+                return Served::Http2 {
+                    io: conn.io,
+                    read: conn.buf,
+                    service,
+                }
+            }
+            Err(e) => {
+                conn.refuse(service.refuse(e)).await;
+                return Served::Ended;
+            }
         };
+        first = false;
         let RequestHead {
             request,
             body,
@@ -99,14 +128,17 @@ where
         // Phase: hand over body.
         let (body, mut piping) = match conn.hand_over(body, expect_continue) {
             Ok(handed) => handed,
-            Err(e) => return conn.refuse(service.refuse(e)).await,
+            Err(e) => {
+                conn.refuse(service.refuse(e)).await;
+                return Served::Ended;
+            }
         };
         let req = Request::from_parts(request, Body::new(body));
         // Phase: await answer. Pinned here, where it is made: the
         // service's future is large, and every move of it is a copy.
         let answer = pin!(service.call(req));
         let Some(answer) = conn.await_answer(answer, &mut piping).await else {
-            return;
+            return Served::Ended;
         };
         // Phase: write answer. A client still waiting for `100 Continue`
         // may or may not send its body now: the connection cannot go on.
@@ -119,7 +151,7 @@ where
             Ok(keep) => keep,
             Err(e) => {
                 tracing::debug!(error = %e, "the answer could not be written");
-                return;
+                return Served::Ended;
             }
         };
         // Phase: settle body.
@@ -128,7 +160,8 @@ where
             Some(p) => conn.settle(p, limits.header_read_timeout).await,
         };
         if !keep || !settled || conn.eof || conn.broken {
-            return conn.close().await;
+            conn.close().await;
+            return Served::Ended;
         }
     }
 }
@@ -577,7 +610,7 @@ mod tests {
 
     impl<F, A> Service for Fn<F>
     where
-        F: std::ops::Fn(Request<Body>) -> A + Send + 'static,
+        F: std::ops::Fn(Request<Body>) -> A + Send + Sync + 'static,
         A: Future<Output = Response> + Send + 'static,
     {
         fn call(&self, req: Request<Body>) -> impl Future<Output = Response> + Send + 'static {
@@ -598,7 +631,10 @@ mod tests {
     /// buffer each way; the client's end, and the connection's task.
     fn open<S: Service>(service: S, room: usize) -> (DuplexStream, tokio::task::JoinHandle<()>) {
         let (client, server) = tokio::io::duplex(room);
-        let conn = tokio::spawn(serve(server, service, limits(), Arc::default()));
+        let conn = tokio::spawn(async move {
+            let served = serve(server, service, limits(), Arc::default(), false).await;
+            assert!(matches!(served, Served::Ended));
+        });
         (client, conn)
     }
 

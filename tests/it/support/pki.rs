@@ -115,7 +115,10 @@ pub fn tls_section(cert: &Path, key: &Path, clients: Option<(&Path, &str)>) -> S
 
 /// An HTTPS client that trusts `ca`, optionally presenting `identity`.
 pub fn client(ca: &Ca, identity: Option<&Issued>) -> reqwest::Client {
+    // HTTP/1.1 only: these tests are about TLS, and HTTP/2 over TLS has
+    // its own (tests/it/http2.rs).
     let mut b = reqwest::Client::builder()
+        .http1_only()
         .use_rustls_tls()
         .tls_built_in_root_certs(false)
         .add_root_certificate(reqwest::Certificate::from_pem(ca.pem().as_bytes()).unwrap());

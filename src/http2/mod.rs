@@ -1,0 +1,30 @@
+//! HTTP/2 on the traffic listener: the `h2` crate's framing, HPACK, flow
+//! control and stream states, beside the HTTP/1.1 of our own.
+//!
+//! Each stream becomes one request for the same [`Service`] an HTTP/1.1
+//! connection calls, so a stream has exactly an HTTP/1.1 request's
+//! semantics: the gateway cannot tell them apart except by
+//! [`http::Version`]. What is HTTP/2's own stays here: the connection's
+//! life (handshake, idle end, GOAWAY at a drain), the guards against
+//! abuse that the protocol invites, and the mapping of a stream's events
+//! onto a request's (a client's `RST_STREAM` drops the request's future:
+//! "the client left").
+//!
+//! # Layout
+//!
+//! * [`server`]: one connection's accept loop and its streams.
+//! * [`body`]: a stream's request body as an [`http_body::Body`], and the
+//!   answer's body sent under the peer's flow control.
+//! * [`prefixed`]: an I/O whose first bytes were already read (the
+//!   preface an HTTP/1.1 connection found).
+//!
+//! Imports `http1` (the service contract, the drain, `Host` validation);
+//! nothing else of the crate.
+//!
+//! [`Service`]: crate::http1::server::Service
+
+pub mod body;
+pub mod prefixed;
+pub mod server;
+
+pub use server::{serve, Settings};
