@@ -128,6 +128,7 @@ impl Application {
             refusals: refusals.clone(),
             fence: fence.clone(),
             client: crate::http1::client::UpstreamClient::new(),
+            h2: crate::http2::Http2Client::new(),
             store_runtime: Arc::new(tokio::runtime::Handle::current()),
             metrics: metrics.clone(),
             max_body_bytes: config.server.max_body_bytes,

@@ -264,6 +264,8 @@ pub struct Route {
     /// pass-through requests; the whole exchange, both bodies included, for
     /// fenced writes (see `exchange`).
     pub timeout: Duration,
+    /// How the upstream is spoken to; HTTP/2 is what gRPC upstreams need.
+    pub upstream_protocol: UpstreamProtocol,
 }
 
 /// A route's `idempotency` settings, when it is not `"off"`.
@@ -301,6 +303,18 @@ pub enum PathsMode {
     /// for upstreams known to treat `;`, `%2F`, `\\` and `//` as plain
     /// characters.
     AsIs,
+}
+
+/// `[[routes]] upstream_protocol`: how the gateway speaks to the upstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UpstreamProtocol {
+    /// HTTP/1.1, a pool of connections (the default).
+    Http1,
+    /// HTTP/2 over TLS (ALPN `h2`): an `https://` upstream.
+    H2,
+    /// HTTP/2 by prior knowledge: an `http://` upstream.
+    H2c,
 }
 
 /// One problem found while loading a config.

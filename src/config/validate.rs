@@ -657,19 +657,8 @@ impl Validator<'_> {
         let pattern = self.route_pattern(i, &path, key_case);
         let key = self.route_key(i, r.key.as_deref(), pattern.as_ref(), key_case);
         let ca = r.upstream_ca_file.map(|p| relative_to(base, &p));
-        let upstream = match r.upstream.as_deref() {
-            None => {
-                self.problem(at("upstream"), "missing: every route needs an upstream URL");
-                None
-            }
-            Some(u) => match Upstream::parse(u, ca.as_deref()) {
-                Ok(up) => Some(up),
-                Err(why) => {
-                    self.problem(at("upstream"), format!("'{u}' {why}"));
-                    None
-                }
-            },
-        };
+        let upstream = self.route_upstream(i, r.upstream.as_deref(), ca.as_deref());
+        let upstream_protocol = self.route_protocol(i, r.upstream_protocol, upstream.as_ref());
         let fenced = self.route_methods(i, &r.methods);
         let token = self.choice(
             &at("token"),
@@ -697,7 +686,62 @@ impl Validator<'_> {
             paths,
             idempotency,
             timeout,
+            upstream_protocol,
         })
+    }
+
+    /// `routes[i].upstream`: a URL (with `upstream_ca_file`, an https one).
+    fn route_upstream(
+        &mut self,
+        i: usize,
+        raw: Option<&str>,
+        ca: Option<&Path>,
+    ) -> Option<Upstream> {
+        let at = format!("routes[{i}].upstream");
+        match raw {
+            None => {
+                self.problem(at, "missing: every route needs an upstream URL");
+                None
+            }
+            Some(u) => match Upstream::parse(u, ca) {
+                Ok(up) => Some(up),
+                Err(why) => {
+                    self.problem(at, format!("'{u}' {why}"));
+                    None
+                }
+            },
+        }
+    }
+
+    /// `routes[i].upstream_protocol`: `"h2"` needs an `https://` upstream
+    /// (ALPN), `"h2c"` an `http://` one (prior knowledge).
+    fn route_protocol(
+        &mut self,
+        i: usize,
+        raw: Choice<UpstreamProtocol>,
+        upstream: Option<&Upstream>,
+    ) -> UpstreamProtocol {
+        let at = format!("routes[{i}].upstream_protocol");
+        let protocol = self.choice(
+            &at,
+            raw,
+            "an upstream protocol",
+            "\"http1\", \"h2\" or \"h2c\"",
+            UpstreamProtocol::Http1,
+        );
+        let https = upstream.map(|u| u.scheme == http::uri::Scheme::HTTPS);
+        match (protocol, https) {
+            (UpstreamProtocol::H2, Some(false)) => self.problem(
+                at,
+                "\"h2\" is HTTP/2 over TLS: the upstream must be https:// (use \"h2c\" for http://)",
+            ),
+            (UpstreamProtocol::H2c, Some(true)) => self.problem(
+                at,
+                "\"h2c\" is HTTP/2 in plain text: the upstream must be http:// (use \"h2\" for https://)",
+            ),
+            _ => {}
+        }
+        protocol
     }
 
     /// `routes[i].name`: present, not blank, unique.

@@ -14,8 +14,11 @@ use super::error::{ClientError, GatewayError, UpstreamError};
 use super::exchange::Exchange;
 use super::fence::Admission;
 use super::live::GatedRoute;
-use super::proxy::{self, BodyOutcome, Downstream, LimitedBody, RelayBody};
+use super::proxy::{self, Answer, BodyOutcome, Downstream, LimitedBody, RelayBody};
 use super::state::GatewayState;
+use crate::config::UpstreamProtocol;
+use crate::http1::client::Witness;
+use crate::http2::client::Dial;
 
 /// Phase: forward, and build the response.
 pub(super) async fn forward(
@@ -57,21 +60,32 @@ pub(super) async fn forward(
         proxy::upstream_request(Request::from_parts(parts, body), &route.upstream, peer)
             .map_err(|_| ClientError::BadRequest("the request cannot be forwarded as given"))?;
 
-    // Dropped at the deadline, the exchange's connection resets (see
-    // `http1::client::tcp`): nothing of it queued is delivered afterwards.
-    let sent = tokio::time::timeout_at(
-        deadline.into(),
-        state.client.send(
-            &route.upstream,
-            upstream_req,
-            exchange.as_ref().map(|x| {
-                (
-                    x.deadline(),
-                    x.clone() as Arc<dyn crate::http1::client::Witness>,
-                )
-            }),
-        ),
-    )
+    // Dropped at the deadline, the exchange's connection (or stream)
+    // resets (see `http1::client::tcp`, `http2::client`): nothing of it
+    // queued is delivered afterwards.
+    let witness = exchange
+        .as_ref()
+        .map(|x| (x.deadline(), x.clone() as Arc<dyn Witness>));
+    let sent = tokio::time::timeout_at(deadline.into(), async {
+        match route.upstream_protocol {
+            UpstreamProtocol::Http1 => state
+                .client
+                .send(&route.upstream, upstream_req, witness)
+                .await
+                .map(|r| r.map(Answer::Http1)),
+            UpstreamProtocol::H2 | UpstreamProtocol::H2c => {
+                let dial = match route.upstream_protocol {
+                    UpstreamProtocol::H2 => Dial::Tls,
+                    _ => Dial::Plain,
+                };
+                state
+                    .h2
+                    .send(&route.upstream, dial, upstream_req, witness)
+                    .await
+                    .map(|r| r.map(Answer::Http2))
+            }
+        }
+    })
     .await;
     match sent {
         Ok(Ok(resp)) => {

@@ -237,7 +237,7 @@ pub enum RelayError {
 /// done; a pass-through answer's connection is reset.
 pub struct RelayBody {
     /// Taken (left empty) when the relay ends or is dropped.
-    inner: UpstreamBody,
+    inner: Answer,
     exchange: Option<Arc<Exchange>>,
     deadline: Deadline,
     /// The upstream's body has ended; waiting for the request to be
@@ -245,6 +245,61 @@ pub struct RelayBody {
     finishing: bool,
     /// Ended (normally or not); nothing more to do.
     done: bool,
+}
+
+/// An upstream's answer body, from an HTTP/1.1 connection or an HTTP/2
+/// stream; both say when their exchange ended normally (`poll_finish`).
+/// Unboxed although the variants differ in size: the HTTP/1.1 one is the
+/// common case, and boxing it would cost an allocation per answer.
+#[allow(clippy::large_enum_variant)]
+pub enum Answer {
+    Http1(UpstreamBody),
+    Http2(crate::http2::client::AnswerBody),
+}
+
+impl Default for Answer {
+    /// An empty HTTP/1.1 answer, holding no connection.
+    fn default() -> Self {
+        Answer::Http1(UpstreamBody::default())
+    }
+}
+
+impl Answer {
+    fn poll_finish(&mut self, cx: &mut Context<'_>) -> Poll<bool> {
+        match self {
+            Answer::Http1(b) => b.poll_finish(cx),
+            Answer::Http2(b) => b.poll_finish(cx),
+        }
+    }
+}
+
+impl http_body::Body for Answer {
+    type Data = Bytes;
+    type Error = crate::http1::client::ExchangeError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match self.get_mut() {
+            Answer::Http1(b) => Pin::new(b).poll_frame(cx),
+            Answer::Http2(b) => Pin::new(b).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            Answer::Http1(b) => b.is_end_stream(),
+            Answer::Http2(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            Answer::Http1(b) => b.size_hint(),
+            Answer::Http2(b) => b.size_hint(),
+        }
+    }
 }
 
 /// Most bytes of a fenced write's answer read and discarded for a client
@@ -297,7 +352,7 @@ impl Drop for RelayBody {
 /// Reads an answer nobody will see to its end, discarding it: within
 /// `deadline`, and at most [`DRAIN_LIMIT`] bytes. Answers whether it ended
 /// normally.
-async fn drain(body: &mut UpstreamBody, deadline: Instant) -> bool {
+async fn drain(body: &mut Answer, deadline: Instant) -> bool {
     let read = async {
         let mut left = DRAIN_LIMIT;
         loop {
@@ -334,7 +389,7 @@ fn finished(exchange: Option<Arc<Exchange>>, normal: bool) {
 
 impl RelayBody {
     /// `exchange` for a fenced write; `None` for pass-through.
-    pub fn new(inner: UpstreamBody, exchange: Option<Arc<Exchange>>) -> Self {
+    pub fn new(inner: Answer, exchange: Option<Arc<Exchange>>) -> Self {
         Self {
             inner,
             deadline: Deadline::new(exchange.as_ref().map(|x| x.deadline())),
@@ -348,7 +403,7 @@ impl RelayBody {
     /// exchange is let go without a normal end.
     fn broken(&mut self, e: RelayError) -> RelayError {
         self.done = true;
-        self.inner = UpstreamBody::default();
+        self.inner = Answer::default();
         self.exchange.take();
         e
     }

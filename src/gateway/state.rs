@@ -21,6 +21,9 @@ pub struct GatewayState {
     pub fence: Fence,
     /// Pooled upstream connections, shared by all routes.
     pub client: UpstreamClient,
+    /// HTTP/2 upstream connections (`upstream_protocol = "h2"`, `"h2c"`),
+    /// one per upstream.
+    pub h2: crate::http2::Http2Client,
     pub metrics: Metrics,
     /// The recent refusals the dashboard shows.
     pub refusals: Arc<crate::gateway::refusals::Refusals>,
@@ -55,6 +58,7 @@ impl GatewayState {
         // The clone of `live` is a copy of its own (see its `Clone`).
         Self {
             client: UpstreamClient::new(),
+            h2: crate::http2::Http2Client::new(),
             store_runtime: Arc::new((*self.store_runtime).clone()),
             fence: self.fence.worker_copy(),
             ..self.clone()

@@ -108,7 +108,7 @@ pub enum SendError {
 /// Sends `body` on `tx` under the peer's flow control, then ends the
 /// stream. A piece is taken from the body only once the one before it is
 /// on its way, so what waits here for window space is one piece.
-pub async fn send<B>(mut tx: SendStream<Bytes>, body: B) -> Result<(), SendError>
+pub async fn send<B>(tx: &mut SendStream<Bytes>, body: B) -> Result<(), SendError>
 where
     B: Body<Data = Bytes>,
 {
@@ -144,7 +144,7 @@ where
             Ok(data) => {
                 let end = body.is_end_stream();
                 if !data.is_empty() {
-                    wait_for_window(&mut tx).await?;
+                    wait_for_window(tx).await?;
                 }
                 tx.send_data(data, end).map_err(|_| SendError::Connection)?;
                 if end {

@@ -17,14 +17,37 @@
 //!   answer's body sent under the peer's flow control.
 //! * [`prefixed`]: an I/O whose first bytes were already read (the
 //!   preface an HTTP/1.1 connection found).
+//! * [`client`]: HTTP/2 to upstreams: a connection per upstream and
+//!   worker, and what a stream tells a fenced write's exchange.
 //!
-//! Imports `http1` (the service contract, the drain, `Host` validation);
-//! nothing else of the crate.
+//! Imports `http1` (the service contract, the drain, `Host` validation;
+//! the upstream, its errors and the exchange's witness); nothing else of
+//! the crate.
 //!
 //! [`Service`]: crate::http1::server::Service
 
 pub mod body;
+pub mod client;
 pub mod prefixed;
 pub mod server;
 
+pub use client::Http2Client;
 pub use server::{serve, Settings};
+
+use http::{header, HeaderMap};
+
+/// Takes out the fields HTTP/2 forbids in a message (RFC 9113 §8.2.2):
+/// they belong to one HTTP/1.1 connection, and an answer relayed from one
+/// may carry them.
+pub fn connection_specific(headers: &mut HeaderMap) {
+    for name in [
+        header::CONNECTION,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+        header::TE,
+    ] {
+        headers.remove(name);
+    }
+    headers.remove("keep-alive");
+    headers.remove("proxy-connection");
+}

@@ -42,7 +42,7 @@ use axum::response::Response;
 use bytes::Bytes;
 use h2::server::SendResponse;
 use h2::{Reason, RecvStream};
-use http::{header, HeaderMap, Request, Uri};
+use http::{header, Request, Uri};
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::Instant;
 
@@ -256,9 +256,9 @@ async fn stream<S: Service + Sync>(
         Err(why) => service.refuse(why),
     };
     let (mut parts, body) = answer.into_parts();
-    connection_specific(&mut parts.headers);
+    super::connection_specific(&mut parts.headers);
     let end = http_body::Body::is_end_stream(&body);
-    let tx = match respond.send_response(Response::from_parts(parts, ()), end) {
+    let mut tx = match respond.send_response(Response::from_parts(parts, ()), end) {
         Ok(tx) => tx,
         Err(e) => {
             tracing::debug!(error = %e, "an HTTP/2 answer head could not be sent");
@@ -268,7 +268,7 @@ async fn stream<S: Service + Sync>(
     if end {
         return open.finished();
     }
-    match body::send(tx, body).await {
+    match body::send(&mut tx, body).await {
         Ok(()) => open.finished(),
         Err(SendError::Reset) => open.reset(),
         Err(SendError::Body | SendError::Connection) => {}
@@ -314,20 +314,4 @@ fn request(req: Request<RecvStream>) -> Result<Request<Body>, HeadError> {
         parts,
         Body::new(RecvBody::new(recv, length)),
     ))
-}
-
-/// Takes out the fields HTTP/2 forbids in a message (RFC 9113 §8.2.2):
-/// they belong to one HTTP/1.1 connection, and an answer relayed from one
-/// may carry them.
-fn connection_specific(headers: &mut HeaderMap) {
-    for name in [
-        header::CONNECTION,
-        header::TRANSFER_ENCODING,
-        header::UPGRADE,
-        header::TE,
-    ] {
-        headers.remove(name);
-    }
-    headers.remove("keep-alive");
-    headers.remove("proxy-connection");
 }

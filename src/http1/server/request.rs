@@ -118,6 +118,15 @@ pub struct RequestHead {
 /// HTTP/1.1 parser, with a version it refuses.
 const PREFACE_LINE: &[u8] = b"PRI * HTTP/2.0\r\n";
 
+/// Why httparse refused the head at the start of `buf`.
+fn refused(e: httparse::Error, buf: &[u8]) -> HeadError {
+    match e {
+        httparse::Error::TooManyHeaders => HeadError::TooLarge,
+        httparse::Error::Version if buf.starts_with(PREFACE_LINE) => HeadError::Http2Preface,
+        _ => HeadError::Malformed,
+    }
+}
+
 /// Parses the request head at the start of `buf`, taking its bytes out.
 /// `None`: not all of it has arrived.
 pub fn parse_head(buf: &mut BytesMut) -> Result<Option<RequestHead>, HeadError> {
@@ -135,11 +144,7 @@ pub fn parse_head(buf: &mut BytesMut) -> Result<Option<RequestHead>, HeadError> 
             return Err(HeadError::TooLarge)
         }
         Ok(httparse::Status::Partial) => return Ok(None),
-        Err(httparse::Error::TooManyHeaders) => return Err(HeadError::TooLarge),
-        Err(httparse::Error::Version) if buf.starts_with(PREFACE_LINE) => {
-            return Err(HeadError::Http2Preface)
-        }
-        Err(_) => return Err(HeadError::Malformed),
+        Err(e) => return Err(refused(e, buf)),
     };
     if len > MAX_HEAD_BYTES {
         return Err(HeadError::TooLarge);

@@ -102,6 +102,8 @@ pub struct Received {
     pub body_len: usize,
     /// When its head arrived.
     pub arrived: std::time::Instant,
+    /// HTTP/1.1, or HTTP/2 from a route with `upstream_protocol = "h2c"`.
+    pub version: http::Version,
 }
 
 impl Received {
@@ -457,10 +459,13 @@ async fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                                 Ok::<_, Infallible>(resp)
                             }
                         });
-                        let _ = hyper::server::conn::http1::Builder::new()
-                            .keep_alive(true)
-                            .serve_connection(TokioIo::new(stream), service)
-                            .await;
+                        // HTTP/1.1, and HTTP/2 by prior knowledge (h2c) for
+                        // routes with `upstream_protocol = "h2c"`.
+                        let _ = hyper_util::server::conn::auto::Builder::new(
+                            hyper_util::rt::TokioExecutor::new(),
+                        )
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
                     });
                 }
                 Err(_) => {
@@ -532,6 +537,7 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<RespBod
             headers: headers.clone(),
             body_len: 0,
             arrived: std::time::Instant::now(),
+            version: parts.version,
         });
         st.requests.len() - 1
     };
