@@ -12,7 +12,7 @@ use tokio::net::TcpStream;
 
 use crate::support::app::{config_sections, docs_route, TestApp};
 use crate::support::db::{Backend, TestStore};
-use crate::support::pki::{self, Ca};
+use crate::support::pki::{self, Ca, HttpsUpstream};
 use crate::support::upstream::Upstream;
 
 /// A client that speaks HTTP/2 without asking (h2c, prior knowledge).
@@ -1054,4 +1054,31 @@ async fn upstream_protocol_must_match_the_upstream_scheme() {
             "{e}"
         );
     }
+}
+
+/// `upstream_protocol = "h2"`: HTTP/2 over TLS, agreed by ALPN, the
+/// certificate verified as for HTTP/1.1; an HTTP/1.1 client's write goes
+/// on as a stream, and a stale one never does.
+#[tokio::test]
+async fn an_h2_upstream_is_reached_over_tls_by_alpn() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let (up, _ca, ca_file) = HttpsUpstream::with_new_ca("upstream CA", "upstream").await;
+    let route = format!(
+        "[[routes]]\nname = \"secure\"\npath = \"/secure/{{id}}\"\n\
+         upstream = \"https://{}\"\nkey = \"s:{{id}}\"\n\
+         upstream_ca_file = \"{}\"\nupstream_protocol = \"h2\"\n",
+        up.addr,
+        ca_file.display()
+    );
+    let app = TestApp::spawn(&store.url, &route).await;
+    let put = app.put("/secure/a", Some("2"), "x").await;
+    assert_eq!(put.status(), 200);
+    assert_eq!(put.text().await.unwrap(), "secure");
+    app.assert_stale("/secure/a", "1", "y", 2).await;
+    let seen = up.seen.lock().unwrap().clone();
+    // An absolute URI: the upstream read HTTP/2 (its `:authority`, no Host).
+    assert_eq!(
+        seen,
+        vec![format!("PUT https://{}/secure/a host= proto=http", up.addr)]
+    );
 }

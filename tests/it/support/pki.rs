@@ -237,7 +237,9 @@ impl HttpsUpstream {
             .with_no_client_auth()
             .with_single_cert(certs, key)
             .unwrap();
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        // HTTP/2 for routes with `upstream_protocol = "h2"`, HTTP/1.1 for
+        // the others (the gateway's HTTP/1.1 client offers only that).
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -261,6 +263,8 @@ impl HttpsUpstream {
                         move |req: http::Request<hyper::body::Incoming>| {
                             let log = log.clone();
                             async move {
+                                // An HTTP/2 request's URI is absolute: the
+                                // line tells the two apart.
                                 let line = format!(
                                     "{} {} host={} proto={}",
                                     req.method(),
@@ -293,9 +297,11 @@ impl HttpsUpstream {
                             }
                         },
                     );
-                    let _ = hyper::server::conn::http1::Builder::new()
-                        .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
-                        .await;
+                    let _ = hyper_util::server::conn::auto::Builder::new(
+                        hyper_util::rt::TokioExecutor::new(),
+                    )
+                    .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                    .await;
                 });
             }
         });
