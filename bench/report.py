@@ -33,7 +33,12 @@ SCENARIOS = [
     ("j", "shared mode: fenced PUT, raising token", "fencegate", "raise"),
     ("k", "nginx TLS proxy GET", "nginx", "get"),
     ("l", "fencegate TLS pass-through GET", "fencegate", "get"),
+    ("m", "nginx HTTP/2 (h2c) proxy GET", "nginx", "get"),
+    ("n", "fencegate HTTP/2 (h2c) pass-through GET", "fencegate", "get"),
 ]
+
+# Scenarios measured with h2load (many streams on few connections), not wrk.
+H2LOAD = {"m", "n"}
 
 TARGETS = [
     # name, numerator, denominator, minimum, what it means
@@ -45,6 +50,7 @@ TARGETS = [
     ("i/c", "i", "c", 0.8, "Idempotency-Key replays vs pass-through GET"),
     ("j/g", "j", "g", 1.0, "shared-mode raising PUTs (2xx/s) vs pgbench upsert tps"),
     ("l/k", "l", "k", 1.0, "TLS pass-through GET vs nginx terminating TLS and proxying"),
+    ("n/m", "n", "m", 1.0, "HTTP/2 pass-through GET vs nginx's http2 proxy, 32 streams on each of 4 connections"),
 ]
 
 # Upper bounds on latency ratios: p99 of one scenario's open-loop run over
@@ -284,7 +290,8 @@ def build(a):
             continue
         w = wrk(out, sid)
         s["wrk"] = w
-        s["tool"] = f"wrk -t{a.threads} -c{a.conns} -d{a.duration}s"
+        s["tool"] = (f"h2load -c4 -m32 -t{a.threads} -D{a.duration}" if sid in H2LOAD
+                     else f"wrk -t{a.threads} -c{a.conns} -d{a.duration}s")
         if w:
             secs = w["duration_us"] / 1e6
             total = w["requests"]
@@ -644,6 +651,8 @@ def markdown(res, svg_link):
         "admitted, and after the upstream is done left, by `fencegate_admit_batch`, whose "
         "batches carry the admissions and leaves of concurrent writes in one statement and "
         "one commit: two batch items per write, against (g)'s one statement per write.",
+        "- (m) and (n): HTTP/2 by prior knowledge (h2c) from h2load to the proxy, 4 connections "
+        "with 32 streams each, HTTP/1.1 to the upstream; two alternated runs each.",
         "- (k) and (l): TLS 1.3 from wrk to the proxy, plain HTTP to the upstream; both proxies "
         "serve the same ECDSA P-256 certificate made for the run, and wrk keeps its 64 "
         "connections, so handshakes are not what is measured. (b) is also run open loop at "

@@ -14,7 +14,8 @@
 # on PGHOST:PGPORT (default 127.0.0.1:5432), user PGUSER (default postgres),
 # trust auth. BENCH_KEEP=1 keeps the temp dir (configs, logs, raw outputs).
 # Missing tools (nginx, wrk, pgbench, oha) are installed: apt-get for the first
-# three, `cargo install oha --locked` for oha (the memory check). The
+# three, `cargo install oha --locked` for oha (the memory check), and
+# h2load (Debian's nghttp2-client) for the HTTP/2 runs. The
 # open-loop latency runs use bench/pace, built here with cargo.
 #
 # A missed target never fails the script; a harness failure (a process that
@@ -78,6 +79,8 @@ apt_install() {
 
 command -v nginx >/dev/null 2>&1 || apt_install nginx
 command -v wrk >/dev/null 2>&1 || apt_install wrk
+command -v h2load >/dev/null 2>&1 || apt_install nghttp2-client
+command -v curl >/dev/null 2>&1 || apt_install curl
 command -v pgbench >/dev/null 2>&1 || apt_install postgresql-client
 command -v psql >/dev/null 2>&1 || apt_install postgresql-client
 command -v python3 >/dev/null 2>&1 || apt_install python3
@@ -169,9 +172,10 @@ forget_pid() {
     PIDS=("${keep[@]}")
 }
 
-mapfile -t PORTS < <(python3 "$BENCH/util.py" ports 12)
+mapfile -t PORTS < <(python3 "$BENCH/util.py" ports 13)
 P_UP=${PORTS[0]} P_NGX=${PORTS[1]} P_FG=${PORTS[2]} P_FGA=${PORTS[3]} P_MEM=${PORTS[4]} P_MEMA=${PORTS[5]}
 P_NGXS=${PORTS[6]} P_FGS=${PORTS[7]} P_FGSA=${PORTS[8]} P_SH=${PORTS[9]} P_SHA=${PORTS[10]}
+P_NGXH=${PORTS[11]}
 
 # ---------------------------------------------------------------------------
 # nginx: (a) upstream, (b) reverse proxy
@@ -239,6 +243,23 @@ nginx_conf proxy_tls "    upstream backend {
         }
     }"
 
+# (m) nginx speaking HTTP/2 to clients (h2c, prior knowledge) and
+# proxying to the same upstream over HTTP/1.1, as (n) fencegate does.
+nginx_conf proxy_h2 "    upstream backend {
+        server 127.0.0.1:$P_UP;
+        keepalive 64;
+        keepalive_requests 1000000;
+    }
+    server {
+        listen 127.0.0.1:$P_NGXH http2;
+        http2_max_concurrent_streams 256;
+        location / {
+            proxy_pass http://backend;
+            proxy_http_version 1.1;
+            proxy_set_header Connection \"\";
+        }
+    }"
+
 start_nginx() {
     local dir="$WORK/$1" port=$2
     nginx -t -q -p "$dir" -c "$dir/nginx.conf" 2>"$dir/logs/test.log" \
@@ -252,6 +273,18 @@ log "starting nginx upstream on :$P_UP and nginx proxy on :$P_NGX"
 start_nginx upstream "$P_UP"
 start_nginx proxy "$P_NGX"
 start_nginx proxy_tls "$P_NGXS" https
+# h2c only: checked with curl, which speaks it by prior knowledge.
+nginx -t -q -p "$WORK/proxy_h2" -c "$WORK/proxy_h2/nginx.conf" 2>"$WORK/proxy_h2/logs/test.log" \
+    || { cat "$WORK/proxy_h2/logs/test.log" >&2; die "nginx config proxy_h2 does not validate"; }
+nginx -p "$WORK/proxy_h2" -c "$WORK/proxy_h2/nginx.conf" -g 'daemon off;' \
+    2>>"$WORK/proxy_h2/logs/stderr.log" &
+PIDS+=($!)
+for _ in $(seq 1 100); do
+    curl -sf --http2-prior-knowledge -o /dev/null "http://127.0.0.1:$P_NGXH/docs/k1" && break
+    sleep 0.1
+done
+curl -sf --http2-prior-knowledge -o /dev/null "http://127.0.0.1:$P_NGXH/docs/k1" \
+    || die "nginx proxy_h2 did not start"
 
 # ---------------------------------------------------------------------------
 # fencegate on Postgres (c)-(f)
@@ -375,6 +408,26 @@ run_wrk() { # id, port, mode, [key prefix, default k], [scheme, default http]
     grep '^BENCHJSON' "$OUT/wrk_$1.txt" | sed 's/^BENCHJSON /    /' >&2
 }
 
+# HTTP/2 runs: h2load with many streams on few connections (4 connections,
+# 32 streams each), over the keys k0..k999 in turn. Its summary and
+# per-request log become a BENCHJSON line like fenced.lua's.
+H2_CONNS=4
+H2_STREAMS=32
+run_h2load() { # id, port
+    gate_open "$1" "$2"
+    local urls="$WORK/h2_urls_$2.txt"
+    for n in $(seq 0 999); do echo "http://127.0.0.1:$2/docs/k$n"; done > "$urls"
+    pulse_start "$1"
+    log "($1) h2load -c$H2_CONNS -m$H2_STREAMS -t$THREADS -D$DURATION on h2c :$2"
+    h2load -c"$H2_CONNS" -m"$H2_STREAMS" -t"$THREADS" -D"$DURATION" -i "$urls" \
+        --log-file="$OUT/h2load_$1.log" > "$OUT/h2load_$1.txt" 2>&1 \
+        || { cat "$OUT/h2load_$1.txt" >&2; die "h2load failed in scenario $1"; }
+    pulse_stop
+    python3 "$BENCH/util.py" h2load-json "$OUT/h2load_$1.txt" "$OUT/h2load_$1.log" \
+        > "$OUT/wrk_$1.txt" || die "h2load's output in scenario $1 was not understood"
+    sed 's/^BENCHJSON /    /' "$OUT/wrk_$1.txt" >&2
+}
+
 # Open-loop latency runs: bench/pace at half the throughput wrk just
 # measured, each request's latency counted from when it was due. Not oha:
 # oha keeps every result in one growing vector, and each time it doubles
@@ -411,6 +464,12 @@ fi
 run_wrk a "$P_UP" get
 run_wrk b "$P_NGX" get
 run_wrk c "$P_FG" get
+# (m), (n): HTTP/2 from the client, alternated twice; fencegate's traffic
+# listener speaks h2c by default.
+run_h2load m "$P_NGXH"
+run_h2load n "$P_FG"
+run_h2load m_r2 "$P_NGXH"
+run_h2load n_r2 "$P_FG"
 run_wrk d "$P_FG" reuse
 # (b) again, open loop at (c)'s rate: the two proxies' latencies at the
 # same load.

@@ -3,6 +3,8 @@
 library only).
 
     util.py ports N                       N free TCP ports on 127.0.0.1, one a line
+    util.py h2load-json OUT LOG           an h2load run (its output OUT, its --log-file
+                                          LOG) as wrk's BENCHJSON line
     util.py wait-http URL SECONDS [PID]   wait until URL answers 200 (exit 1 on timeout,
                                           or at once if process PID has died)
     util.py seed BASE PREFIX N TOKEN      PUT BASE/docs/<PREFIX><n> for n in [0, N) with
@@ -287,6 +289,38 @@ def pulse(path):
                    "busy_s": (busy - busy0) / hz}, f)
 
 
+def h2load_json(out_path, log_path):
+    """h2load's summary and per-request log, in the fields fenced.lua's
+    BENCHJSON line has, so that the report reads both tools alike."""
+    with open(out_path) as f:
+        text = f.read()
+    m = re.search(r"finished in ([0-9.]+)(m?s)", text)
+    secs = float(m.group(1)) / (1000 if m.group(2) == "ms" else 1) if m else 0.0
+    req = re.search(r"requests: (\d+) total, (\d+) started, (\d+) done, (\d+) succeeded, "
+                    r"(\d+) failed, (\d+) errored, (\d+) timeout", text)
+    codes = re.search(r"status codes: (\d+) 2xx, (\d+) 3xx, (\d+) 4xx, (\d+) 5xx", text)
+    if not req or not codes:
+        raise SystemExit(f"h2load output not understood:\n{text}")
+    s2xx = int(codes.group(1))
+    done = int(req.group(3))
+    lat = []
+    try:
+        with open(log_path) as f:
+            for line in f:
+                parts = line.split("\t")
+                if len(parts) >= 3:
+                    lat.append(int(parts[2]))
+    except OSError:
+        pass
+    lat.sort()
+    pct = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] if lat else 0
+    print("BENCHJSON " + json.dumps({
+        "duration_us": int(secs * 1e6), "requests": done, "s2xx": s2xx, "s409": 0,
+        "sother": done - s2xx, "err_connect": 0, "err_read": int(req.group(6)),
+        "err_write": 0, "err_timeout": int(req.group(7)),
+        "p50_us": pct(0.50), "p99_us": pct(0.99)}))
+
+
 def pulse_line(path):
     with open(path) as f:
         p = json.load(f)
@@ -317,6 +351,8 @@ def main(argv):
         pulse(args[0])
     elif cmd == "pulse-line":
         pulse_line(args[0])
+    elif cmd == "h2load-json":
+        h2load_json(args[0], args[1])
     else:
         raise SystemExit(f"unknown command {cmd}")
     return 0
