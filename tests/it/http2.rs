@@ -1082,3 +1082,66 @@ async fn an_h2_upstream_is_reached_over_tls_by_alpn() {
         vec![format!("PUT https://{}/secure/a host= proto=http", up.addr)]
     );
 }
+
+/// An h2c upstream of h2's own that answers every stream with a reset of
+/// `reason` once the request has arrived whole: how streams end abnormally.
+async fn resetting_upstream(reason: h2::Reason) -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(tcp).await else {
+                    return;
+                };
+                // The connection makes progress only while it is polled:
+                // each stream in a task of its own.
+                while let Some(Ok((req, mut respond))) = conn.accept().await {
+                    tokio::spawn(async move {
+                        let mut body = req.into_body();
+                        while let Some(Ok(_)) = body.data().await {}
+                        respond.send_reset(reason);
+                    });
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// A stream the upstream refused (`REFUSED_STREAM`: it says it never
+/// processed it) is as if never sent: 502, and the key opens at once. A
+/// stream it reset any other way may have been applied: the key stays
+/// closed to other tokens until the route's timeout, and the hold is
+/// counted.
+#[tokio::test]
+async fn a_refused_stream_opens_its_key_and_a_broken_one_holds_it() {
+    for (reason, held) in [
+        (h2::Reason::REFUSED_STREAM, false),
+        (h2::Reason::INTERNAL_ERROR, true),
+    ] {
+        let store = TestStore::new(Backend::Sqlite).await;
+        let addr = resetting_upstream(reason).await;
+        let route = format!(
+            "{}upstream_protocol = \"h2c\"\ntimeout_ms = 60000\n",
+            docs_route(&format!("http://{addr}"))
+        );
+        let app = TestApp::spawn(&store.url, &route).await;
+        let first = app.put("/docs/r", Some("1"), "one").await;
+        assert_eq!(first.status(), 502, "{reason:?}");
+        let metrics = app.metrics().await;
+        let counted = metrics
+            .lines()
+            .any(|l| l.starts_with("fencegate_held_keys_total{") && !l.ends_with(" 0"));
+        assert_eq!(counted, held, "{reason:?}: {metrics}");
+        if !held {
+            // Open at once: a newer token is decided and forwarded (and
+            // refused by the upstream again), not kept waiting.
+            let second = app.put("/docs/r", Some("2"), "two").await;
+            assert_eq!(second.status(), 502, "{reason:?}");
+        }
+    }
+}
