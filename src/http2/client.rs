@@ -87,37 +87,34 @@ impl Http2Client {
     ) -> Result<Response<AnswerBody>, SendError> {
         let req = to_h2(upstream, req)?;
         let (parts, body) = req.into_parts();
-        // A dead connection (the upstream closed it, or sent GOAWAY) is
-        // found before a stream is opened: once more on a new one, nothing
-        // having been sent.
-        let mut send = None;
+        let end = http_body::Body::is_end_stream(&body);
+        // A dead connection (the upstream closed it, or is going away) is
+        // found before a stream is opened on it: once more on a new one,
+        // nothing having been sent.
+        let mut opened = None;
         for fresh in [false, true] {
             let conn = self.connection(upstream, dial, fresh).await?;
-            match conn.send.clone().ready().await {
-                Ok(s) => {
-                    send = Some((s, conn.handover));
+            let stream = match conn.send.clone().ready().await {
+                Ok(mut send) => send.send_request(Request::from_parts(parts.clone(), ()), end),
+                Err(e) => Err(e),
+            };
+            match stream {
+                Ok(stream) => {
+                    opened = Some((stream, conn.handover));
                     break;
                 }
-                Err(e) if !fresh => {
-                    tracing::debug!(error = %e, "HTTP/2 upstream connection gone; reconnecting");
-                    self.forget(&upstream.pool_key);
-                }
                 Err(e) => {
+                    tracing::debug!(error = %e, "HTTP/2 upstream connection unusable");
                     self.forget(&upstream.pool_key);
-                    return Err(SendError::Connect(format!("HTTP/2 connection failed: {e}")));
+                    if fresh {
+                        return Err(SendError::Connect(format!("HTTP/2 stream not opened: {e}")));
+                    }
                 }
             }
         }
-        let Some((mut send, handover)) = send else {
+        let Some(((answer, stream), handover)) = opened else {
             return Err(SendError::Connect("no HTTP/2 connection".into()));
         };
-        let end = http_body::Body::is_end_stream(&body);
-        let (answer, stream) = send
-            .send_request(Request::from_parts(parts, ()), end)
-            .map_err(|e| {
-                self.forget(&upstream.pool_key);
-                SendError::Connect(format!("HTTP/2 stream not opened: {e}"))
-            })?;
         let sent = Arc::new(Sent::default());
         let (finished, ended) = oneshot::channel();
         tokio::spawn(request_side(

@@ -1145,3 +1145,58 @@ async fn a_refused_stream_opens_its_key_and_a_broken_one_holds_it() {
         }
     }
 }
+
+/// An h2c upstream of h2's own that answers one stream per connection with
+/// 200, then says GOAWAY (graceful) and closes, as an upstream that
+/// restarts or limits its connections does.
+async fn one_stream_upstream() -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(tcp).await else {
+                    return;
+                };
+                if let Some(Ok((req, mut respond))) = conn.accept().await {
+                    tokio::spawn(async move {
+                        let mut body = req.into_body();
+                        while let Some(Ok(_)) = body.data().await {}
+                        let head = http::Response::new(());
+                        if let Ok(mut tx) = respond.send_response(head, false) {
+                            let _ = tx.send_data(Bytes::from_static(b"done"), true);
+                        }
+                    });
+                }
+                conn.graceful_shutdown();
+                while let Some(Ok(_)) = conn.accept().await {}
+            });
+        }
+    });
+    addr
+}
+
+/// An upstream that goes away after each stream: the next write finds
+/// the connection unusable before its stream opens, and goes on a new
+/// one. (Each write has a key of its own: an upstream that closes right
+/// after its answer may close before it answers the handover PING, and
+/// such a write then holds its key to the deadline, the safe reading;
+/// docs/internals/http2.md.)
+#[tokio::test]
+async fn a_write_after_an_upstream_goaway_goes_on_a_new_connection() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let addr = one_stream_upstream().await;
+    let route = format!(
+        "{}upstream_protocol = \"h2c\"\ntimeout_ms = 2000\n",
+        docs_route(&format!("http://{addr}"))
+    );
+    let app = TestApp::spawn(&store.url, &route).await;
+    for token in 1..=5 {
+        let r = app.put(&format!("/docs/g{token}"), Some("1"), "w").await;
+        assert_eq!(r.status(), 200, "write {token}");
+        assert_eq!(r.text().await.unwrap(), "done");
+    }
+}
