@@ -188,7 +188,8 @@ struct Streams {
     open: AtomicUsize,
     /// Streams the client reset before their answer was sent whole.
     resets: AtomicU64,
-    /// Streams whose answer was sent whole.
+    /// Streams whose answer was handed to h2 whole (what the rapid-reset
+    /// rule weighs resets against; not a claim about the client).
     finished: AtomicU64,
 }
 

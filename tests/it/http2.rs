@@ -1083,9 +1083,20 @@ async fn an_h2_upstream_is_reached_over_tls_by_alpn() {
     );
 }
 
-/// An h2c upstream of h2's own that answers every stream with a reset of
-/// `reason` once the request has arrived whole: how streams end abnormally.
-async fn resetting_upstream(reason: h2::Reason) -> std::net::SocketAddr {
+/// How an h2c upstream of h2's own answers a stream whose request it has
+/// read whole.
+#[derive(Clone, Copy)]
+enum RawAnswer {
+    /// RST_STREAM with this reason: how streams end abnormally.
+    Reset(h2::Reason),
+    /// 200 `done`.
+    Done,
+}
+
+/// An h2c upstream of h2's own. With `one_stream`, each connection serves
+/// one stream, then says GOAWAY (graceful) and closes, as an upstream that
+/// restarts or limits its connections does.
+async fn raw_h2_upstream(answer: RawAnswer, one_stream: bool) -> std::net::SocketAddr {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
@@ -1103,8 +1114,19 @@ async fn resetting_upstream(reason: h2::Reason) -> std::net::SocketAddr {
                     tokio::spawn(async move {
                         let mut body = req.into_body();
                         while let Some(Ok(_)) = body.data().await {}
-                        respond.send_reset(reason);
+                        match answer {
+                            RawAnswer::Reset(reason) => respond.send_reset(reason),
+                            RawAnswer::Done => {
+                                let head = http::Response::new(());
+                                if let Ok(mut tx) = respond.send_response(head, false) {
+                                    let _ = tx.send_data(Bytes::from_static(b"done"), true);
+                                }
+                            }
+                        }
                     });
+                    if one_stream {
+                        conn.graceful_shutdown();
+                    }
                 }
             });
         }
@@ -1124,7 +1146,7 @@ async fn a_refused_stream_opens_its_key_and_a_broken_one_holds_it() {
         (h2::Reason::INTERNAL_ERROR, true),
     ] {
         let store = TestStore::new(Backend::Sqlite).await;
-        let addr = resetting_upstream(reason).await;
+        let addr = raw_h2_upstream(RawAnswer::Reset(reason), false).await;
         let route = format!(
             "{}upstream_protocol = \"h2c\"\ntimeout_ms = 60000\n",
             docs_route(&format!("http://{addr}"))
@@ -1155,39 +1177,6 @@ async fn a_refused_stream_opens_its_key_and_a_broken_one_holds_it() {
     }
 }
 
-/// An h2c upstream of h2's own that answers one stream per connection with
-/// 200, then says GOAWAY (graceful) and closes, as an upstream that
-/// restarts or limits its connections does.
-async fn one_stream_upstream() -> std::net::SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        loop {
-            let Ok((tcp, _)) = listener.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let Ok(mut conn) = h2::server::handshake(tcp).await else {
-                    return;
-                };
-                if let Some(Ok((req, mut respond))) = conn.accept().await {
-                    tokio::spawn(async move {
-                        let mut body = req.into_body();
-                        while let Some(Ok(_)) = body.data().await {}
-                        let head = http::Response::new(());
-                        if let Ok(mut tx) = respond.send_response(head, false) {
-                            let _ = tx.send_data(Bytes::from_static(b"done"), true);
-                        }
-                    });
-                }
-                conn.graceful_shutdown();
-                while let Some(Ok(_)) = conn.accept().await {}
-            });
-        }
-    });
-    addr
-}
-
 /// An upstream that goes away after each stream: the next write finds
 /// the connection unusable before its stream opens, and goes on a new
 /// one. (Each write has a key of its own: an upstream that closes right
@@ -1197,7 +1186,7 @@ async fn one_stream_upstream() -> std::net::SocketAddr {
 #[tokio::test]
 async fn a_write_after_an_upstream_goaway_goes_on_a_new_connection() {
     let store = TestStore::new(Backend::Sqlite).await;
-    let addr = one_stream_upstream().await;
+    let addr = raw_h2_upstream(RawAnswer::Done, true).await;
     let route = format!(
         "{}upstream_protocol = \"h2c\"\ntimeout_ms = 2000\n",
         docs_route(&format!("http://{addr}"))
@@ -1208,4 +1197,41 @@ async fn a_write_after_an_upstream_goaway_goes_on_a_new_connection() {
         assert_eq!(r.status(), 200, "write {token}");
         assert_eq!(r.text().await.unwrap(), "done");
     }
+}
+
+/// Hostile spellings over HTTP/2 are refused as over HTTP/1.1, and
+/// nothing reaches the upstream: a `host` that contradicts `:authority`
+/// (400), an invalid authority (400), a header with `_` that shadows the
+/// token (400 `ambiguous-header`), a CONNECT (400).
+#[tokio::test]
+async fn hostile_http2_requests_are_refused_before_the_upstream() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = Upstream::start().await;
+    let app = TestApp::spawn(&store.url, &docs_route(&up.url())).await;
+    let tcp = TcpStream::connect(app.addr).await.unwrap();
+    let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(conn);
+    let port = app.addr.port();
+    let cases = [
+        http::Request::put(format!("http://127.0.0.1:{port}/docs/a"))
+            .header("host", "elsewhere")
+            .header("x-fence-token", "1"),
+        http::Request::put("http://a@127.0.0.1/docs/a").header("x-fence-token", "1"),
+        http::Request::put(format!("http://127.0.0.1:{port}/docs/a"))
+            .header("x-fence-token", "1")
+            .header("x_fence_token", "9"),
+        http::Request::connect(format!("127.0.0.1:{port}")),
+    ];
+    for (i, req) in cases.into_iter().enumerate() {
+        let mut c = client.clone().ready().await.unwrap();
+        let (answer, _) = c.send_request(req.body(()).unwrap(), true).unwrap();
+        let answer = answer.await.unwrap();
+        assert_eq!(answer.status(), 400, "case {i}");
+        assert_eq!(
+            answer.headers()["content-type"],
+            "application/problem+json",
+            "case {i}"
+        );
+    }
+    assert!(up.requests().is_empty(), "{:?}", up.requests());
 }
