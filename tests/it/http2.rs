@@ -1091,7 +1091,12 @@ enum RawAnswer {
     Reset(h2::Reason),
     /// 200 `done`.
     Done,
+    /// Nothing: the stream stays open until the gateway resets it.
+    Never,
 }
+
+/// The resets `RawAnswer::Never` streams got (only one test uses it).
+static NEVER_RESETS: std::sync::Mutex<Vec<h2::Reason>> = std::sync::Mutex::new(Vec::new());
 
 /// An h2c upstream of h2's own. With `one_stream`, each connection serves
 /// one stream, then says GOAWAY (graceful) and closes, as an upstream that
@@ -1116,6 +1121,14 @@ async fn raw_h2_upstream(answer: RawAnswer, one_stream: bool) -> std::net::Socke
                         while let Some(Ok(_)) = body.data().await {}
                         match answer {
                             RawAnswer::Reset(reason) => respond.send_reset(reason),
+                            RawAnswer::Never => {
+                                // Until the gateway resets the stream.
+                                if let Ok(reason) =
+                                    std::future::poll_fn(|cx| respond.poll_reset(cx)).await
+                                {
+                                    NEVER_RESETS.lock().unwrap().push(reason);
+                                }
+                            }
                             RawAnswer::Done => {
                                 let head = http::Response::new(());
                                 if let Ok(mut tx) = respond.send_response(head, false) {
@@ -1234,4 +1247,45 @@ async fn hostile_http2_requests_are_refused_before_the_upstream() {
         );
     }
     assert!(up.requests().is_empty(), "{:?}", up.requests());
+}
+
+/// A fenced write whose h2 upstream never answers is cut at the deadline:
+/// 504, the stream reset at the upstream, the hold counted, and the key
+/// open again for a newer token once the deadline has passed.
+#[tokio::test]
+async fn an_unanswered_h2_stream_is_reset_at_the_deadline() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let addr = raw_h2_upstream(RawAnswer::Never, false).await;
+    let route = format!(
+        "{}upstream_protocol = \"h2c\"\ntimeout_ms = 500\n",
+        docs_route(&format!("http://{addr}"))
+    );
+    let app = TestApp::spawn(&store.url, &route).await;
+    let first = app.put("/docs/t", Some("1"), "one").await;
+    assert_eq!(first.status(), 504);
+    crate::support::wait_for("the upstream saw the stream reset", || {
+        NEVER_RESETS.lock().unwrap().contains(&h2::Reason::CANCEL)
+    })
+    .await;
+    let mut counted = String::new();
+    for _ in 0..100 {
+        counted = app.metrics().await;
+        if counted
+            .lines()
+            .any(|l| l.starts_with("fencegate_held_keys_total{") && !l.ends_with(" 0"))
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(
+        counted
+            .lines()
+            .any(|l| l.starts_with("fencegate_held_keys_total{") && !l.ends_with(" 0")),
+        "{counted}"
+    );
+    // The key opens after the deadline: a newer token is decided and
+    // forwarded (and cut again), not refused as busy.
+    let second = app.put("/docs/t", Some("2"), "two").await;
+    assert_eq!(second.status(), 504);
 }
