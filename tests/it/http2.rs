@@ -945,7 +945,7 @@ async fn a_client_stream_holds_its_key_until_it_ends() {
     };
     // Until the slow stream's token is recorded: it is admitted, and its
     // stream is still open (it pauses for 900 ms).
-    for _ in 0..100 {
+    for _ in 0..500 {
         let r = app.admin_get("/fences/acct:B").await;
         if r.status() == 200 && r.text().await.unwrap().contains("\"highest_token\":7") {
             break;
@@ -959,8 +959,9 @@ async fn a_client_stream_holds_its_key_until_it_ends() {
         &["x-account=B", "x-fence-token=8"],
     )
     .await;
-    assert_eq!(newer, "OK applied n8");
-    assert_eq!(slow.await.unwrap(), "OK applied xy");
+    let slow = slow.await.unwrap();
+    assert_eq!(newer, "OK applied n8", "the slow stream answered {slow}");
+    assert_eq!(slow, "OK applied xy");
     assert_eq!(server.applied().await, vec!["7 xy", "8 n8"]);
 }
 

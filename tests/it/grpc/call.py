@@ -23,10 +23,10 @@ channel = grpc.insecure_channel(target)
 try:
     if "|" in body:
         call = channel.stream_unary(method)
-        answer = call(parts(body), metadata=metadata, timeout=10)
+        answer = call(parts(body), metadata=metadata, timeout=30)
     else:
         call = channel.unary_unary(method)
-        answer = call(body.encode(), metadata=metadata, timeout=10)
+        answer = call(body.encode(), metadata=metadata, timeout=30)
     print("OK", answer.decode())
 except grpc.RpcError as e:
     trailers = dict(e.trailing_metadata() or [])
