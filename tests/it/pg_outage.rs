@@ -740,18 +740,16 @@ async fn shared_mode_a_leave_cut_mid_statement_keeps_the_key_closed_until_the_ma
         cut.iter().all(|q| q.contains("fencegate_admit_batch")),
         "5's leave was cut: {cut:?}"
     );
-    // Before the store's clock is read: with the time left on 5's marker,
-    // a lower bound of its end.
-    let asked = Instant::now();
-    let (in_flight, left_ms): (i32, i64) = on_store(
+    // The marker's end on the store's clock: the host's wall clock, which
+    // the upstream's arrival times are also read from.
+    let (in_flight, until_us): (i32, i64) = on_store(
         &store.url,
-        "SELECT inflight, \
-                GREATEST(0, EXTRACT(EPOCH FROM (writer_until - now())) * 1000)::bigint \
+        "SELECT inflight, (EXTRACT(EPOCH FROM writer_until) * 1000000)::bigint \
            FROM fences WHERE resource_key = 'doc:l'",
     )
     .await;
     assert_eq!(in_flight, 1, "the cut leave was not written");
-    let marker_ends = asked + Duration::from_millis(left_ms as u64);
+    let marker_ends = std::time::UNIX_EPOCH + Duration::from_micros(until_us as u64);
     holder.commit().await;
 
     let limit = Duration::from_secs(30);
@@ -776,9 +774,11 @@ async fn shared_mode_a_leave_cut_mid_statement_keeps_the_key_closed_until_the_ma
         .find(|r| r.path() == "/docs/l" && r.header("x-fence-token") == Some("6"))
         .expect("6 arrived");
     assert!(
-        six.arrived >= marker_ends,
+        six.arrived_wall >= marker_ends,
         "6 reached the upstream {:?} before 5's marker ended",
-        marker_ends.saturating_duration_since(six.arrived)
+        marker_ends
+            .duration_since(six.arrived_wall)
+            .unwrap_or_default()
     );
     for app in &apps {
         app.assert_stale("/docs/l", "5", "stale", 6).await;

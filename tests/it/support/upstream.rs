@@ -102,6 +102,10 @@ pub struct Received {
     pub body_len: usize,
     /// When its head arrived.
     pub arrived: std::time::Instant,
+    /// The same moment on the wall clock, which is the clock Postgres's
+    /// `clock_timestamp()` reads on this host: a comparison with a time the
+    /// store decided by is not thrown off by the two clocks' drift.
+    pub arrived_wall: std::time::SystemTime,
     /// HTTP/1.1, or HTTP/2 from a route with `upstream_protocol = "h2c"`.
     pub version: http::Version,
 }
@@ -537,6 +541,7 @@ async fn handle(shared: Arc<Shared>, req: Request<Incoming>) -> Response<RespBod
             headers: headers.clone(),
             body_len: 0,
             arrived: std::time::Instant::now(),
+            arrived_wall: std::time::SystemTime::now(),
             version: parts.version,
         });
         st.requests.len() - 1
