@@ -128,7 +128,7 @@ fn connection(
             )
             .await;
             if let (Served::Http2 { io, read, service }, Some(settings)) = (served, speaks.http2) {
-                let io = http2::prefixed::Prefixed::new(read, io);
+                let io = crate::http1::prefixed::Prefixed::new(read, io);
                 http2::serve(io, service, settings, limits, drain).await;
             }
             drop(permit);

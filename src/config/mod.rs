@@ -266,6 +266,10 @@ pub struct Route {
     pub timeout: Duration,
     /// How the upstream is spoken to; HTTP/2 is what gRPC upstreams need.
     pub upstream_protocol: UpstreamProtocol,
+    /// `upgrades = true`: the idle bound of the tunnels a pass-through GET
+    /// with `Upgrade` (or an HTTP/2 extended CONNECT) opens; `None`: no
+    /// request on the route upgrades.
+    pub upgrades: Option<Duration>,
 }
 
 /// A route's `idempotency` settings, when it is not `"off"`.

@@ -252,6 +252,8 @@ pub(super) struct RawRoute {
     pub(super) idempotency_ttl_s: u64,
     pub(super) idempotency_max_response_bytes: u64,
     pub(super) timeout_ms: u64,
+    pub(super) upgrades: bool,
+    pub(super) upgrade_idle_timeout_ms: u64,
 }
 
 impl Default for RawRoute {
@@ -274,6 +276,8 @@ impl Default for RawRoute {
             idempotency_ttl_s: 86_400,
             idempotency_max_response_bytes: 1024 * 1024,
             timeout_ms: 30_000,
+            upgrades: false,
+            upgrade_idle_timeout_ms: 60_000,
         }
     }
 }

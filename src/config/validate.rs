@@ -675,6 +675,12 @@ impl Validator<'_> {
             r.idempotency_ttl_s,
             r.idempotency_max_response_bytes,
         );
+        let upgrades = self.route_upgrades(
+            i,
+            (r.upgrades, r.upgrade_idle_timeout_ms),
+            upstream_protocol,
+            &fenced,
+        );
         Some(Route {
             name,
             path,
@@ -687,7 +693,43 @@ impl Validator<'_> {
             idempotency,
             timeout,
             upstream_protocol,
+            upgrades,
         })
+    }
+
+    /// `routes[i].upgrades` and its tunnels' idle bound. Tunnels are asked
+    /// of the upstream over HTTP/1.1 (an `Upgrade` and its `101`), and only
+    /// pass-through GETs upgrade: a route that fences GET would have none.
+    fn route_upgrades(
+        &mut self,
+        i: usize,
+        (upgrades, idle_ms): (bool, u64),
+        protocol: UpstreamProtocol,
+        fenced: &[Method],
+    ) -> Option<Duration> {
+        let at = |k: &str| format!("routes[{i}].{k}");
+        let idle = Duration::from_millis(self.positive(
+            &at("upgrade_idle_timeout_ms"),
+            idle_ms,
+            86_400_000,
+        ));
+        if !upgrades {
+            return None;
+        }
+        if protocol != UpstreamProtocol::Http1 {
+            self.problem(
+                at("upgrades"),
+                "tunnels reach the upstream over HTTP/1.1: set upstream_protocol = \"http1\" \
+                 (a route of its own can carry the upgrades)",
+            );
+        }
+        if fenced.contains(&Method::GET) {
+            self.problem(
+                at("upgrades"),
+                "GET is a fenced method of this route, and fenced methods never upgrade",
+            );
+        }
+        Some(idle)
     }
 
     /// `routes[i].upstream`: a URL (with `upstream_ca_file`, an https one).

@@ -107,7 +107,7 @@ pub(super) async fn forward(
 
 /// What a forward that failed before its answer's head came ends in; a
 /// fenced write's exchange is told whether anything was sent.
-fn failed(
+pub(super) fn failed(
     state: &GatewayState,
     route: &GatedRoute,
     e: crate::http1::client::SendError,

@@ -23,6 +23,8 @@
 //! * `fenced`: a fenced write on its way, from arrival to forward.
 //! * `idempotent`: the `Idempotency-Key` flow of a fenced write.
 //! * `forward`: phase forward: the upstream exchange under its deadline.
+//! * `upgrade`: phase tunnel: a pass-through GET's upgrade asked of the
+//!   upstream, and its `101` made the answer that opens the tunnel.
 //! * [`exchange`]: one fenced write's exchange, the one owner of "when is
 //!   the upstream done with it", and so when its key may open.
 //! * [`proxy`]: header hygiene and the body wrappers of a forward.
@@ -36,7 +38,8 @@
 //! * [`live`]: what a request reads of the running config.
 //!
 //! Imports among them go one way: this file → `fenced` → `idempotent` →
-//! `forward` → `detach`, `accounting` → `error`.
+//! `forward` → `detach`, `accounting` → `error`; this file → `upgrade` →
+//! `forward`.
 
 mod accounting;
 mod detach;
@@ -51,6 +54,7 @@ pub mod live;
 pub mod proxy;
 pub mod refusals;
 mod state;
+mod upgrade;
 
 pub use state::GatewayState;
 
@@ -67,6 +71,7 @@ use crate::fencing::routing::{self, PathError};
 use crate::fencing::token::{self, TokenError};
 use crate::gateway::error::{ClientError, GatewayError};
 use crate::http1::codec;
+use crate::http2::tunnel::ExtendedConnect;
 use crate::idempotency;
 use accounting::{account, Access, Summary};
 use detach::YieldOnce;
@@ -106,6 +111,20 @@ pub async fn respond(state: Arc<GatewayState>, req: Request<Body>, peer: Downstr
         Admitted::PassThrough { route, req } => {
             let method = req.method().clone();
             let result = forward(&state, &route, req, peer, None).await;
+            let summary = Summary {
+                route: Some(&route),
+                fenced: false,
+                forwarded: true,
+                with_idempotency_key: false,
+                method: &method,
+                path: None,
+            };
+            account(&state, summary, access, &result);
+            result
+        }
+        Admitted::Upgrade { route, req, idle } => {
+            let method = req.method().clone();
+            let result = upgrade::open(&state, &route, req, peer, idle).await;
             let summary = Summary {
                 route: Some(&route),
                 fenced: false,
@@ -175,6 +194,13 @@ enum Admitted {
         route: Arc<GatedRoute>,
         req: Request<Body>,
     },
+    /// A pass-through GET asking for an upgrade its route allows, with
+    /// the tunnel's idle bound.
+    Upgrade {
+        route: Arc<GatedRoute>,
+        req: Request<Body>,
+        idle: std::time::Duration,
+    },
     /// A fenced write whose token memory did not refuse; the store and the
     /// gate decide the rest. Boxed: the write (its request among it) moves
     /// from here into the request's future and on into its own task, and a
@@ -217,6 +243,28 @@ fn admit(
     }
     if let Err(e) = check_headers(&route, req.headers(), fenced) {
         return refused(Some(&route), fenced, e.into());
+    }
+    // Phase: upgrade. An extended CONNECT is nothing but a tunnel: where
+    // the route has none (or fences GET) it is refused, never passed on as
+    // the GET it was handed over as. An HTTP/1.1 `Upgrade` the route does
+    // not take is dropped with the other hop-by-hop fields.
+    let connect = req.extensions().get::<ExtendedConnect>().is_some();
+    if connect || upgrade::asked(&req) {
+        let bodiless = http_body::Body::is_end_stream(req.body());
+        match route.upgrades {
+            Some(idle) if !fenced && bodiless && req.method() == Method::GET => {
+                return Admitted::Upgrade { route, req, idle };
+            }
+            _ if connect => {
+                let e = ClientError::MethodNotAllowed {
+                    method: Method::CONNECT.to_string(),
+                    route: route.name.clone(),
+                    allow: allow(&route),
+                };
+                return refused(Some(&route), fenced, e.into());
+            }
+            _ => {}
+        }
     }
     if !fenced {
         if !is_safe(req.method()) {

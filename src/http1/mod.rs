@@ -12,9 +12,18 @@
 //!   bodies, the drain, the traffic listener's workers, TLS handshakes.
 //! * [`client`]: per-worker pools of upstream connections, one exchange on
 //!   a connection, its deadline, and what the connection's TCP can tell.
+//! * [`tunnel`]: an agreed upgrade's two byte streams spliced together,
+//!   with its idle bound and its end at a stop; both sides (and HTTP/2's
+//!   extended CONNECT) meet there.
+//! * [`prefixed`]: an I/O whose first bytes were already read (a preface,
+//!   or what a client sent right behind its upgrade request).
 //!
-//! Imports: `server` and `client` each import `codec`, never each other.
+//! Imports: `server` and `client` each import `codec`, never each other;
+//! both import `tunnel` and `prefixed`, which import nothing of them but
+//! the drain.
 
 pub mod client;
 pub mod codec;
+pub mod prefixed;
 pub mod server;
+pub mod tunnel;

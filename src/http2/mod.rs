@@ -15,8 +15,8 @@
 //! * [`server`]: one connection's accept loop and its streams.
 //! * [`body`]: a stream's request body as an [`http_body::Body`], and the
 //!   answer's body sent under the peer's flow control.
-//! * [`prefixed`]: an I/O whose first bytes were already read (the
-//!   preface an HTTP/1.1 connection found).
+//! * [`tunnel`]: a stream as a byte stream both ways, for an extended
+//!   CONNECT's tunnel (RFC 8441).
 //! * [`client`]: HTTP/2 to upstreams: a connection per upstream and
 //!   worker, and what a stream tells a fenced write's exchange.
 //!
@@ -28,8 +28,8 @@
 
 pub mod body;
 pub mod client;
-pub mod prefixed;
 pub mod server;
+pub mod tunnel;
 
 pub use client::Http2Client;
 pub use server::{serve, Settings};

@@ -28,7 +28,9 @@
 //!   dropped.
 //!
 //! A stop is a graceful GOAWAY: streams already open finish, new ones are
-//! refused, as HTTP/1.1 connections finish their request in flight.
+//! refused, as HTTP/1.1 connections finish their request in flight; a
+//! tunnel (extended CONNECT, see [`super::tunnel`]) runs until the grace
+//! period ends, then ends its stream with END_STREAM.
 
 use std::future::{poll_fn, Future};
 use std::pin::pin;
@@ -48,8 +50,10 @@ use tokio::time::Instant;
 
 use crate::http1::server::request::valid_host;
 use crate::http1::server::{Drain, HeadError, Limits, Service};
+use crate::http1::tunnel::{splice, Switched};
 
 use super::body::{self, RecvBody, SendError};
+use super::tunnel::{ExtendedConnect, StreamIo};
 
 /// A listener's HTTP/2 settings (`[server] http2`, `h2_*`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,7 +102,10 @@ where
         .initial_connection_window_size(CONNECTION_WINDOW)
         .max_send_buffer_size(SEND_BUFFER)
         .max_pending_accept_reset_streams(PENDING_ACCEPT_RESETS)
-        .max_local_error_reset_streams(Some(LOCAL_ERROR_RESETS));
+        .max_local_error_reset_streams(Some(LOCAL_ERROR_RESETS))
+        // Extended CONNECT (RFC 8441): whether a route takes one is the
+        // service's to say, as for an HTTP/1.1 `Upgrade`.
+        .enable_connect_protocol();
     let handshake = builder.handshake::<_, Bytes>(io);
     let mut conn = match tokio::time::timeout(limits.header_read_timeout, handshake).await {
         Ok(Ok(conn)) => conn,
@@ -144,7 +151,7 @@ where
                 idle.as_mut()
                     .reset(Instant::now() + limits.header_read_timeout);
                 let open = Open::new(&streams);
-                tokio::spawn(stream(service.clone(), req, respond, open));
+                tokio::spawn(stream(service.clone(), req, respond, open, drain.clone()));
             }
             Event::Accepted(Some(Err(e))) => {
                 tracing::debug!(error = %e, "HTTP/2 connection ended");
@@ -227,15 +234,19 @@ impl Drop for Open {
     }
 }
 
-/// One stream: its request through the service, its answer back.
+/// One stream: its request through the service, its answer back; or, for
+/// an extended CONNECT the service agreed to, the tunnel.
 async fn stream<S: Service + Sync>(
     service: Arc<S>,
     req: Request<RecvStream>,
     mut respond: SendResponse<Bytes>,
     open: Open,
+    drain: Arc<Drain>,
 ) {
+    let mut connect = None;
     let answer = match request(req) {
-        Ok(req) => {
+        Ok((req, recv)) => {
+            connect = recv;
             let mut call = pin!(service.call(req));
             // A reset before the answer drops the request's future: the
             // client left, as when an HTTP/1.1 client closes its connection.
@@ -258,6 +269,26 @@ async fn stream<S: Service + Sync>(
     };
     let (mut parts, body) = answer.into_parts();
     super::connection_specific(&mut parts.headers);
+    if let Some(recv) = connect {
+        let tunnel = parts.extensions.remove::<Switched>().and_then(|s| s.take());
+        match tunnel {
+            Some(tunnel) if parts.status.is_success() => {
+                let Ok(send) = respond.send_response(Response::from_parts(parts, ()), false) else {
+                    return open.reset();
+                };
+                open.finished();
+                let ended = splice(StreamIo::new(recv, send), tunnel, drain.closing()).await;
+                tracing::debug!(?ended, "HTTP/2 tunnel ended");
+                return;
+            }
+            // A 2xx would tell the client its tunnel is open.
+            None if parts.status.is_success() => {
+                respond.send_reset(Reason::INTERNAL_ERROR);
+                return;
+            }
+            _ => {}
+        }
+    }
     let end = http_body::Body::is_end_stream(&body);
     let mut tx = match respond.send_response(Response::from_parts(parts, ()), end) {
         Ok(tx) => tx,
@@ -278,12 +309,25 @@ async fn stream<S: Service + Sync>(
 
 /// A stream's request as an HTTP/1.1 connection would hand it over:
 /// origin-form target, one valid `Host` (the `:authority`, which a `host`
-/// field must not contradict), the body as a [`RecvBody`].
-fn request(req: Request<RecvStream>) -> Result<Request<Body>, HeadError> {
+/// field must not contradict), the body as a [`RecvBody`]. An extended
+/// CONNECT becomes the bodiless `GET` it stands for, marked
+/// [`ExtendedConnect`]; its stream's DATA is kept for the tunnel.
+fn request(req: Request<RecvStream>) -> Result<(Request<Body>, Option<RecvStream>), HeadError> {
     let (mut parts, recv) = req.into_parts();
+    let mut recv = Some(recv);
+    let mut tunnel = None;
     if parts.method == http::Method::CONNECT {
-        // Tunnels are not proxied: no route carries one.
-        return Err(HeadError::Malformed);
+        // A plain CONNECT (a proxy's TCP tunnel to any host) is not
+        // proxied: no route carries one.
+        let Some(protocol) = parts.extensions.remove::<h2::ext::Protocol>() else {
+            return Err(HeadError::Malformed);
+        };
+        parts.method = http::Method::GET;
+        parts.extensions.insert(ExtendedConnect {
+            protocol: protocol.as_str().to_owned(),
+        });
+        parts.headers.remove(header::CONTENT_LENGTH);
+        tunnel = recv.take();
     }
     let authority = parts.uri.authority().map(|a| a.as_str().to_owned());
     let mut hosts = parts.headers.get_all(header::HOST).iter();
@@ -306,13 +350,16 @@ fn request(req: Request<RecvStream>) -> Result<Request<Body>, HeadError> {
         .map(|p| p.as_str())
         .unwrap_or("/");
     parts.uri = Uri::try_from(target).map_err(|_| HeadError::Malformed)?;
+    let Some(recv) = recv else {
+        return Ok((Request::from_parts(parts, Body::empty()), tunnel));
+    };
     let length = parts
         .headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
-    Ok(Request::from_parts(
-        parts,
-        Body::new(RecvBody::new(recv, length)),
+    Ok((
+        Request::from_parts(parts, Body::new(RecvBody::new(recv, length))),
+        None,
     ))
 }

@@ -14,7 +14,10 @@
 //!   whose last coding is chunked is decoded, any other is read to the
 //!   close; one valid `Content-Length` (equal repeats allowed); both headers
 //!   together, or lengths that disagree, are refused. Informational answers
-//!   (1xx) are skipped, except 101: no upgrade is ever asked for.
+//!   (1xx) are skipped, except 101: it ends the HTTP on the connection,
+//!   so it is taken only when an upgrade was asked for (the head keeps its
+//!   `Upgrade`, which says what the connection now speaks), and refused
+//!   otherwise.
 //! - **Hop-by-hop fields** of an answer (the codec's list, and any a
 //!   `Connection` names) belong to this connection and are consumed here:
 //!   the answer's head comes out without them.
@@ -138,6 +141,16 @@ pub struct AnswerHead {
 /// taken out and skipped. `method` is the request's (a HEAD's answer has
 /// no body, whatever its headers say).
 pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<AnswerHead>, WireError> {
+    parse_head_asked(buf, method, false)
+}
+
+/// [`parse_head`] for a request that asked for an upgrade (`upgrade`):
+/// a `101` is then its final answer, without a body, with its `Upgrade`.
+pub fn parse_head_asked(
+    buf: &mut BytesMut,
+    method: &Method,
+    upgrade: bool,
+) -> Result<Option<AnswerHead>, WireError> {
     loop {
         if buf.is_empty() {
             return Ok(None);
@@ -165,10 +178,11 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<AnswerHe
         }
         let code = answer.code.ok_or(WireError::Head)?;
         let status = StatusCode::from_u16(code).map_err(|_| WireError::Head)?;
-        if status == StatusCode::SWITCHING_PROTOCOLS {
+        let switching = status == StatusCode::SWITCHING_PROTOCOLS;
+        if switching && !upgrade {
             return Err(WireError::Upgrade);
         }
-        if status.is_informational() {
+        if status.is_informational() && !switching {
             buf.advance(len);
             continue;
         }
@@ -210,6 +224,24 @@ pub fn parse_head(buf: &mut BytesMut, method: &Method) -> Result<Option<AnswerHe
         }
         if framing.names_headers {
             strip_hop_by_hop(&mut headers);
+        }
+        if switching {
+            for &(name, name_len, value, value_len) in &spans[..count] {
+                let (name, value) = (usize::from(name), usize::from(value));
+                if head[name..name + usize::from(name_len)].eq_ignore_ascii_case(b"upgrade") {
+                    let value = head.slice(value..value + usize::from(value_len));
+                    let value =
+                        HeaderValue::from_maybe_shared(value).map_err(|_| WireError::Head)?;
+                    headers.append(header::UPGRADE, value);
+                }
+            }
+            return Ok(Some(AnswerHead {
+                status,
+                version,
+                headers,
+                body: Decoder::default(),
+                keep_alive: false,
+            }));
         }
         let body = framing.body(method, status, version)?;
         let keep_alive =

@@ -223,6 +223,70 @@ impl Connection {
     }
 }
 
+/// A connection an upstream's `101` took out of HTTP, as a tunnel's
+/// upstream side: the bytes read past the answer's head first, then the
+/// socket's. Dropped without a shutdown (a tunnel that failed), it resets
+/// like every upstream socket; shut down, it sends a FIN and closes
+/// normally.
+pub struct Upgraded {
+    conn: Connection,
+}
+
+impl Upgraded {
+    pub(super) fn new(conn: Connection) -> Self {
+        Self { conn }
+    }
+}
+
+impl AsyncRead for Upgraded {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let conn = &mut self.conn;
+        if !conn.read.is_empty() {
+            let n = conn.read.len().min(buf.remaining());
+            buf.put_slice(&conn.read.split_to(n));
+            return Poll::Ready(Ok(()));
+        }
+        match &mut conn.stream {
+            Stream::Tcp(tcp) => Pin::new(tcp).poll_read(cx, buf),
+            Stream::Tls(tls) => Pin::new(tls.as_mut()).poll_read(cx, buf),
+        }
+    }
+}
+
+impl AsyncWrite for Upgraded {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        match &mut self.conn.stream {
+            Stream::Tcp(tcp) => Pin::new(tcp).poll_write(cx, buf),
+            Stream::Tls(tls) => Pin::new(tls.as_mut()).poll_write(cx, buf),
+        }
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        match &mut self.conn.stream {
+            Stream::Tcp(tcp) => Pin::new(tcp).poll_flush(cx),
+            Stream::Tls(tls) => Pin::new(tls.as_mut()).poll_flush(cx),
+        }
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // What the tunnel sent is the upstream's to have: the close after
+        // this FIN is a normal one.
+        let _ = socket2::SockRef::from(&self.conn.socket()).set_linger(None);
+        match &mut self.conn.stream {
+            Stream::Tcp(tcp) => Pin::new(tcp).poll_shutdown(cx),
+            Stream::Tls(tls) => Pin::new(tls.as_mut()).poll_shutdown(cx),
+        }
+    }
+}
+
 impl Drop for Connection {
     /// Says so to the watchdog before the socket closes (the fields are
     /// dropped after this), so that it never resets a descriptor the number

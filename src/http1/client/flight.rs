@@ -255,16 +255,18 @@ impl Flight {
     /// Writes the request and reads the answer's head, both at once: an
     /// answer may come before the request body is written in full (the
     /// rest of the body is then written as the answer's body is read).
+    /// `upgrade`: the request asked for one, and a `101` is its answer.
     pub(super) fn poll_head(
         &mut self,
         cx: &mut Context<'_>,
         method: &Method,
+        upgrade: bool,
     ) -> Poll<Result<answer::AnswerHead, ExchangeError>> {
         loop {
             if let Poll::Ready(Err(e)) = self.request.poll_send(&mut self.conn, cx) {
                 return Poll::Ready(Err(e));
             }
-            if let Some(head) = answer::parse_head(&mut self.conn.read, method)? {
+            if let Some(head) = answer::parse_head_asked(&mut self.conn.read, method, upgrade)? {
                 return Poll::Ready(Ok(head));
             }
             match std::task::ready!(self.poll_fill(cx)) {

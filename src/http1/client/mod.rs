@@ -69,6 +69,7 @@ use http::{Request, Response};
 
 pub use answer::WireError;
 use connection::Connection;
+pub use connection::Upgraded;
 pub use flight::UpstreamBody;
 use flight::{Flight, RequestWriter};
 pub use upstream::{Upstream, UpstreamTls};
@@ -195,6 +196,39 @@ impl UpstreamClient {
         req: Request<Body>,
         fenced: Option<(Instant, Arc<dyn Witness>)>,
     ) -> Result<Response<UpstreamBody>, SendError> {
+        let (flight, head) = self.exchange(upstream, req, fenced, false).await?;
+        Ok(answer_of(flight, head))
+    }
+
+    /// Sends a request that asks for an upgrade (its `Connection: upgrade`
+    /// and `Upgrade` set, no body) and reads the answer's head. A `101`
+    /// takes the connection out of HTTP and out of the pool: it becomes
+    /// the tunnel's upstream side, with the head the upstream agreed with.
+    /// Any other answer is an ordinary one.
+    pub async fn upgrade(
+        &self,
+        upstream: &Upstream,
+        req: Request<Body>,
+    ) -> Result<Upgrade, SendError> {
+        let (flight, head) = self.exchange(upstream, req, None, true).await?;
+        if head.status != http::StatusCode::SWITCHING_PROTOCOLS {
+            return Ok(Upgrade::Refused(answer_of(flight, head)));
+        }
+        let mut agreed = Response::new(());
+        *agreed.status_mut() = head.status;
+        *agreed.version_mut() = head.version;
+        *agreed.headers_mut() = head.headers;
+        Ok(Upgrade::Switched(agreed, Upgraded::new(flight.conn)))
+    }
+
+    /// Writes `req` on a connection and reads its answer's head.
+    async fn exchange(
+        &self,
+        upstream: &Upstream,
+        req: Request<Body>,
+        fenced: Option<(Instant, Arc<dyn Witness>)>,
+        upgrade: bool,
+    ) -> Result<(Flight, answer::AnswerHead), SendError> {
         let (parts, body) = req.into_parts();
         let witness = fenced.as_ref().map(|(_, w)| w.clone());
         let mut request = RequestWriter::new(&parts, body, witness);
@@ -232,15 +266,8 @@ impl UpstreamClient {
                 client: self.clone(),
                 key: upstream.pool_key.clone(),
             };
-            match std::future::poll_fn(|cx| flight.poll_head(cx, &method)).await {
-                Ok(head) => {
-                    let mut answer =
-                        Response::new(UpstreamBody::new(flight, head.body, head.keep_alive));
-                    *answer.status_mut() = head.status;
-                    *answer.version_mut() = head.version;
-                    *answer.headers_mut() = head.headers;
-                    return Ok(answer);
-                }
+            match std::future::poll_fn(|cx| flight.poll_head(cx, &method, upgrade)).await {
+                Ok(head) => return Ok((flight, head)),
                 Err(e) => {
                     let Flight {
                         conn, request: r, ..
@@ -270,6 +297,24 @@ impl UpstreamClient {
             }
         }
     }
+}
+
+/// What [`UpstreamClient::upgrade`] came to.
+pub enum Upgrade {
+    /// The upstream switched protocols: its `101`'s head, and the
+    /// connection, now the tunnel's upstream side.
+    Switched(Response<()>, Upgraded),
+    /// Any other answer, relayed as usual.
+    Refused(Response<UpstreamBody>),
+}
+
+/// An answer whose body reads itself from the flight's connection.
+fn answer_of(flight: Flight, head: answer::AnswerHead) -> Response<UpstreamBody> {
+    let mut answer = Response::new(UpstreamBody::new(flight, head.body, head.keep_alive));
+    *answer.status_mut() = head.status;
+    *answer.version_mut() = head.version;
+    *answer.headers_mut() = head.headers;
+    answer
 }
 
 /// A connected TCP socket and its peer, for the unit tests of this module.

@@ -132,7 +132,18 @@ pub struct Drain {
     conns: Mutex<slab::Slab<Waker>>,
     /// Told when the last connection has ended.
     empty: Notify,
+    /// Set when the grace period is over with connections still open:
+    /// those that can end cleanly do so now (a tunnel sends its FINs both
+    /// ways) rather than be dropped with their runtime.
+    closing: AtomicBool,
+    /// Told when `closing` is set. A tunnel may run in a task of its own
+    /// (an HTTP/2 stream's), not the connection's registered one.
+    close_now: Notify,
 }
+
+/// How long connections told to close at the end of the grace period
+/// have to do so.
+const CLOSE_TIME: Duration = Duration::from_secs(1);
 
 /// A connection's place in its [`Drain`], for as long as it is open.
 pub struct Entered {
@@ -152,6 +163,20 @@ impl Drain {
         self.started.load(Ordering::Acquire)
     }
 
+    /// Resolves when the grace period is over and what is still open
+    /// should close (see [`Drain::finish`]).
+    pub async fn closing(&self) {
+        loop {
+            let told = self.close_now.notified();
+            tokio::pin!(told);
+            told.as_mut().enable();
+            if self.closing.load(Ordering::Acquire) {
+                return;
+            }
+            told.await;
+        }
+    }
+
     /// Registers the calling task as an open connection.
     pub async fn enter(self: &Arc<Self>) -> Entered {
         let waker = poll_fn(|cx| Poll::Ready(cx.waker().clone())).await;
@@ -163,13 +188,14 @@ impl Drain {
     }
 
     /// Starts the drain, then waits until every connection has ended, for
-    /// up to the grace period.
+    /// up to the grace period; then tells those still open to close, and
+    /// gives them a moment to.
     pub async fn finish(&self, limits: Limits) {
         self.started.store(true, Ordering::Release);
         for (_, waker) in self.conns().iter() {
             waker.wake_by_ref();
         }
-        let ended = async {
+        let ended = || async {
             loop {
                 let notified = self.empty.notified();
                 tokio::pin!(notified);
@@ -180,11 +206,14 @@ impl Drain {
                 notified.await;
             }
         };
-        if tokio::time::timeout(limits.shutdown_grace, ended)
+        if tokio::time::timeout(limits.shutdown_grace, ended())
             .await
             .is_err()
         {
             tracing::warn!("shutdown grace period over; closing remaining connections");
+            self.closing.store(true, Ordering::Release);
+            self.close_now.notify_waiters();
+            let _ = tokio::time::timeout(CLOSE_TIME, ended()).await;
         }
     }
 }

@@ -537,6 +537,27 @@ pub fn encode_head(
     (framing, keep_alive)
 }
 
+/// Writes the head of a `101` that opens a tunnel: its fields (the
+/// `Upgrade` the upstream agreed to among them) but those that would frame
+/// a body or speak for this connection, then `connection: upgrade`.
+pub fn encode_switching_head(parts: &http::response::Parts, out: &mut Vec<u8>) {
+    out.extend_from_slice(b"HTTP/1.1 101 Switching Protocols\r\n");
+    for (name, value) in &parts.headers {
+        if name == header::CONTENT_LENGTH
+            || name == header::TRANSFER_ENCODING
+            || name == header::CONNECTION
+            || name.as_str() == "keep-alive"
+        {
+            continue;
+        }
+        out.extend_from_slice(name.as_str().as_bytes());
+        out.extend_from_slice(b": ");
+        out.extend_from_slice(value.as_bytes());
+        out.extend_from_slice(b"\r\n");
+    }
+    out.extend_from_slice(b"connection: upgrade\r\n\r\n");
+}
+
 thread_local! {
     /// This thread's `Date` value and the second it is for: formatted once
     /// a second, not once an answer.

@@ -20,6 +20,10 @@
 //!   if small ([`DISCARD_MAX`]); otherwise the connection closes, so that
 //!   its bytes are never read as the next request.
 //!
+//! An answer that opens a tunnel (a `101` carrying one, see `tunnel`) ends
+//! the phases: its head is written, and the connection is the tunnel's
+//! client side from then on.
+//!
 //! Requests are answered one at a time, in order; pipelined heads wait in
 //! the buffer. A closing connection sends its FIN and then reads what the
 //! client still sends, for a moment ([`LINGER`]), so that the kernel does
@@ -35,7 +39,7 @@ use std::time::Duration;
 use axum::body::Body;
 use axum::response::Response;
 use bytes::{Bytes, BytesMut};
-use http::{Method, Request, Version};
+use http::{Method, Request, StatusCode, Version};
 use http_body::Body as _;
 use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::time::{Instant, Sleep};
@@ -44,6 +48,8 @@ use super::body::{Pipe, RequestBody, RequestBodyError};
 use super::request::{self, AnswerFraming, Asked, HeadError, RequestHead};
 use super::{Drain, Limits, Service};
 use crate::http1::codec::{encode_chunk, Decoded, Decoder, LAST_CHUNK, MAX_HEAD_BYTES};
+use crate::http1::prefixed::Prefixed;
+use crate::http1::tunnel::{splice, Switched};
 
 /// Room made in the read buffer before a read.
 const READ_ROOM: usize = 8 * 1024;
@@ -140,6 +146,12 @@ where
         let Some(answer) = conn.await_answer(answer, &mut piping).await else {
             return Served::Ended;
         };
+        if answer.status() == StatusCode::SWITCHING_PROTOCOLS {
+            // Phase: tunnel, for as long as it lasts; the connection's
+            // HTTP is over.
+            conn.switch(answer, piping.is_none(), &drain).await;
+            return Served::Ended;
+        }
         // Phase: write answer. A client still waiting for `100 Continue`
         // may or may not send its body now: the connection cannot go on.
         let owed = piping.as_ref().is_some_and(|p| p.continue_owed);
@@ -440,6 +452,31 @@ impl<I: AsyncRead + AsyncWrite + Unpin> Session<I> {
             Poll::Pending
         })
         .await
+    }
+
+    /// Phase: tunnel. Writes the `101`, then splices the connection (and
+    /// what the client sent behind its request) to the upstream's. A `101`
+    /// without a tunnel, or to a request with a body still coming (whose
+    /// bytes could not be told from the tunnel's), ends the connection
+    /// instead: the service never makes one.
+    async fn switch(mut self, answer: Response, bodiless: bool, drain: &Drain) {
+        let tunnel = answer
+            .extensions()
+            .get::<Switched>()
+            .and_then(Switched::take);
+        let Some(tunnel) = tunnel.filter(|_| bodiless) else {
+            tracing::error!("a 101 answer without a tunnel; connection closed");
+            return;
+        };
+        let (parts, _) = answer.into_parts();
+        request::encode_switching_head(&parts, &mut self.out);
+        if let Err(e) = poll_fn(|cx| self.poll_send(cx)).await {
+            tracing::debug!(error = %e, "a 101 could not be written");
+            return;
+        }
+        let client = Prefixed::new(self.buf, self.io);
+        let ended = splice(client, tunnel, drain.closing()).await;
+        tracing::debug!(?ended, "HTTP/1.1 tunnel ended");
     }
 
     /// Phase: write answer. Returns whether the connection may stay open.
