@@ -40,5 +40,6 @@ mod support;
 mod tls;
 mod trust;
 mod unknown_outcomes;
+mod upgrades;
 mod upstream_client;
 mod upstream_selftest;
