@@ -35,10 +35,14 @@ SCENARIOS = [
     ("l", "fencegate TLS pass-through GET", "fencegate", "get"),
     ("m", "nginx HTTP/2 (h2c) proxy GET", "nginx", "get"),
     ("n", "fencegate HTTP/2 (h2c) pass-through GET", "fencegate", "get"),
+    ("o", "fenced PUT, raising token, HTTP/1.1", "fencegate", "raise"),
+    ("p", "fenced PUT, raising token, HTTP/2 (h2c)", "fencegate", "raise"),
+    ("q", "gRPC unary write, direct to grpcio", "grpcio", "get"),
+    ("r", "gRPC unary write through fencegate (fenced)", "fencegate", "get"),
 ]
 
 # Scenarios measured with h2load (many streams on few connections), not wrk.
-H2LOAD = {"m", "n"}
+H2LOAD = {"m", "n", "q", "r"}
 
 TARGETS = [
     # name, numerator, denominator, minimum, what it means
@@ -51,6 +55,8 @@ TARGETS = [
     ("j/g", "j", "g", 1.0, "shared-mode raising PUTs (2xx/s) vs pgbench upsert tps"),
     ("l/k", "l", "k", 1.0, "TLS pass-through GET vs nginx terminating TLS and proxying"),
     ("n/m", "n", "m", 1.0, "HTTP/2 pass-through GET vs nginx's http2 proxy, 32 streams on each of 4 connections"),
+    ("p/o", "p", "o", 0.9, "raising PUTs over h2c (4 connections, 16 streams each) vs over HTTP/1.1 (64 connections), one client"),
+    ("r/q", "r", "q", 0.8, "gRPC unary writes through the gateway (fenced) vs direct to the gRPC server"),
 ]
 
 # Upper bounds on latency ratios: p99 of one scenario's open-loop run over
@@ -290,8 +296,16 @@ def build(a):
             continue
         w = wrk(out, sid)
         s["wrk"] = w
-        s["tool"] = (f"h2load -c4 -m32 -t{a.threads} -D{a.duration}" if sid in H2LOAD
-                     else f"wrk -t{a.threads} -c{a.conns} -d{a.duration}s")
+        if sid in {"q", "r"}:
+            s["tool"] = f"h2load -c4 -m16 -t{a.threads} -D{a.duration} (gRPC)"
+        elif sid in H2LOAD:
+            s["tool"] = f"h2load -c4 -m32 -t{a.threads} -D{a.duration}"
+        elif sid == "o":
+            s["tool"] = f"volley --protocol h1 --connections 64 --seconds {a.duration}"
+        elif sid == "p":
+            s["tool"] = f"volley --protocol h2c --connections 4 --streams 16 --seconds {a.duration}"
+        else:
+            s["tool"] = f"wrk -t{a.threads} -c{a.conns} -d{a.duration}s"
         if w:
             secs = w["duration_us"] / 1e6
             total = w["requests"]
@@ -304,9 +318,10 @@ def build(a):
                                   f"({w['s409']} of {answered})")
                 again = wrk(out, f"{sid}_r2")
                 if again:
-                    mean_with(s, again["s2xx"] / (again["duration_us"] / 1e6),
-                              "runs alternated with (g)'s, the second on a fresh gateway "
-                              "and database",
+                    how = ("alternated runs, each on keys new to the store" if sid in {"o", "p"}
+                           else "runs alternated with (g)'s, the second on a fresh gateway "
+                           "and database")
+                    mean_with(s, again["s2xx"] / (again["duration_us"] / 1e6), how,
                               f" (409s in the second: {again['s409']})")
             else:
                 s["rps"] = total / secs
@@ -653,6 +668,13 @@ def markdown(res, svg_link):
         "one commit: two batch items per write, against (g)'s one statement per write.",
         "- (m) and (n): HTTP/2 by prior knowledge (h2c) from h2load to the proxy, 4 connections "
         "with 32 streams each, HTTP/1.1 to the upstream; two alternated runs each.",
+        "- (o) and (p): raising fenced PUTs from bench/volley (hyper's client for both) through "
+        "the gateway of (c)-(f), 64 HTTP/1.1 connections against 4 h2c connections with 16 "
+        "streams each, each run on keys new to the store; two alternated runs each.",
+        "- (q) and (r): gRPC unary writes (`bank.Ledger/Debit` of tests/it/grpc/server.py, "
+        "Python's grpcio) from h2load, 4 connections with 16 streams each, direct and through "
+        "a gateway on Postgres whose route fences the method (h2c upstream), one token for "
+        "every write (the current token, as in (d)); two alternated runs each.",
         "- (k) and (l): TLS 1.3 from wrk to the proxy, plain HTTP to the upstream; both proxies "
         "serve the same ECDSA P-256 certificate made for the run, and wrk keeps its 64 "
         "connections, so handshakes are not what is measured. (b) is also run open loop at "

@@ -115,6 +115,13 @@ log "building bench/pace (the open-loop latency runs)"
 (cd "$BENCH/pace" && cargo build --release --locked --quiet >&2)
 PACE_BIN="$BENCH/pace/target/release/pace"
 [ -x "$PACE_BIN" ] || die "$PACE_BIN was not built"
+log "building bench/volley (raising writes over HTTP/1.1 and h2c)"
+(cd "$BENCH/volley" && cargo build --release --locked --quiet >&2)
+VOLLEY_BIN="$BENCH/volley/target/release/volley"
+[ -x "$VOLLEY_BIN" ] || die "$VOLLEY_BIN was not built"
+python3 -c 'import grpc' 2>/dev/null || pip install --quiet grpcio 2>/dev/null \
+    || pip install --quiet --break-system-packages grpcio \
+    || die "Python's grpcio is needed for the gRPC scenarios (q), (r)"
 # What the binary was built from (checked now: the tree may change during the run).
 COMMIT="$(git -C "$REPO" rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
 DIRTY="$(git -C "$REPO" status --porcelain -- src tests Cargo.toml Cargo.lock migrations 2>/dev/null | wc -l)"
@@ -172,10 +179,10 @@ forget_pid() {
     PIDS=("${keep[@]}")
 }
 
-mapfile -t PORTS < <(python3 "$BENCH/util.py" ports 13)
+mapfile -t PORTS < <(python3 "$BENCH/util.py" ports 15)
 P_UP=${PORTS[0]} P_NGX=${PORTS[1]} P_FG=${PORTS[2]} P_FGA=${PORTS[3]} P_MEM=${PORTS[4]} P_MEMA=${PORTS[5]}
 P_NGXS=${PORTS[6]} P_FGS=${PORTS[7]} P_FGSA=${PORTS[8]} P_SH=${PORTS[9]} P_SHA=${PORTS[10]}
-P_NGXH=${PORTS[11]}
+P_NGXH=${PORTS[11]} P_GG=${PORTS[13]} P_GGA=${PORTS[14]}
 
 # ---------------------------------------------------------------------------
 # nginx: (a) upstream, (b) reverse proxy
@@ -428,6 +435,50 @@ run_h2load() { # id, port
     sed 's/^BENCHJSON /    /' "$OUT/wrk_$1.txt" >&2
 }
 
+# Raising writes over HTTP/1.1 and over h2c from one client (bench/volley,
+# hyper's client for both), at the same number of requests in flight: 64
+# HTTP/1.1 connections against 4 h2c connections with 16 streams each.
+# Each run writes keys of its own (prefix = the run's id), new to the store.
+VOLLEY_CONNS=4
+VOLLEY_STREAMS=16
+run_volley() { # id, port, protocol
+    local args=(--protocol "$3" --seconds "$DURATION" --keys "$NKEYS" --prefix "v$1_")
+    if [ "$3" = h2c ]; then
+        args+=(--connections "$VOLLEY_CONNS" --streams "$VOLLEY_STREAMS")
+    else
+        args+=(--connections "$((VOLLEY_CONNS * VOLLEY_STREAMS))")
+    fi
+    gate_open "$1" "$2"
+    pulse_start "$1"
+    log "($1) volley ${args[*]} on :$2"
+    "$VOLLEY_BIN" "${args[@]}" "http://127.0.0.1:$2" > "$OUT/wrk_$1.txt" 2>&1 \
+        || { cat "$OUT/wrk_$1.txt" >&2; die "volley failed in scenario $1"; }
+    pulse_stop
+    sed 's/^BENCHJSON /    /' "$OUT/wrk_$1.txt" >&2
+}
+
+# gRPC unary writes (bank.Ledger/Debit of tests/it/grpc/server.py, Python's
+# grpcio) from h2load, 4 connections with 16 streams each: direct (q), and
+# through a gateway whose route fences the method (r), one token for every
+# write (h2load sends the same headers each time: the current token, as
+# in (d)). The request body is one gRPC message.
+run_grpc() { # id, port
+    local msg="$WORK/grpc_msg.bin"
+    printf '\x00\x00\x00\x00\x05debit' > "$msg"
+    gate_open "$1" "$2"
+    pulse_start "$1"
+    log "($1) h2load gRPC unary on h2c :$2"
+    h2load -c"$VOLLEY_CONNS" -m"$VOLLEY_STREAMS" -t"$THREADS" -D"$DURATION" -d "$msg" \
+        -H 'content-type: application/grpc' -H 'te: trailers' -H 'x-fence-token: 7' \
+        --log-file="$OUT/h2load_$1.log" "http://127.0.0.1:$2/bank.Ledger/Debit" \
+        > "$OUT/h2load_$1.txt" 2>&1 \
+        || { cat "$OUT/h2load_$1.txt" >&2; die "h2load failed in scenario $1"; }
+    pulse_stop
+    python3 "$BENCH/util.py" h2load-json "$OUT/h2load_$1.txt" "$OUT/h2load_$1.log" \
+        > "$OUT/wrk_$1.txt" || die "h2load's output in scenario $1 was not understood"
+    sed 's/^BENCHJSON /    /' "$OUT/wrk_$1.txt" >&2
+}
+
 # Open-loop latency runs: bench/pace at half the throughput wrk just
 # measured, each request's latency counted from when it was due. Not oha:
 # oha keeps every result in one growing vector, and each time it doubles
@@ -470,6 +521,43 @@ run_h2load m "$P_NGXH"
 run_h2load n "$P_FG"
 run_h2load m_r2 "$P_NGXH"
 run_h2load n_r2 "$P_FG"
+# (o), (p): raising writes over HTTP/1.1 and h2c, alternated twice.
+run_volley o "$P_FG" h1
+run_volley p "$P_FG" h2c
+run_volley o_r2 "$P_FG" h1
+run_volley p_r2 "$P_FG" h2c
+# (q), (r): gRPC unary writes, direct and through a gateway, alternated.
+# The server runs until its stdin closes: a pipe this script holds.
+exec {GRPC_IN}< <(sleep infinity)
+python3 "$REPO/tests/it/grpc/server.py" <&"$GRPC_IN" > "$WORK/grpc.port" 2>"$WORK/grpc.log" &
+PIDS+=($!)
+for _ in $(seq 1 100); do [ -s "$WORK/grpc.port" ] && break; sleep 0.1; done
+P_GRPC=$(head -n1 "$WORK/grpc.port")
+[ -n "$P_GRPC" ] || { cat "$WORK/grpc.log" >&2; die "the gRPC server did not start"; }
+psql -qX -d postgres -c "CREATE DATABASE ${DB}_grpc" >/dev/null
+CREATED_DBS+=("${DB}_grpc")
+fg_conf "$WORK/fg-grpc.toml" "$P_GG" "$P_GGA" "postgres://$PGUSER@$PGHOST:$PGPORT/${DB}_grpc" \
+    single "$P_UP"
+cat >> "$WORK/fg-grpc.toml" <<ROUTE
+
+[[routes]]
+name = "ledger"
+path = "/bank.Ledger/{method}"
+upstream = "http://127.0.0.1:$P_GRPC"
+upstream_protocol = "h2c"
+key = "ledger:{method}"
+methods = ["POST"]
+timeout_ms = 5000
+ROUTE
+log "starting fencegate (grpc) on :$P_GG, a route to the gRPC server on :$P_GRPC"
+start_fg "$WORK/fg-grpc.toml" "$P_GG" "$P_GGA" "$WORK/fg-grpc.log"
+GG_PID=$FG_PID
+run_grpc q "$P_GRPC"
+run_grpc r "$P_GG"
+run_grpc q_r2 "$P_GRPC"
+run_grpc r_r2 "$P_GG"
+stop_pid "$GG_PID"
+forget_pid "$GG_PID"
 run_wrk d "$P_FG" reuse
 # (b) again, open loop at (c)'s rate: the two proxies' latencies at the
 # same load.
