@@ -1290,3 +1290,80 @@ async fn an_unanswered_h2_stream_is_reset_at_the_deadline() {
     let second = app.put("/docs/t", Some("2"), "two").await;
     assert_eq!(second.status(), 504);
 }
+
+/// An upstream that answers 200 the moment it has a request's head,
+/// without reading its body (as nginx's `return` does).
+async fn answering_at_once() -> std::net::SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(async move {
+                let service = hyper::service::service_fn(|_req| async {
+                    Ok::<_, std::convert::Infallible>(hyper::Response::new(
+                        http_body_util::Full::new(Bytes::from_static(b"at once")),
+                    ))
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(tcp), service)
+                    .await;
+            });
+        }
+    });
+    addr
+}
+
+/// A stream's DATA comes after its HEADERS (the client sends its body a
+/// moment after the head, once the gateway has recorded the token). The
+/// head must not go to the upstream alone: an upstream that answers at
+/// once would answer before the body, an early answer, and the key would
+/// stay closed to the write's deadline. A small body goes whole with its
+/// head, so the answer follows the whole request and no key is held.
+#[tokio::test]
+async fn a_body_after_its_head_goes_to_the_upstream_with_it() {
+    let store = TestStore::new(Backend::Sqlite).await;
+    let up = answering_at_once().await;
+    let app = TestApp::spawn(&store.url, &docs_route(&format!("http://{up}"))).await;
+    let tcp = TcpStream::connect(app.addr).await.unwrap();
+    let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(conn);
+    let mut client = client.ready().await.unwrap();
+    for token in 1..=3 {
+        let req = http::Request::put(app.url("/docs/split"))
+            .header("x-fence-token", token.to_string())
+            .header("content-length", "4")
+            .body(())
+            .unwrap();
+        let (answer, mut body) = client.send_request(req, false).unwrap();
+        // The token is recorded: the write is on its way to the upstream.
+        let recorded = format!("\"highest_token\":{token}");
+        let mut seen = String::new();
+        for _ in 0..500 {
+            seen = app
+                .admin_get("/fences/doc:split")
+                .await
+                .text()
+                .await
+                .unwrap();
+            if seen.contains(&recorded) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert!(seen.contains(&recorded), "{seen}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        body.send_data(Bytes::from_static(b"body"), true).unwrap();
+        let answer = answer.await.unwrap();
+        assert_eq!(answer.status(), 200);
+        let _ = client.clone().ready().await.unwrap();
+    }
+    let metrics = app.metrics().await;
+    let held: Vec<_> = metrics
+        .lines()
+        .filter(|l| l.starts_with("fencegate_held_keys_total{"))
+        .collect();
+    assert!(held.is_empty(), "{held:?}");
+}

@@ -254,6 +254,7 @@ fn print(mut t: Tally, secs: f64) {
             "err_timeout": 0,
             "p50_us": pct(0.50),
             "p99_us": pct(0.99),
+            "max_us": t.latencies_us.last().copied().unwrap_or(0),
         })
     );
 }

@@ -135,6 +135,7 @@ impl RequestWriter {
         loop {
             // Gather what the body has ready, so that the head and a body
             // that is already here go out in one write.
+            let mut waiting = false;
             while let Some(body) = self.body.as_mut() {
                 if self.out.len() - self.at >= GATHER {
                     break;
@@ -150,8 +151,15 @@ impl RequestWriter {
                         self.end()?;
                         self.body = None;
                     }
-                    Poll::Pending => break,
+                    Poll::Pending => {
+                        waiting = true;
+                        break;
+                    }
                 }
+            }
+            if waiting && self.written == 0 && self.small() {
+                // Not the head alone (see `small`).
+                return Poll::Pending;
             }
             if self.at < self.out.len() {
                 let mut end = self.out.len();
@@ -204,6 +212,19 @@ impl RequestWriter {
             }
             return Poll::Ready(Ok(()));
         }
+    }
+
+    /// Whether the body is small enough to go out whole with its head: a
+    /// length known and within one gather. Such a request is written only
+    /// once its body is all here, as nginx buffers a request before it
+    /// forwards it: an upstream given the head alone may answer before the
+    /// body (nginx's `return` does), and an answer before the request was
+    /// handed over is an early answer, which keeps a fenced write's key
+    /// closed to its deadline. A body that comes apart from its head (an
+    /// HTTP/2 stream's DATA after its HEADERS, a client's second segment)
+    /// would otherwise make that the common case.
+    fn small(&self) -> bool {
+        matches!(self.framing, RequestFraming::Length(n) if n <= GATHER as u64)
     }
 
     /// Frames a piece of the body (only a request with a body has one).

@@ -120,12 +120,16 @@ pub enum SendError {
     /// The exchange failed after the request may have been (partly) sent.
     #[error("{0}")]
     Exchange(ExchangeError),
+    /// The exchange failed before a byte of the request was written: its
+    /// body broke off while its head was held back for it (see `flight`).
+    #[error("{0}")]
+    Unsent(ExchangeError),
 }
 
 impl SendError {
     /// Whether nothing of the request can have reached the upstream.
     pub fn nothing_sent(&self) -> bool {
-        matches!(self, SendError::Connect(_))
+        matches!(self, SendError::Connect(_) | SendError::Unsent(_))
     }
 }
 
@@ -291,6 +295,7 @@ impl UpstreamClient {
                             request.rewind();
                             pooled = false;
                         }
+                        (_, 0, _) => return Err(SendError::Unsent(e)),
                         _ => return Err(SendError::Exchange(e)),
                     }
                 }
