@@ -1294,26 +1294,17 @@ async fn an_unanswered_h2_stream_is_reset_at_the_deadline() {
 /// An upstream that answers 200 the moment it has a request's head,
 /// without reading its body (as nginx's `return` does).
 async fn answering_at_once() -> std::net::SocketAddr {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        loop {
-            let Ok((tcp, _)) = listener.accept().await else {
-                return;
-            };
-            tokio::spawn(async move {
-                let service = hyper::service::service_fn(|_req| async {
-                    Ok::<_, std::convert::Infallible>(hyper::Response::new(
-                        http_body_util::Full::new(Bytes::from_static(b"at once")),
-                    ))
-                });
-                let _ = hyper::server::conn::http1::Builder::new()
-                    .serve_connection(hyper_util::rt::TokioIo::new(tcp), service)
-                    .await;
-            });
-        }
-    });
-    addr
+    crate::support::serve_each(|tcp| async move {
+        let service = hyper::service::service_fn(|_req| async {
+            Ok::<_, std::convert::Infallible>(hyper::Response::new(http_body_util::Full::new(
+                Bytes::from_static(b"at once"),
+            )))
+        });
+        let _ = hyper::server::conn::http1::Builder::new()
+            .serve_connection(hyper_util::rt::TokioIo::new(tcp), service)
+            .await;
+    })
+    .await
 }
 
 /// A stream's DATA comes after its HEADERS (the client sends its body a

@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytes::Bytes;
 use futures_util::{SinkExt, StreamExt};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::handshake::server::{
     Request as WsRequest, Response as WsResponse,
 };
@@ -23,7 +23,7 @@ use tokio_tungstenite::WebSocketStream;
 use crate::support::app::{config_sections, docs_route, TestApp};
 use crate::support::db::{Backend, TestStore};
 use crate::support::upstream::Upstream;
-use crate::support::wait_for;
+use crate::support::{serve_each, wait_for};
 
 /// What an upstream saw of its upgrades: each handshake's head, and how
 /// each tunnel ended on its side.
@@ -45,45 +45,39 @@ impl Seen {
 
 /// A WebSocket echo server (tokio-tungstenite) on port 0.
 async fn websocket_upstream() -> (SocketAddr, Seen) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let seen = Seen::default();
     let s = seen.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((tcp, _)) = listener.accept().await else {
+    let addr = serve_each(move |tcp| {
+        let s = s.clone();
+        async move {
+            let heads = s.heads.clone();
+            // tungstenite's callback type, whose error is an answer.
+            #[allow(clippy::result_large_err)]
+            let record = move |req: &WsRequest, resp: WsResponse| {
+                heads.lock().unwrap().push(req.headers().clone());
+                Ok(resp)
+            };
+            let Ok(mut ws) = tokio_tungstenite::accept_hdr_async(tcp, record).await else {
+                s.ends.lock().unwrap().push("no handshake".into());
                 return;
             };
-            let s = s.clone();
-            tokio::spawn(async move {
-                let heads = s.heads.clone();
-                // tungstenite's callback type, whose error is an answer.
-                #[allow(clippy::result_large_err)]
-                let record = move |req: &WsRequest, resp: WsResponse| {
-                    heads.lock().unwrap().push(req.headers().clone());
-                    Ok(resp)
-                };
-                let Ok(mut ws) = tokio_tungstenite::accept_hdr_async(tcp, record).await else {
-                    s.ends.lock().unwrap().push("no handshake".into());
-                    return;
-                };
-                let end = loop {
-                    match ws.next().await {
-                        Some(Ok(m @ (Message::Text(_) | Message::Binary(_)))) => {
-                            if ws.send(m).await.is_err() {
-                                break "send failed".to_string();
-                            }
+            let end = loop {
+                match ws.next().await {
+                    Some(Ok(m @ (Message::Text(_) | Message::Binary(_)))) => {
+                        if ws.send(m).await.is_err() {
+                            break "send failed".to_string();
                         }
-                        Some(Ok(Message::Close(_))) => break "close frame".to_string(),
-                        Some(Ok(_)) => {}
-                        Some(Err(e)) => break format!("error: {e}"),
-                        None => break "end".to_string(),
                     }
-                };
-                s.ends.lock().unwrap().push(end);
-            });
+                    Some(Ok(Message::Close(_))) => break "close frame".to_string(),
+                    Some(Ok(_)) => {}
+                    Some(Err(e)) => break format!("error: {e}"),
+                    None => break "end".to_string(),
+                }
+            };
+            s.ends.lock().unwrap().push(end);
         }
-    });
+    })
+    .await;
     (addr, seen)
 }
 
@@ -91,57 +85,51 @@ async fn websocket_upstream() -> (SocketAddr, Seen) {
 /// fields), then echoes bytes until the client's FIN, and sends its own.
 /// Its ends: "eof" after a FIN, or the read error.
 async fn echo_upstream(extra: &'static str) -> (SocketAddr, Seen) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let seen = Seen::default();
     let s = seen.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((mut tcp, _)) = listener.accept().await else {
-                return;
-            };
-            let s = s.clone();
-            tokio::spawn(async move {
-                let mut head = Vec::new();
-                while !head.ends_with(b"\r\n\r\n") {
-                    let mut byte = [0u8; 1];
-                    if tcp.read_exact(&mut byte).await.is_err() {
-                        return;
-                    }
-                    head.push(byte[0]);
+    let addr = serve_each(move |mut tcp| {
+        let s = s.clone();
+        async move {
+            let mut head = Vec::new();
+            while !head.ends_with(b"\r\n\r\n") {
+                let mut byte = [0u8; 1];
+                if tcp.read_exact(&mut byte).await.is_err() {
+                    return;
                 }
-                let mut fields = [httparse::EMPTY_HEADER; 64];
-                let mut req = httparse::Request::new(&mut fields);
-                req.parse(&head).unwrap();
-                let mut map = http::HeaderMap::new();
-                for f in req.headers.iter() {
-                    map.append(
-                        http::HeaderName::from_bytes(f.name.as_bytes()).unwrap(),
-                        http::HeaderValue::from_bytes(f.value).unwrap(),
-                    );
-                }
-                s.heads.lock().unwrap().push(map);
-                let answer = format!(
-                    "HTTP/1.1 101 Switching Protocols\r\nupgrade: echo\r\nconnection: upgrade\r\n{extra}\r\n"
+                head.push(byte[0]);
+            }
+            let mut fields = [httparse::EMPTY_HEADER; 64];
+            let mut req = httparse::Request::new(&mut fields);
+            req.parse(&head).unwrap();
+            let mut map = http::HeaderMap::new();
+            for f in req.headers.iter() {
+                map.append(
+                    http::HeaderName::from_bytes(f.name.as_bytes()).unwrap(),
+                    http::HeaderValue::from_bytes(f.value).unwrap(),
                 );
-                tcp.write_all(answer.as_bytes()).await.unwrap();
-                let mut buf = [0u8; 4096];
-                let end = loop {
-                    match tcp.read(&mut buf).await {
-                        Ok(0) => break "eof".to_string(),
-                        Ok(n) => {
-                            if tcp.write_all(&buf[..n]).await.is_err() {
-                                break "write failed".to_string();
-                            }
+            }
+            s.heads.lock().unwrap().push(map);
+            let answer = format!(
+                "HTTP/1.1 101 Switching Protocols\r\nupgrade: echo\r\nconnection: upgrade\r\n{extra}\r\n"
+            );
+            tcp.write_all(answer.as_bytes()).await.unwrap();
+            let mut buf = [0u8; 4096];
+            let end = loop {
+                match tcp.read(&mut buf).await {
+                    Ok(0) => break "eof".to_string(),
+                    Ok(n) => {
+                        if tcp.write_all(&buf[..n]).await.is_err() {
+                            break "write failed".to_string();
                         }
-                        Err(e) => break format!("error: {e}"),
                     }
-                };
-                let _ = tcp.shutdown().await;
-                s.ends.lock().unwrap().push(end);
-            });
+                    Err(e) => break format!("error: {e}"),
+                }
+            };
+            let _ = tcp.shutdown().await;
+            s.ends.lock().unwrap().push(end);
         }
-    });
+    })
+    .await;
     (addr, seen)
 }
 

@@ -102,6 +102,25 @@ pub async fn read_one_request(tcp: &mut tokio::net::TcpStream) -> Option<Vec<(St
     Some(headers)
 }
 
+/// A server on 127.0.0.1, port 0, that gives each connection it accepts
+/// to `serve`, in a task of its own, for as long as the test runs.
+pub async fn serve_each<F, Fut>(serve: F) -> std::net::SocketAddr
+where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("an address");
+    tokio::spawn(async move {
+        while let Ok((tcp, _)) = listener.accept().await {
+            tokio::spawn(serve(tcp));
+        }
+    });
+    addr
+}
+
 /// Waits until `cond` holds, or panics after 10 s naming `what`.
 pub async fn wait_for(what: &str, mut cond: impl FnMut() -> bool) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
