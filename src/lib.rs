@@ -17,11 +17,13 @@
 //! each other:
 //!
 //! * [`http1`]: our HTTP/1.1, both sides: the listeners' server and the
-//!   upstream client, sharing one codec. Imports nothing of the crate.
+//!   upstream client, sharing one codec, and the tunnels an upgrade opens.
+//!   Imports nothing of the crate.
 //! * [`http2`]: HTTP/2 on the traffic listener, through the `h2` crate:
 //!   each stream one call of the service an HTTP/1.1 connection calls,
-//!   and the guards against HTTP/2's own abuses. Imports `http1` (the
-//!   service contract, the drain).
+//!   the guards against HTTP/2's own abuses, and extended CONNECT's
+//!   tunnels. Imports `http1` (the service contract, the drain, the
+//!   tunnel's splice).
 //! * [`listener`]: the accept loop, the connection limit, the worker
 //!   threads, the TLS handshake, and which HTTP a connection speaks.
 //!   Imports `http1` and `http2`.

@@ -370,6 +370,9 @@ pub struct Metrics {
     pub decision_time: Latency,
     /// Keys with writes in flight or waiting.
     pub gate_keys: Gauge,
+    /// Tunnels open (upgrades the upstream switched to), by route: each
+    /// holds a client connection or stream and an upstream connection.
+    pub tunnels_open: Family<RouteLabels, Gauge>,
     /// Lock API outcomes by backend and event (`grant`, `held`, `renew`,
     /// `renew_refused`, `release`, `release_refused`, `expired`,
     /// `unavailable`).
@@ -635,6 +638,12 @@ impl Metrics {
         );
         let decision_time = Latency::default();
         let gate_keys = Gauge::default();
+        let tunnels_open = Family::<RouteLabels, Gauge>::default();
+        registry.register(
+            "tunnels_open",
+            "Tunnels open (upgrades the upstream switched to), by route",
+            tunnels_open.clone(),
+        );
         let lock_events = Family::<LockLabels, Counter>::default();
         registry.register(
             "lock_events",
@@ -687,6 +696,7 @@ impl Metrics {
             held_keys,
             decision_time,
             gate_keys,
+            tunnels_open,
             lock_events,
             routes: Default::default(),
             registry: std::sync::Arc::new(registry),
@@ -905,6 +915,15 @@ impl Default for Metrics {
     }
 }
 
+/// One open tunnel in `fencegate_tunnels_open`, for as long as it lives.
+pub struct TunnelOpen(Gauge);
+
+impl Drop for TunnelOpen {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
 /// One route's metrics, resolved when the gateway starts. Every request
 /// touches some of them; looking a labelled metric up in its family per
 /// request would cost a `String` for the label and a hash-map probe under a
@@ -928,6 +947,20 @@ impl RouteMetrics {
 
     pub fn upstream_latency(&self, d: Duration) {
         self.upstream_latency.observe(d);
+    }
+
+    /// A tunnel of this route opened; it counts as open until the guard
+    /// is dropped, with the tunnel.
+    pub fn tunnel_opened(&self) -> TunnelOpen {
+        let gauge = self
+            .metrics
+            .tunnels_open
+            .get_or_create(&RouteLabels {
+                route: self.route.clone(),
+            })
+            .clone();
+        gauge.inc();
+        TunnelOpen(gauge)
     }
 
     pub fn decision(&self, outcome: Outcome) {

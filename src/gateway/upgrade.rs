@@ -131,6 +131,7 @@ pub(super) async fn open(
     let tunnel = Tunnel {
         upstream: Box::new(upstream),
         idle_timeout: idle,
+        held: Box::new(route.metrics.tunnel_opened()),
     };
     let (mut parts, ()) = agreed.into_parts();
     parts.extensions.insert(Switched::new(tunnel));

@@ -44,6 +44,9 @@ pub struct Tunnel {
     /// tunnel otherwise holds a client connection slot and an upstream
     /// connection for ever.
     pub idle_timeout: Duration,
+    /// Kept while the tunnel lives and dropped when it ends: what the
+    /// service counts open tunnels by.
+    pub held: Box<dyn std::any::Any + Send>,
 }
 
 /// Carries a [`Tunnel`] in an answer's extensions, which must be `Clone`:
@@ -87,6 +90,7 @@ where
     let moved = Arc::new(AtomicU64::new(0));
     let mut upstream = tunnel.upstream;
     let idle = tunnel.idle_timeout;
+    let _held = tunnel.held;
     tokio::pin!(stop);
     let ended = {
         let mut client_side = Counted {
@@ -185,6 +189,7 @@ mod tests {
         Tunnel {
             upstream: Box::new(upstream),
             idle_timeout: idle,
+            held: Box::new(()),
         }
     }
 

@@ -211,6 +211,7 @@ async fn any_protocol_passes_as_bytes_and_half_closes() {
     );
     assert!(answer.contains("upgrade: echo\r\n"), "{answer}");
     assert!(answer.contains("connection: upgrade\r\n"), "{answer}");
+    assert_eq!(tunnels_open(&app).await, 1);
     tcp.write_all(b"bytes").await.unwrap();
     // The client's FIN is passed on; the upstream's answer still comes.
     tcp.shutdown().await.unwrap();
@@ -222,6 +223,27 @@ async fn any_protocol_passes_as_bytes_and_half_closes() {
     assert_eq!(echoed, "early bytes");
     wait_for("the upstream saw the end", || !seen.ends().is_empty()).await;
     assert_eq!(seen.ends(), ["eof"]);
+    for _ in 0..500 {
+        if tunnels_open(&app).await == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        tunnels_open(&app).await,
+        0,
+        "the tunnel is no longer counted"
+    );
+}
+
+/// `fencegate_tunnels_open` of the route `ws`.
+async fn tunnels_open(app: &TestApp) -> u64 {
+    let text = app.metrics().await;
+    let line = text
+        .lines()
+        .find(|l| l.starts_with("fencegate_tunnels_open{route=\"ws\"}"))
+        .unwrap_or_else(|| panic!("no tunnels_open series in\n{text}"));
+    line.rsplit(' ').next().unwrap().parse().unwrap()
 }
 
 /// Without `upgrades`, an HTTP/1.1 `Upgrade` is a hop-by-hop field like
