@@ -108,23 +108,16 @@ pub async fn respond(state: Arc<GatewayState>, req: Request<Body>, peer: Downstr
             account(&state, summary, access, &result);
             result
         }
-        Admitted::PassThrough { route, req } => {
+        Admitted::PassThrough {
+            route,
+            req,
+            upgrade,
+        } => {
             let method = req.method().clone();
-            let result = forward(&state, &route, req, peer, None).await;
-            let summary = Summary {
-                route: Some(&route),
-                fenced: false,
-                forwarded: true,
-                with_idempotency_key: false,
-                method: &method,
-                path: None,
+            let result = match upgrade {
+                None => forward(&state, &route, req, peer, None).await,
+                Some(idle) => upgrade::open(&state, &route, req, peer, idle).await,
             };
-            account(&state, summary, access, &result);
-            result
-        }
-        Admitted::Upgrade { route, req, idle } => {
-            let method = req.method().clone();
-            let result = upgrade::open(&state, &route, req, peer, idle).await;
             let summary = Summary {
                 route: Some(&route),
                 fenced: false,
@@ -193,13 +186,9 @@ enum Admitted {
     PassThrough {
         route: Arc<GatedRoute>,
         req: Request<Body>,
-    },
-    /// A pass-through GET asking for an upgrade its route allows, with
-    /// the tunnel's idle bound.
-    Upgrade {
-        route: Arc<GatedRoute>,
-        req: Request<Body>,
-        idle: std::time::Duration,
+        /// A GET asking for an upgrade its route allows: the tunnel's idle
+        /// bound.
+        upgrade: Option<std::time::Duration>,
     },
     /// A fenced write whose token memory did not refuse; the store and the
     /// gate decide the rest. Boxed: the write (its request among it) moves
@@ -253,7 +242,12 @@ fn admit(
         let bodiless = http_body::Body::is_end_stream(req.body());
         match route.upgrades {
             Some(idle) if !fenced && bodiless && req.method() == Method::GET => {
-                return Admitted::Upgrade { route, req, idle };
+                let upgrade = Some(idle);
+                return Admitted::PassThrough {
+                    route,
+                    req,
+                    upgrade,
+                };
             }
             _ if connect => {
                 let e = ClientError::MethodNotAllowed {
@@ -275,7 +269,11 @@ fn admit(
             };
             return refused(Some(&route), false, e.into());
         }
-        return Admitted::PassThrough { route, req };
+        return Admitted::PassThrough {
+            route,
+            req,
+            upgrade: None,
+        };
     }
     let key = match resource_key(&route, &captures, &req) {
         Ok(k) => k,
