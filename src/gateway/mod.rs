@@ -71,7 +71,6 @@ use crate::fencing::routing::{self, PathError};
 use crate::fencing::token::{self, TokenError};
 use crate::gateway::error::{ClientError, GatewayError};
 use crate::http1::codec;
-use crate::http2::tunnel::ExtendedConnect;
 use crate::idempotency;
 use accounting::{account, Access, Summary};
 use detach::YieldOnce;
@@ -108,13 +107,9 @@ pub async fn respond(state: Arc<GatewayState>, req: Request<Body>, peer: Downstr
             account(&state, summary, access, &result);
             result
         }
-        Admitted::PassThrough {
-            route,
-            req,
-            upgrade,
-        } => {
+        Admitted::PassThrough { route, req, tunnel } => {
             let method = req.method().clone();
-            let result = match upgrade {
+            let result = match tunnel {
                 None => forward(&state, &route, req, peer, None).await,
                 Some(idle) => upgrade::open(&state, &route, req, peer, idle).await,
             };
@@ -188,7 +183,7 @@ enum Admitted {
         req: Request<Body>,
         /// A GET asking for an upgrade its route allows: the tunnel's idle
         /// bound.
-        upgrade: Option<std::time::Duration>,
+        tunnel: Option<std::time::Duration>,
     },
     /// A fenced write whose token memory did not refuse; the store and the
     /// gate decide the rest. Boxed: the write (its request among it) moves
@@ -233,47 +228,17 @@ fn admit(
     if let Err(e) = check_headers(&route, req.headers(), fenced) {
         return refused(Some(&route), fenced, e.into());
     }
-    // Phase: upgrade. An extended CONNECT is nothing but a tunnel: where
-    // the route has none (or fences GET) it is refused, never passed on as
-    // the GET it was handed over as. An HTTP/1.1 `Upgrade` the route does
-    // not take is dropped with the other hop-by-hop fields.
-    let connect = req.extensions().get::<ExtendedConnect>().is_some();
-    if connect || upgrade::asked(&req) {
-        let bodiless = http_body::Body::is_end_stream(req.body());
-        match route.upgrades {
-            Some(idle) if !fenced && bodiless && req.method() == Method::GET => {
-                let upgrade = Some(idle);
-                return Admitted::PassThrough {
-                    route,
-                    req,
-                    upgrade,
-                };
-            }
-            _ if connect => {
-                let e = ClientError::MethodNotAllowed {
-                    method: Method::CONNECT.to_string(),
-                    route: route.name.clone(),
-                    allow: allow(&route),
-                };
-                return refused(Some(&route), fenced, e.into());
-            }
-            _ => {}
-        }
-    }
+    // Phase: upgrade (see `upgrade::decide`).
+    let Ok(tunnel) = upgrade::decide(&route, &req, fenced) else {
+        let e = not_allowed(&route, &Method::CONNECT);
+        return refused(Some(&route), fenced, e.into());
+    };
     if !fenced {
         if !is_safe(req.method()) {
-            let e = ClientError::MethodNotAllowed {
-                method: req.method().to_string(),
-                route: route.name.clone(),
-                allow: allow(&route),
-            };
+            let e = not_allowed(&route, req.method());
             return refused(Some(&route), false, e.into());
         }
-        return Admitted::PassThrough {
-            route,
-            req,
-            upgrade: None,
-        };
+        return Admitted::PassThrough { route, req, tunnel };
     }
     let key = match resource_key(&route, &captures, &req) {
         Ok(k) => k,
@@ -540,6 +505,16 @@ fn protected<'a>(route: &'a Route, token: &[u8]) -> Option<&'a str> {
         .map(HeaderName::as_str)
         .chain(route.key.header_names().map(HeaderName::as_str))
         .find(|name| name.as_bytes().eq_ignore_ascii_case(token))
+}
+
+/// 405: `method` is neither fenced nor safe on `route` (or, CONNECT, is a
+/// tunnel the route does not open).
+fn not_allowed(route: &Route, method: &Method) -> ClientError {
+    ClientError::MethodNotAllowed {
+        method: method.to_string(),
+        route: route.name.clone(),
+        allow: allow(route),
+    }
 }
 
 /// A 405's `Allow` (RFC 9110 §15.5.6): the safe methods, passed through,

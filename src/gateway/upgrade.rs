@@ -18,13 +18,13 @@
 //! not see it.
 
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::response::Response;
 use base64::Engine as _;
 use http::header::{self, HeaderValue};
-use http::{Request, StatusCode, Version};
+use http::{Method, Request, StatusCode, Version};
 use sha1::{Digest, Sha1};
 
 use super::error::{ClientError, GatewayError, UpstreamError};
@@ -32,6 +32,7 @@ use super::forward::failed;
 use super::live::GatedRoute;
 use super::proxy::{self, Answer, Downstream, RelayBody};
 use super::state::GatewayState;
+use crate::config::Route;
 use crate::http1::client::Upgrade;
 use crate::http1::codec;
 use crate::http1::tunnel::{Switched, Tunnel};
@@ -40,13 +41,69 @@ use crate::http2::tunnel::ExtendedConnect;
 /// RFC 6455 §1.3: what a WebSocket server appends to the key it hashes.
 const WEBSOCKET_GUID: &str = "258EAFA5-E914-47DA-95CA-C5AB0DC85B11";
 
+/// An extended CONNECT that cannot be had: it is nothing but a tunnel, and
+/// passed on as the GET it was handed over as it would be answered as a
+/// plain GET. Answered 405.
+pub(super) struct NotATunnel;
+
+/// Phase: upgrade. `Ok(Some(idle))`: a tunnel is asked of the upstream,
+/// with this idle bound; `Ok(None)`: none was asked, or an HTTP/1.1
+/// upgrade that cannot be had, dropped with the other hop-by-hop fields.
+/// Only a bodiless, pass-through GET on a route with `upgrades` upgrades,
+/// and never to a protocol that carries HTTP itself ([`carries_http`]).
+pub(super) fn decide(
+    route: &Route,
+    req: &Request<Body>,
+    fenced: bool,
+) -> Result<Option<Duration>, NotATunnel> {
+    let connect = req.extensions().get::<ExtendedConnect>();
+    if connect.is_none() && !asked(req) {
+        return Ok(None);
+    }
+    let protocols: Vec<&[u8]> = match connect {
+        Some(c) => vec![c.protocol.as_bytes()],
+        None => upgrade_tokens(req.headers()).collect(),
+    };
+    let allowed = !fenced
+        && req.method() == Method::GET
+        && http_body::Body::is_end_stream(req.body())
+        && !protocols.iter().any(|p| carries_http(p));
+    match (route.upgrades, allowed) {
+        (Some(idle), true) => Ok(Some(idle)),
+        _ if connect.is_some() => Err(NotATunnel),
+        _ => Ok(None),
+    }
+}
+
 /// Whether an HTTP/1.1 request asks for an upgrade: an `Upgrade` field,
 /// and `Connection` naming it (RFC 9110 §7.8). Without the latter, the
 /// `Upgrade` is a stray hop-by-hop field, dropped like the others.
-pub(super) fn asked(req: &Request<Body>) -> bool {
+fn asked(req: &Request<Body>) -> bool {
     req.version() == Version::HTTP_11
         && req.headers().contains_key(header::UPGRADE)
         && codec::connection_tokens(req.headers()).any(|t| t.eq_ignore_ascii_case(b"upgrade"))
+}
+
+/// The protocols of every `Upgrade` field.
+fn upgrade_tokens(headers: &http::HeaderMap) -> impl Iterator<Item = &[u8]> {
+    headers
+        .get_all(header::UPGRADE)
+        .iter()
+        .flat_map(|v| codec::tokens(v.as_bytes()))
+        .filter(|t| !t.is_empty())
+}
+
+/// Whether a protocol carries HTTP itself (`h2c`, `h2`, `HTTP/2.0`, or
+/// TLS that then carries it, RFC 2817). A tunnel to one would let a client
+/// speak HTTP straight to the upstream, its writes never fenced: the
+/// "h2c smuggling" of a proxy that tunnels any upgrade.
+fn carries_http(protocol: &[u8]) -> bool {
+    let starts =
+        |p: &[u8]| protocol.len() >= p.len() && protocol[..p.len()].eq_ignore_ascii_case(p);
+    protocol.eq_ignore_ascii_case(b"h2c")
+        || protocol.eq_ignore_ascii_case(b"h2")
+        || starts(b"http/")
+        || starts(b"tls/")
 }
 
 /// Sends the upgrade to the upstream; its `101` becomes the answer that
@@ -56,15 +113,19 @@ pub(super) async fn open(
     route: &Arc<GatedRoute>,
     mut req: Request<Body>,
     peer: Downstream,
-    idle: std::time::Duration,
+    idle: Duration,
 ) -> Result<Response, GatewayError> {
     let started = Instant::now();
     let connect = req.extensions_mut().remove::<ExtendedConnect>();
-    let protocol = match &connect {
-        Some(c) => HeaderValue::from_str(&c.protocol)
-            .map_err(|_| ClientError::BadRequest("the :protocol is not a valid token"))?,
-        None => joined(req.headers().get_all(header::UPGRADE))
-            .ok_or(ClientError::BadRequest("the Upgrade field is not valid"))?,
+    let asked: Vec<HeaderValue> = match &connect {
+        Some(c) => vec![HeaderValue::from_str(&c.protocol)
+            .map_err(|_| ClientError::BadRequest("the :protocol is not a valid token"))?],
+        None => req
+            .headers()
+            .get_all(header::UPGRADE)
+            .iter()
+            .cloned()
+            .collect(),
     };
     // A WebSocket over HTTP/2 has no key of its own (see the module docs).
     let key = connect
@@ -75,15 +136,17 @@ pub(super) async fn open(
         .map_err(|_| ClientError::BadRequest("the request cannot be forwarded as given"))?;
     let headers = up.headers_mut();
     headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
-    headers.insert(header::UPGRADE, protocol);
+    for protocol in &asked {
+        headers.append(header::UPGRADE, protocol.clone());
+    }
     if let Some(key) = &key {
         headers.insert(header::SEC_WEBSOCKET_KEY, key.clone());
         headers
             .entry(header::SEC_WEBSOCKET_VERSION)
             .or_insert(HeaderValue::from_static("13"));
     }
-    let asked = tokio::time::timeout(route.timeout, state.client.upgrade(&route.upstream, up));
-    let upgraded = match asked.await {
+    let sent = tokio::time::timeout(route.timeout, state.client.upgrade(&route.upstream, up));
+    let upgraded = match sent.await {
         Ok(Ok(u)) => u,
         Ok(Err(e)) => return Err(failed(state, route, e, None, None)),
         Err(_) => {
@@ -116,6 +179,11 @@ pub(super) async fn open(
             return Ok(Response::from_parts(parts, body));
         }
     };
+    if !switched_to_one_asked(&asked, agreed.headers()) {
+        return Err(unreachable(
+            "the upstream's 101 does not name one of the protocols asked for",
+        ));
+    }
     if let Some(key) = &key {
         let accept = agreed.headers_mut().remove(header::SEC_WEBSOCKET_ACCEPT);
         if accept.as_ref().map(HeaderValue::as_bytes) != Some(websocket_accept(key).as_bytes()) {
@@ -138,16 +206,18 @@ pub(super) async fn open(
     Ok(Response::from_parts(parts, Body::empty()))
 }
 
-/// The values of a repeated field as one list.
-fn joined(values: header::GetAll<'_, HeaderValue>) -> Option<HeaderValue> {
-    let mut all = values.iter();
-    let first = all.next()?.clone();
-    let mut joined = first.as_bytes().to_vec();
-    for v in all {
-        joined.extend_from_slice(b", ");
-        joined.extend_from_slice(v.as_bytes());
+/// Whether a `101`'s `Upgrade` names one protocol, one of those `asked`
+/// (RFC 9110 §7.8). Anything else, HTTP itself among it, is not what
+/// [`decide`] let through.
+fn switched_to_one_asked(asked: &[HeaderValue], agreed: &http::HeaderMap) -> bool {
+    let mut switched_to = upgrade_tokens(agreed);
+    match (switched_to.next(), switched_to.next()) {
+        (Some(p), None) => asked
+            .iter()
+            .flat_map(|v| codec::tokens(v.as_bytes()))
+            .any(|a| a.eq_ignore_ascii_case(p)),
+        _ => false,
     }
-    HeaderValue::from_bytes(&joined).ok()
 }
 
 /// A fresh `Sec-WebSocket-Key`: 16 random bytes, base64 (RFC 6455 §4.1).
@@ -195,6 +265,16 @@ mod tests {
             );
         }
         req
+    }
+
+    #[test]
+    fn protocols_that_carry_http_are_known_in_any_case() {
+        for p in ["h2c", "H2C", "h2", "HTTP/2.0", "http/1.1", "TLS/1.2"] {
+            assert!(carries_http(p.as_bytes()), "{p}");
+        }
+        for p in ["websocket", "WebSocket", "echo", "h2c-not", "xhttp/1"] {
+            assert!(!carries_http(p.as_bytes()), "{p}");
+        }
     }
 
     #[test]

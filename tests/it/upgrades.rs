@@ -293,6 +293,7 @@ async fn fenced_methods_never_upgrade() {
 async fn extended_connect(
     addr: SocketAddr,
     path: &str,
+    protocol: &'static str,
 ) -> (
     http::Response<h2::RecvStream>,
     h2::SendStream<Bytes>,
@@ -318,7 +319,7 @@ async fn extended_connect(
     let req = http::Request::builder()
         .method(http::Method::CONNECT)
         .uri(format!("http://{addr}{path}"))
-        .extension(h2::ext::Protocol::from_static("websocket"))
+        .extension(h2::ext::Protocol::from_static(protocol))
         .header("sec-websocket-version", "13")
         .body(())
         .unwrap();
@@ -334,7 +335,7 @@ async fn extended_connect(
 async fn a_websocket_over_http2_extended_connect_is_tunnelled() {
     let (up, seen) = websocket_upstream().await;
     let (app, _store) = gateway("", &ws_route(up, "upgrades = true\n")).await;
-    let (answer, send, _conn) = extended_connect(app.addr, "/ws/h2").await;
+    let (answer, send, _conn) = extended_connect(app.addr, "/ws/h2", "websocket").await;
     assert_eq!(answer.status(), 200);
     assert!(!answer.headers().contains_key("sec-websocket-accept"));
     let io = fencegate::http2::tunnel::StreamIo::new(answer.into_body(), send);
@@ -359,7 +360,7 @@ async fn an_extended_connect_where_the_route_takes_none_is_405() {
     let up = Upstream::start().await;
     let store = TestStore::new(Backend::Sqlite).await;
     let app = TestApp::spawn(&store.url, &docs_route(&up.url())).await;
-    let (answer, _send, _conn) = extended_connect(app.addr, "/docs/a").await;
+    let (answer, _send, _conn) = extended_connect(app.addr, "/docs/a", "websocket").await;
     assert_eq!(answer.status(), 405);
     assert_eq!(answer.headers()["content-type"], "application/problem+json");
     assert!(up.requests().is_empty(), "{:?}", up.requests());
@@ -372,9 +373,60 @@ async fn an_extended_connect_where_the_route_takes_none_is_405() {
 async fn a_wrong_websocket_accept_is_502_and_no_tunnel() {
     let (up, seen) = echo_upstream("sec-websocket-accept: bm90IHRoZSBhY2NlcHQ=\r\n").await;
     let (app, _store) = gateway("", &ws_route(up, "upgrades = true\n")).await;
-    let (answer, _send, _conn) = extended_connect(app.addr, "/ws/x").await;
+    let (answer, _send, _conn) = extended_connect(app.addr, "/ws/x", "websocket").await;
     assert_eq!(answer.status(), 502);
     assert_eq!(seen.heads().len(), 1);
+    wait_for("the upstream connection was dropped", || {
+        !seen.ends().is_empty()
+    })
+    .await;
+}
+
+/// A protocol that carries HTTP itself (`h2c`, `h2`, `HTTP/2.0`, TLS) is
+/// never tunnelled, even on a route with `upgrades`: through such a
+/// tunnel a client would speak HTTP straight to the upstream, its writes
+/// never fenced ("h2c smuggling"). The upgrade is dropped, so the
+/// upstream sees a plain GET; this one switches anyway, unasked, and that
+/// is 502. Over HTTP/2 the extended CONNECT is 405, and nothing arrives.
+#[tokio::test]
+async fn an_upgrade_to_http_itself_is_never_tunnelled() {
+    let (up, seen) = echo_upstream("").await;
+    let (app, _store) = gateway("", &ws_route(up, "upgrades = true\n")).await;
+    let offers = ["h2c", "websocket, h2c", "HTTP/2.0", "TLS/1.2"];
+    for offer in offers {
+        let head = format!(
+            "GET /ws/smuggle HTTP/1.1\r\nhost: gw\r\nconnection: upgrade, http2-settings\r\n\
+             upgrade: {offer}\r\nhttp2-settings: AAMAAABkAAQAoAAAAAIAAAAA\r\n\r\n"
+        );
+        let (_tcp, answer) = ask(app.addr, &head).await;
+        assert!(answer.starts_with("HTTP/1.1 502 "), "{offer}: {answer}");
+    }
+    let heads = seen.heads();
+    assert_eq!(heads.len(), offers.len());
+    for head in &heads {
+        assert!(!head.contains_key("upgrade"), "{head:?}");
+        assert!(!head.contains_key("http2-settings"), "{head:?}");
+    }
+    let (answer, _send, _conn) = extended_connect(app.addr, "/ws/smuggle", "h2c").await;
+    assert_eq!(answer.status(), 405);
+    assert_eq!(
+        seen.heads().len(),
+        offers.len(),
+        "the CONNECT reached nothing"
+    );
+}
+
+/// The upstream must switch to a protocol that was asked for (RFC 9110
+/// §7.8): a `101` naming another one is 502, and no tunnel.
+#[tokio::test]
+async fn a_101_to_a_protocol_not_asked_for_is_502() {
+    let (up, seen) = echo_upstream("").await;
+    let (app, _store) = gateway("", &ws_route(up, "upgrades = true\n")).await;
+    let head =
+        "GET /ws/other HTTP/1.1\r\nhost: gw\r\nconnection: upgrade\r\nupgrade: other\r\n\r\n";
+    let (_tcp, answer) = ask(app.addr, head).await;
+    assert!(answer.starts_with("HTTP/1.1 502 "), "{answer}");
+    assert_eq!(seen.heads()[0]["upgrade"], "other");
     wait_for("the upstream connection was dropped", || {
         !seen.ends().is_empty()
     })
