@@ -599,6 +599,23 @@ impl EncodeMetric for Latency {
     }
 }
 
+/// The gauges: keys in the gate, and tunnels open by route.
+fn gauges(registry: &mut Registry) -> (Gauge, Family<RouteLabels, Gauge>) {
+    let gate_keys = Gauge::default();
+    registry.register(
+        "gate_keys",
+        "Resource keys with writes in flight or waiting",
+        gate_keys.clone(),
+    );
+    let tunnels_open = Family::<RouteLabels, Gauge>::default();
+    registry.register(
+        "tunnels_open",
+        "Tunnels open (upgrades the upstream switched to), by route",
+        tunnels_open.clone(),
+    );
+    (gate_keys, tunnels_open)
+}
+
 impl Metrics {
     pub fn new() -> Self {
         let mut registry = Registry::with_prefix("fencegate");
@@ -637,13 +654,7 @@ impl Metrics {
             held_keys.clone(),
         );
         let decision_time = Latency::default();
-        let gate_keys = Gauge::default();
-        let tunnels_open = Family::<RouteLabels, Gauge>::default();
-        registry.register(
-            "tunnels_open",
-            "Tunnels open (upgrades the upstream switched to), by route",
-            tunnels_open.clone(),
-        );
+        let (gate_keys, tunnels_open) = gauges(&mut registry);
         let lock_events = Family::<LockLabels, Counter>::default();
         registry.register(
             "lock_events",
@@ -679,11 +690,6 @@ impl Metrics {
             "decision_seconds",
             "Time fenced writes spent being decided, from arrival to admission: the store plus waiting for older tokens' writes",
             decision_time.clone(),
-        );
-        registry.register(
-            "gate_keys",
-            "Resource keys with writes in flight or waiting",
-            gate_keys.clone(),
         );
         Self {
             config_reloads,

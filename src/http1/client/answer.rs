@@ -225,27 +225,17 @@ pub fn parse_head_asked(
         if framing.names_headers {
             strip_hop_by_hop(&mut headers);
         }
-        if switching {
-            for &(name, name_len, value, value_len) in &spans[..count] {
-                let (name, value) = (usize::from(name), usize::from(value));
-                if head[name..name + usize::from(name_len)].eq_ignore_ascii_case(b"upgrade") {
-                    let value = head.slice(value..value + usize::from(value_len));
-                    let value =
-                        HeaderValue::from_maybe_shared(value).map_err(|_| WireError::Head)?;
-                    headers.append(header::UPGRADE, value);
-                }
-            }
-            return Ok(Some(AnswerHead {
-                status,
-                version,
-                headers,
-                body: Decoder::default(),
-                keep_alive: false,
-            }));
-        }
-        let body = framing.body(method, status, version)?;
-        let keep_alive =
-            version == Version::HTTP_11 && !framing.close && !matches!(body, Decoder::ToClose);
+        // A 101 ends the connection's HTTP: no body, and its `Upgrade`
+        // (hop-by-hop, taken out above) says what the connection speaks.
+        let (body, keep_alive) = if switching {
+            put_back_upgrade(&head, &spans[..count], &mut headers)?;
+            (Decoder::default(), false)
+        } else {
+            let body = framing.body(method, status, version)?;
+            let keep =
+                version == Version::HTTP_11 && !framing.close && !matches!(body, Decoder::ToClose);
+            (body, keep)
+        };
         return Ok(Some(AnswerHead {
             status,
             version,
@@ -254,6 +244,24 @@ pub fn parse_head_asked(
             keep_alive,
         }));
     }
+}
+
+/// Adds a `101`'s `Upgrade` fields, from the head's bytes at `spans`
+/// (name and value offsets and lengths), back to its `headers`.
+fn put_back_upgrade(
+    head: &bytes::Bytes,
+    spans: &[(u16, u16, u16, u16)],
+    headers: &mut HeaderMap,
+) -> Result<(), WireError> {
+    for &(name, name_len, value, value_len) in spans {
+        let (name, value) = (usize::from(name), usize::from(value));
+        if head[name..name + usize::from(name_len)].eq_ignore_ascii_case(b"upgrade") {
+            let value = head.slice(value..value + usize::from(value_len));
+            let value = HeaderValue::from_maybe_shared(value).map_err(|_| WireError::Head)?;
+            headers.append(header::UPGRADE, value);
+        }
+    }
+    Ok(())
 }
 
 /// What an answer head's framing fields say (see the module docs).

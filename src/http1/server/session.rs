@@ -86,14 +86,7 @@ where
     I: AsyncRead + AsyncWrite + Unpin,
     S: Service,
 {
-    let mut conn = Session {
-        io,
-        buf: BytesMut::with_capacity(READ_ROOM),
-        out: Vec::new(),
-        sent: 0,
-        eof: false,
-        broken: false,
-    };
+    let mut conn = Session::new(io);
     let _entered = drain.enter().await;
     let mut timer = HeadTimer {
         sleep: pin!(tokio::time::sleep(limits.header_read_timeout)),
@@ -147,8 +140,7 @@ where
             return Served::Ended;
         };
         if answer.status() == StatusCode::SWITCHING_PROTOCOLS {
-            // Phase: tunnel, for as long as it lasts; the connection's
-            // HTTP is over.
+            // Phase: tunnel; the connection's HTTP is over.
             conn.switch(answer, piping.is_none(), &drain).await;
             return Served::Ended;
         }
@@ -244,6 +236,17 @@ enum Waited {
 }
 
 impl<I: AsyncRead + AsyncWrite + Unpin> Session<I> {
+    fn new(io: I) -> Self {
+        Session {
+            io,
+            buf: BytesMut::with_capacity(READ_ROOM),
+            out: Vec::new(),
+            sent: 0,
+            eof: false,
+            broken: false,
+        }
+    }
+
     /// Reads into the buffer; a read of 0 is the client's close.
     fn poll_read(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         if self.buf.capacity() - self.buf.len() < READ_ROOM / 2 {
