@@ -476,6 +476,34 @@ async fn a_stop_closes_tunnels_with_fins_after_the_grace_period() {
     assert_eq!(seen.ends(), ["eof"]);
 }
 
+/// The same over HTTP/2: at the end of the grace period the tunnel's
+/// stream gets END_STREAM after what the upstream had sent, and the
+/// upstream a FIN, not a reset.
+#[tokio::test]
+async fn a_stop_ends_an_http2_tunnel_with_end_stream() {
+    let (up, seen) = echo_upstream("").await;
+    let routes = ws_route(up, "upgrades = true\n");
+    let (app, _store) = gateway("shutdown_grace_ms = 300\n", &routes).await;
+    // The echo upstream agrees to any protocol: `echo` over CONNECT.
+    let (answer, send, _conn) = extended_connect(app.addr, "/ws/h2stop", "echo").await;
+    assert_eq!(answer.status(), 200);
+    let mut io = fencegate::http2::tunnel::StreamIo::new(answer.into_body(), send);
+    io.write_all(b"before").await.unwrap();
+    let mut got = [0u8; 6];
+    io.read_exact(&mut got).await.unwrap();
+    assert_eq!(&got, b"before");
+    tokio::time::timeout(Duration::from_secs(20), app.stop())
+        .await
+        .expect("the stop ended");
+    let mut rest = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), io.read_to_end(&mut rest))
+        .await
+        .expect("the tunnel ended")
+        .expect("with END_STREAM, not a reset");
+    wait_for("the upstream saw the end", || !seen.ends().is_empty()).await;
+    assert_eq!(seen.ends(), ["eof"]);
+}
+
 /// A tunnel keeps its client connection, and so its slot of the
 /// listener's connection limit: at the limit, the next client waits in
 /// the backlog until a tunnel ends.
